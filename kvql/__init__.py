@@ -1,0 +1,24 @@
+"""kvql: LMQL-style queries on local transformers models, served from a token-granular radix KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from .backends.loader import ModelLoadError, load_hf
+from .backends.local import Model, StreamChunk
+from .completion import Completion, TokenLogprob
+
+__all__ = ["model", "Model", "Completion", "TokenLogprob", "StreamChunk", "ModelLoadError"]
+
+
+def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype: torch.dtype | None = None,
+          cache_budget: int | str | None = None, max_batch_tokens: int = 1024, max_running: int = 64) -> Model:
+    """Load a model for kvql's engine.
+
+    `spec`: `"smollm2-135m"` (the embedded default) or a local Hugging Face model directory
+    (optionally `"local:PATH"`). `cache_budget`: bytes of KV cache (int, or `"512MB"`, `"2GiB"`);
+    default a quarter of free memory, at most 4 GiB (CPU) or half of free GPU memory (CUDA).
+    """
+    hf_model, tokenizer = load_hf(spec, device=device, dtype=dtype)
+    return Model(hf_model, tokenizer, name=spec, cache_budget=cache_budget,
+                 max_batch_tokens=max_batch_tokens, max_running=max_running)

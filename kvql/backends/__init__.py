@@ -1,0 +1,1 @@
+"""Model handles: the local engine backend and the model loader."""

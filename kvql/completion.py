@@ -1,0 +1,33 @@
+"""The result of one generated sequence, shared by every backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of a generated token under the model, and the `k` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class Completion:
+    """One sequence generated for one prompt.
+
+    `index` is the prompt's position in the call, `sample` which of its `n` samples this is.
+    `text` excludes any stop string; `token_ids` are the generated tokens (an EOS that ended the
+    sequence is not included). `cached_tokens` counts prompt tokens served from the KV cache.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    cached_tokens: int
+    index: int = 0
+    sample: int = 0
+    logprobs: list[TokenLogprob] | None = None

@@ -1,0 +1,1 @@
+"""The engine: radix KV cache, KV pool, scheduler, model runner, sampler."""

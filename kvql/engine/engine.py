@@ -1,0 +1,243 @@
+"""Engine: the step loop that ties scheduler, model runner and sampler together.
+
+Requests are submitted from any thread; one engine thread runs `step()` while there is work, so
+calls from many threads or asyncio tasks are batched together. All engine state is touched only
+with `_state` held (the engine thread during a step; `stats()`, `clear_cache()` and
+`check_integrity()` between steps).
+
+Invariants (`check_integrity` asserts them; tests call it):
+1. a node's slots are never freed while a request locks the node or a descendant (lock counts);
+2. free slots + slots held by the tree + slots held by running requests = pool size, no overlaps;
+3. at most `len(prompt) - 1` prompt tokens are served from the cache (see the scheduler);
+4. each request's positions continue from its own cached length (see the model runner);
+5. when no request is running, no node is locked.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import traceback
+
+import torch
+
+from .kv_pool import KVPool
+from .model_runner import ModelRunner
+from .radix_cache import RadixCache
+from .request import Request, RequestGroup, SamplingParams
+from .sampler import sample
+from .scheduler import Scheduler
+
+
+class Engine:
+    def __init__(self, hf_model, tokenizer, *, num_slots: int, max_batch_tokens: int = 1024,
+                 max_running: int = 64):
+        config = hf_model.config
+        self.tokenizer = tokenizer
+        self.device = next(hf_model.parameters()).device
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.pool = KVPool(num_layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads,
+                           head_dim=head_dim, num_slots=num_slots, dtype=hf_model.dtype, device=self.device)
+        self.tree = RadixCache(self.pool.free, self.device)
+        self.scheduler = Scheduler(self.pool, self.tree, max_batch_tokens=max_batch_tokens,
+                                   max_running=max_running)
+        self.runner = ModelRunner(hf_model, self.pool)
+        eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+        self.generated_tokens = 0
+        self.steps = 0
+        self._state = threading.RLock()
+        self._wake = threading.Condition()
+        self._inbox: list[RequestGroup] = []
+        self._cancels: list[RequestGroup] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # -- submission (any thread) ---------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, index: int = 0,
+               on_update=None) -> RequestGroup:
+        group = RequestGroup(list(prompt_ids), params, index, on_update)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            self._inbox.append(group)
+            self._wake.notify()
+        self._ensure_thread()
+        return group
+
+    def cancel(self, group: RequestGroup) -> None:
+        """Cancel a group; its future fails with CancelledError, its KV stays cached, locks are released."""
+        with self._wake:
+            self._cancels.append(group)
+            self._wake.notify()
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="kvql-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and not self._cancels and not self.has_work() and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+            self.step()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> None:
+        with self._state:
+            self._take_inbox()
+            batch = self.scheduler.schedule()
+            if not batch:
+                return
+            self.steps += 1
+            try:
+                logits = self.runner.forward([seg for _, seg in batch])
+            except Exception as e:  # the whole batch failed; its KV writes are discarded
+                for req, seg in batch:
+                    self.pool.free(seg.new_slots)
+                    self._fail(req.group, e, keep=False)
+                return
+            row = 0
+            for req, seg in batch:
+                if req.group.done:  # failed with a sibling earlier in this loop
+                    self.pool.free(seg.new_slots)
+                    continue
+                req.kv_slots = torch.cat([req.kv_slots, seg.new_slots])
+                if seg.start < len(req.prompt_ids):
+                    self.scheduler.cache_computed(req)
+                if seg.needs_logits:
+                    self._sample(req, logits[row])
+                    row += 1
+
+    def _take_inbox(self) -> None:
+        with self._wake:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        for group in inbox:
+            if group.cancelled:
+                continue
+            req = Request(group, 0, self.tokenizer, self.device)
+            group.requests.append(req)
+            self.scheduler.waiting.append(req)
+        for group in cancels:
+            group.cancelled = True
+            if not group.done:
+                self._fail(group, concurrent.futures.CancelledError(), keep=True)
+
+    def _sample(self, req: Request, logits: torch.Tensor) -> None:
+        group = req.group
+        try:
+            token, logprob = sample(logits, req)
+            forks = []
+            if not req.forked:
+                req.forked = True
+                for i in range(1, req.params.n):
+                    sib = Request(group, i, self.tokenizer, self.device)
+                    forks.append((sib, *sample(logits, sib)))
+        except Exception as e:
+            e.add_note(f"kvql: request {req.rid} failed while sampling:\n{traceback.format_exc(limit=3)}")
+            self._fail(group, e, keep=True)
+            return
+        for sib, _, _ in forks:
+            # share the prompt's KV: the prompt is in the tree, the sibling locks the same node
+            sib.kv_slots, sib.node, sib.tree_len = req.kv_slots, req.node, req.tree_len
+            sib.cached_tokens = req.cached_tokens
+            self.tree.lock(sib.node)
+            group.requests.append(sib)
+            self.scheduler.running.append(sib)
+        self._append(req, token, logprob)
+        for sib, tok, lp in forks:
+            self._append(sib, tok, lp)
+
+    def _append(self, req: Request, token: int, logprob) -> None:
+        p = req.params
+        self.generated_tokens += 1
+        if token in self.eos_ids and not p.ignore_eos:
+            req.finish_reason = "stop"
+        else:
+            req.output_ids.append(token)
+            if logprob is not None:
+                req.logprobs.append(logprob)
+            req.detok.append(token)
+            if req.detok.stopped:
+                req.finish_reason = "stop"
+            elif len(req.output_ids) >= p.max_tokens:
+                req.finish_reason = "length"
+        done = req.finish_reason is not None
+        if done:
+            self.scheduler.remove(req, keep=True)
+            req.group.completions[req.sample] = req.completion()
+        group = req.group
+        if group.on_update is not None:
+            try:
+                group.on_update(req.sample, req.detok.pop_stream_delta(done), token,
+                                group.completions[req.sample] if done else None)
+            except Exception:  # the consumer is gone (e.g. its event loop closed): stop generating
+                with self._wake:
+                    self._cancels.append(group)
+        if done and all(c is not None for c in group.completions):
+            group.future.set_result(list(group.completions))
+
+    def _fail(self, group: RequestGroup, error: BaseException, keep: bool) -> None:
+        for req in group.requests:
+            self.scheduler.remove(req, keep=keep)
+        if not group.future.done():
+            group.future.set_exception(error)
+
+    # -- inspection (any thread; waits for the current step) -----------------------------------
+    def clear_cache(self) -> int:
+        with self._state:
+            return self.tree.reset()
+
+    def stats(self) -> dict:
+        with self._state:
+            s = self.scheduler
+            slot_bytes = self.pool.bytes // self.pool.num_slots
+            return {
+                "prompt_tokens": s.prompt_tokens,
+                "cached_tokens": s.cached_tokens,
+                "computed_tokens": s.prompt_tokens - s.cached_tokens,
+                "generated_tokens": self.generated_tokens,
+                "forward_tokens": self.runner.forward_tokens,
+                "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+                "cache_tokens": self.tree.total_tokens,
+                "cache_bytes": (self.pool.num_slots - self.pool.num_free) * slot_bytes,
+                "cache_budget_bytes": self.pool.bytes,
+                "pool_slots": self.pool.num_slots,
+                "free_slots": self.pool.num_free,
+                "evictions": self.tree.evicted_tokens,
+                "preemptions": s.preemptions,
+                "locked_nodes": self.tree.num_locked_nodes(),
+                "tree_nodes": self.tree.num_nodes(),
+                "waiting": len(s.waiting),
+                "running": len(s.running),
+                "steps": self.steps,
+                "forward_seconds": self.runner.forward_seconds,
+            }
+
+    def check_integrity(self) -> None:
+        with self._state:
+            self.tree.check_integrity()
+            free, tree, held = self.pool.free_slots(), self.tree.held_slots(), self.scheduler.held_slots()
+            every = torch.cat([free, tree, held])
+            assert every.numel() == self.pool.num_slots, (
+                f"slots leaked or doubled: free {free.numel()} + tree {tree.numel()} + running "
+                f"{held.numel()} != pool {self.pool.num_slots}")
+            assert torch.equal(every.sort().values, torch.arange(self.pool.num_slots, device=every.device)), \
+                "a slot is held twice or out of range"
+            for req in self.scheduler.running:
+                assert req.node is not None and req.node.lock_ref > 0, "running request without a lock"
+                assert req.kv_slots.numel() == req.num_computed
+            if not self.scheduler.running:
+                assert self.tree.num_locked_nodes() == 0, "a node is locked while no request runs"

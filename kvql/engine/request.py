@@ -1,0 +1,124 @@
+"""Requests: sampling parameters, one sequence's state in the engine, and the group of `n` samples."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..completion import Completion, TokenLogprob
+from .detokenizer import Detokenizer
+
+MaskFn = Callable[[list[int]], "torch.Tensor | None"]
+"""Called with a sequence's generated token ids so far; returns a bool tensor `[vocab]` of allowed
+next tokens, or None for no restriction. Samples of one prompt share the function, so it must depend
+only on the ids it is given. If it raises, that request fails alone."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    mask: MaskFn | None = None
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.mask is not None and not callable(self.mask):
+            raise TypeError("mask must be a callable (generated token ids -> bool tensor or None)")
+
+
+class RequestGroup:
+    """The `n` samples of one prompt; `future` resolves to their completions, in sample order.
+
+    `on_update(sample, text_delta, token_id, completion)` is called on the engine thread after each
+    generated token (`completion` set when that sample finished).
+    """
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, index: int, on_update=None):
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.index = index
+        self.on_update = on_update
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.completions: list[Completion | None] = [None] * params.n
+        self.requests: list[Request] = []
+        self.cancelled = False
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+
+_ids = itertools.count()
+
+
+class Request:
+    """One sequence. Its KV lives in `kv_slots` (one slot per token in `tokens[:num_computed]`);
+    `kv_slots[:tree_len]` belong to the radix tree and stay valid because `node` is locked, the rest
+    belong to this request until it inserts them into the tree or frees them."""
+
+    def __init__(self, group: RequestGroup, sample: int, tokenizer, device):
+        self.rid = next(_ids)
+        self.group = group
+        self.sample = sample
+        self.params = group.params
+        self.prompt_ids = group.prompt_ids
+        self.output_ids: list[int] = []
+        self.kv_slots = torch.empty(0, dtype=torch.long, device=device)
+        self.tree_len = 0
+        self.node = None
+        self.cached_tokens: int | None = None  # set at first admission
+        self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
+        self.detok = Detokenizer(tokenizer, list(self.params.stop))
+        self.finish_reason: str | None = None
+        self.forked = sample > 0
+        seed = self.params.seed
+        self.generator = None
+        if self.params.temperature > 0:
+            self.generator = torch.Generator(device="cpu")
+            if seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed((seed * 1_000_003 + sample) % (2**63))
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_computed(self) -> int:
+        return int(self.kv_slots.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def completion(self) -> Completion:
+        return Completion(
+            text=self.detok.text,
+            token_ids=list(self.output_ids),
+            finish_reason=self.finish_reason or "length",
+            prompt_tokens=len(self.prompt_ids),
+            cached_tokens=self.cached_tokens or 0,
+            index=self.group.index,
+            sample=self.sample,
+            logprobs=self.logprobs,
+        )

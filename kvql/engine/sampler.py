@@ -1,0 +1,52 @@
+"""Sampler: one next token from one row of logits, under a request's mask and sampling parameters."""
+
+from __future__ import annotations
+
+import torch
+
+from ..completion import TokenLogprob
+from .request import Request
+
+
+def _apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    allowed = allowed.to(device=logits.device, dtype=torch.bool).flatten()
+    if allowed.numel() < logits.numel():  # the model's vocab may be padded past the tokenizer's
+        allowed = torch.cat([allowed, allowed.new_zeros(logits.numel() - allowed.numel())])
+    elif allowed.numel() > logits.numel():
+        raise ValueError(f"mask has {allowed.numel()} entries, the model's vocabulary {logits.numel()}")
+    if not bool(allowed.any()):
+        raise ValueError("the token mask allows no token")
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None]:
+    """Pick the next token for `req` from its float32 `logits` row `[vocab]`.
+
+    Greedy when temperature is 0 (ties go to the lowest id, as in `torch.argmax`); otherwise
+    temperature, then nucleus (top-p) filtering, then a draw from the request's own seeded generator.
+    Logprobs are those of the raw model distribution (before mask and temperature).
+    """
+    p = req.params
+    raw = logits
+    if p.mask is not None:
+        allowed = p.mask(list(req.output_ids))
+        if allowed is not None:
+            logits = _apply_mask(logits, allowed)
+    if p.temperature == 0:
+        token = int(torch.argmax(logits))
+    else:
+        probs = torch.softmax(logits / p.temperature, dim=-1)
+        if p.top_p < 1:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= p.top_p
+            sorted_probs[drop] = 0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        token = int(torch.multinomial(probs.cpu(), 1, generator=req.generator))
+    entry = None
+    if p.logprobs is not None:
+        logp = torch.log_softmax(raw, dim=-1)
+        top = torch.topk(logp, p.logprobs) if p.logprobs else None
+        entry = TokenLogprob(token, float(logp[token]),
+                             dict(zip(top.indices.tolist(), top.values.tolist())) if top else {})
+    return token, entry
