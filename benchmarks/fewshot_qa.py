@@ -61,16 +61,11 @@ SHOTS = [
     ("What gas do plants absorb from the air?", "Carbon dioxide"),
     ("What is the capital of Italy?", "Rome"),
     ("How many continents are there?", "Seven"),
-    ("What is the freezing point of water in degrees Fahrenheit?", "32"),
-    ("Which animal is known as the king of the jungle?", "The lion"),
     ("What color do you get by mixing blue and yellow?", "Green"),
     ("Who painted the Mona Lisa?", "Leonardo da Vinci"),
     ("What is the square root of 81?", "9"),
     ("Which planet is known as the Red Planet?", "Mars"),
     ("What is the longest river in Africa?", "The Nile"),
-    ("How many minutes are there in one hour?", "60"),
-    ("What is the main language spoken in Brazil?", "Portuguese"),
-    ("What is the hardest natural substance?", "Diamond"),
 ]
 # Test questions (answers only used to build the no-sharing prompts).
 QUESTIONS = [
@@ -263,7 +258,7 @@ def row(name, texts, wall, ref, base_wall, extra=None):
 
 
 def fmt(v, spec):
-    return format(v, spec) if isinstance(v, (int, float)) else "-"
+    return format(v, spec) if isinstance(v, (int, float)) else "-".rjust(int(spec.split(".")[0]))
 
 
 def print_table(title, rows):
@@ -284,9 +279,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--questions", type=int, default=24)
     ap.add_argument("--quick", action="store_true", help="8 questions")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: on a shared 2-core machine 2 threads stall badly "
+                         "whenever the other core is busy; 0 = torch's default)")
     ap.add_argument("--skip-kvql", action="store_true", help="HF baselines only")
     args = ap.parse_args()
     n = min(8 if args.quick else args.questions, len(QUESTIONS))
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     t_start = time.perf_counter()
 

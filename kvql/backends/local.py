@@ -57,7 +57,7 @@ class Model:
     and the cache."""
 
     def __init__(self, hf_model, tokenizer, *, name: str = "model", cache_budget: int | str | None = None,
-                 max_batch_tokens: int = 1024, max_running: int = 64):
+                 max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True):
         config = hf_model.config
         self.name = name
         self.hf_model = hf_model
@@ -75,7 +75,7 @@ class Model:
         if budget < slot_bytes:
             raise ValueError(f"cache_budget {budget} bytes holds no token ({slot_bytes} bytes per token)")
         self.engine = Engine(hf_model, tokenizer, num_slots=budget // slot_bytes,
-                             max_batch_tokens=max_batch_tokens, max_running=max_running)
+                             max_batch_tokens=max_batch_tokens, max_running=max_running, background=background)
 
     # -- input checks (caller's thread, before anything is queued) -------------------------------
     def _prompt_ids(self, prompts) -> list[list[int]]:
@@ -130,6 +130,8 @@ class Model:
         prompt by prompt, samples in order. Raises the first request's error after all finished."""
         groups = self._submit(prompts, max_tokens=max_tokens, stop=stop, temperature=temperature, top_p=top_p,
                               n=n, seed=seed, logprobs=logprobs, mask=mask)
+        if not self.engine.background:
+            self.engine.run_until_idle()
         try:
             for g in groups:
                 g.future.exception()  # wait for all, even if one fails

@@ -31,7 +31,7 @@ from .scheduler import Scheduler
 
 class Engine:
     def __init__(self, hf_model, tokenizer, *, num_slots: int, max_batch_tokens: int = 1024,
-                 max_running: int = 64):
+                 max_running: int = 64, background: bool = True):
         config = hf_model.config
         self.tokenizer = tokenizer
         self.device = next(hf_model.parameters()).device
@@ -44,8 +44,11 @@ class Engine:
         self.runner = ModelRunner(hf_model, self.pool)
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+        self.background = background  # False: the caller drives `step()` (tests, deterministic stagger)
         self.generated_tokens = 0
         self.steps = 0
+        self.mixed_steps = 0  # steps whose batch held both prefill chunks and decode steps
+        self.max_batch_requests = 0
         self._state = threading.RLock()
         self._wake = threading.Condition()
         self._inbox: list[RequestGroup] = []
@@ -62,7 +65,8 @@ class Engine:
                 raise RuntimeError("engine is closed")
             self._inbox.append(group)
             self._wake.notify()
-        self._ensure_thread()
+        if self.background:
+            self._ensure_thread()
         return group
 
     def cancel(self, group: RequestGroup) -> None:
@@ -93,6 +97,15 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
+    def run_until_idle(self, max_steps: int = 100_000) -> None:
+        """Drive the engine from the calling thread until every submitted request is done."""
+        for _ in range(max_steps):
+            self.step()
+            with self._wake:
+                if not (self._inbox or self._cancels or self.has_work()):
+                    return
+        raise RuntimeError(f"engine still busy after {max_steps} steps")
+
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> None:
         with self._state:
@@ -101,6 +114,9 @@ class Engine:
             if not batch:
                 return
             self.steps += 1
+            decodes = sum(1 for req, _ in batch if req.num_computed >= len(req.prompt_ids))
+            self.mixed_steps += 0 < decodes < len(batch)
+            self.max_batch_requests = max(self.max_batch_requests, len(batch))
             try:
                 logits = self.runner.forward([seg for _, seg in batch])
             except Exception as e:  # the whole batch failed; its KV writes are discarded
@@ -223,6 +239,8 @@ class Engine:
                 "waiting": len(s.waiting),
                 "running": len(s.running),
                 "steps": self.steps,
+                "mixed_steps": self.mixed_steps,
+                "max_batch_requests": self.max_batch_requests,
                 "forward_seconds": self.runner.forward_seconds,
             }
 

@@ -116,7 +116,7 @@ class ModelRunner:
             position_ids=torch.cat(pos).to(dev)[None],
             attention_mask=packed,
             cache=PoolCache(self.pool, write, read),
-            logits_to_keep=torch.tensor(rows, device=dev),
+            logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev),
             kvql_packed=True,
         )
         logits = out.logits[0].float()

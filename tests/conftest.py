@@ -1,0 +1,97 @@
+"""Shared fixtures: a byte-level BPE tokenizer trained in code and tiny random models built from configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+
+import kvql
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Question: what is the capital of France? Answer: Paris.",
+    "Question: how many legs does a spider have? Answer: eight.",
+    "Once upon a time there was a little robot who liked to count tokens.",
+    "def add(a, b):\n    return a + b\n",
+    "kvql serves every shared prefix from a radix tree of cached keys and values.",
+] * 20
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def tiny_model(tokenizer, family: str = "llama", seed: int = 0):
+    """A random 2-layer model; a large init range makes logits peaked, so greedy ties are rare."""
+    config_cls, model_cls = FAMILIES[family]
+    config = config_cls(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        initializer_range=0.2, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return model_cls(config).eval()
+
+
+@pytest.fixture(scope="session")
+def llama(tokenizer):
+    return tiny_model(tokenizer, "llama")
+
+
+@pytest.fixture
+def make_model(tokenizer, llama):
+    """`make_model(cache_tokens=..., **kw)` -> a kvql Model over the shared tiny Llama; closed after the test."""
+    made = []
+
+    def make(hf_model=None, cache_tokens: int = 4096, **kw):
+        hf = hf_model if hf_model is not None else llama
+        cfg = hf.config
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+        m = kvql.Model(hf, tokenizer, cache_budget=cache_tokens * per_token, **kw)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.close()
+
+
+@torch.inference_mode()
+def reference_greedy(hf_model, prompt_ids: list[int], max_tokens: int, eos_id: int | None) -> list[int]:
+    """Uncached greedy decoding: a full plain transformers forward over the whole sequence per token."""
+    ids, out = list(prompt_ids), []
+    for _ in range(max_tokens):
+        logits = hf_model(input_ids=torch.tensor([ids])).logits[0, -1]
+        tok = int(torch.argmax(logits))
+        if tok == eos_id:
+            break
+        out.append(tok)
+        ids.append(tok)
+    return out
+
+
+def random_prompts(seed: int, count: int, vocab: int, prefix_lengths=(0, 5, 17, 40), suffix=(1, 12)):
+    """Prompts that share prefixes of varied lengths (several families of shared prefixes)."""
+    g = torch.Generator().manual_seed(seed)
+    bases = [torch.randint(1, vocab, (max(prefix_lengths),), generator=g).tolist() for _ in range(3)]
+    prompts = []
+    for i in range(count):
+        base = bases[i % len(bases)]
+        k = prefix_lengths[int(torch.randint(len(prefix_lengths), (1,), generator=g))]
+        n = int(torch.randint(suffix[0], suffix[1] + 1, (1,), generator=g))
+        prompts.append(base[:k] + torch.randint(1, vocab, (n,), generator=g).tolist())
+    return prompts
