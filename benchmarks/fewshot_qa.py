@@ -9,8 +9,9 @@ contains a newline. The answer of a prompt is the generated text before the firs
 Systems, run side by side in one process (every HF system uses the same loaded weights):
   1. hf_one_at_a_time  HF `generate`, one prompt at a time. Its answers are the reference.
   2. hf_padded         HF `generate`, all prompts in one left-padded batch with an attention mask.
-  3. hf_generate_batch HF continuous batching (`model.generate_batch`, paged attention), on its own copy
-                       of the model because it switches the attention implementation.
+  3. hf_generate_batch HF continuous batching (`model.generate_batch`, paged attention, block-level prefix
+                       sharing), on its own copy of the model; its "hit rate" is the share of prompt tokens
+                       that its prefix matcher reused.
   4. oracle            hand-written prefix sharing: the prefix is prefilled once into a DynamicCache, the cache
                        is repeated to N rows, the suffixes are left-padded right after the prefix (2-D mask over
                        prefix + padding + suffix, positions from the mask), then one batched `generate`.
@@ -179,14 +180,33 @@ def hf_generate_batch(model, tok, prompts, kw):
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     ids = [tok(p).input_ids for p in prompts]
-    # On CPU nothing can be inferred from GPU memory: size the paged cache explicitly.
-    cb = ContinuousBatchingConfig(page_size=32, num_blocks=1024, max_batch_tokens=2048)
+    # On CPU nothing can be inferred from GPU memory: size the paged cache explicitly. Its block-level
+    # prefix sharing (allow_block_sharing, on by default) only matches blocks written by an earlier step,
+    # so a small token budget per step (~2 prompts) lets later prompts reuse the prefix of earlier ones.
+    cb = ContinuousBatchingConfig(page_size=32, num_blocks=1024, max_batch_tokens=512)
     out = model.generate_batch(ids, generation_config=GenerationConfig(**kw), continuous_batching_config=cb)
     res = list(out.values())
     if len(res) != len(prompts) or any(r.error for r in res):
         raise RuntimeError(f"generate_batch: {len(res)}/{len(prompts)} results, errors: "
                            f"{[r.error for r in res if r.error][:2]}")
     return [tok.decode(r.generated_tokens, skip_special_tokens=True) for r in res]
+
+
+def count_cb_prefix_hits():
+    """Wrap HF's paged-cache prefix matcher to count reused prompt tokens (a diagnostic; None if unavailable)."""
+    try:
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    except ImportError:
+        return None
+    counter, match = [0], PagedAttentionCache.search_prefix_match
+
+    def counting(self, request_id, prompt_ids):
+        n = match(self, request_id, prompt_ids)
+        counter[0] += n
+        return n
+
+    PagedAttentionCache.search_prefix_match = counting
+    return counter
 
 
 @torch.inference_mode()
@@ -322,10 +342,13 @@ def main():
     rows.append(row("hf_padded", out, w, ref, base))
     # 3. continuous batching (own copy: it switches the attention implementation to paged attention)
     try:
-        cb_model = copy.deepcopy(model)
+        cb_model, hits = copy.deepcopy(model), count_cb_prefix_hits()
         hf_generate_batch(cb_model, tok, tiny, kw)
+        if hits:
+            hits[0] = 0
         out, w = timed(hf_generate_batch, cb_model, tok, prompts, kw)
-        rows.append(row("hf_generate_batch", out, w, ref, base))
+        rate = hits[0] / sum(plens) if hits else None
+        rows.append(row("hf_generate_batch", out, w, ref, base, {"hit_rate": rate}))
     except Exception as e:  # report, don't crash
         rows.append({"system": "hf_generate_batch", "error": f"{type(e).__name__}: {e}"[:300]})
     finally:

@@ -151,8 +151,7 @@ class Model:
             results = await asyncio.gather(*(asyncio.wrap_future(g.future) for g in groups))
         except BaseException:
             for g in groups:
-                if not g.done:
-                    self.engine.cancel(g)
+                self.engine.cancel(g)
             raise
         return [c for r in results for c in r]
 
@@ -177,8 +176,7 @@ class Model:
                 yield chunk
             group.future.result()  # raise the request's error, if any
         finally:
-            if not group.done:
-                self.engine.cancel(group)
+            self.engine.cancel(group)  # no-op once it finished
 
     def stats(self) -> dict:
         """Engine counters: prompt/cached/computed tokens, hit rate, cache bytes and budget, evictions, ..."""

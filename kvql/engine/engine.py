@@ -87,7 +87,13 @@ class Engine:
                     self._wake.wait()
                 if self._closed:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # a bug, not a request's fault: fail what is in flight, keep serving
+                traceback.print_exc()
+                with self._state:
+                    for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                        self._fail(req.group, e, keep=False)
 
     def close(self) -> None:
         with self._wake:
@@ -97,13 +103,17 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
+    def idle(self) -> bool:
+        """True when nothing is queued, cancelled-but-unprocessed, waiting or running."""
+        with self._wake:
+            return not (self._inbox or self._cancels or self.has_work())
+
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         """Drive the engine from the calling thread until every submitted request is done."""
         for _ in range(max_steps):
             self.step()
-            with self._wake:
-                if not (self._inbox or self._cancels or self.has_work()):
-                    return
+            if self.idle():
+                return
         raise RuntimeError(f"engine still busy after {max_steps} steps")
 
     # -- one step --------------------------------------------------------------------------------
@@ -146,10 +156,11 @@ class Engine:
             req = Request(group, 0, self.tokenizer, self.device)
             group.requests.append(req)
             self.scheduler.waiting.append(req)
+        # a consumer may also cancel the future itself (asyncio.wrap_future does on task cancel)
+        cancels += [r.group for r in (*self.scheduler.running, *self.scheduler.waiting) if r.group.future.cancelled()]
         for group in cancels:
             group.cancelled = True
-            if not group.done:
-                self._fail(group, concurrent.futures.CancelledError(), keep=True)
+            self._fail(group, concurrent.futures.CancelledError(), keep=True)
 
     def _sample(self, req: Request, logits: torch.Tensor) -> None:
         group = req.group
@@ -202,10 +213,11 @@ class Engine:
             except Exception:  # the consumer is gone (e.g. its event loop closed): stop generating
                 with self._wake:
                     self._cancels.append(group)
-        if done and all(c is not None for c in group.completions):
+        if done and all(c is not None for c in group.completions) and not group.future.done():
             group.future.set_result(list(group.completions))
 
     def _fail(self, group: RequestGroup, error: BaseException, keep: bool) -> None:
+        """Remove every request of the group (idempotent) and resolve its future with `error`."""
         for req in group.requests:
             self.scheduler.remove(req, keep=keep)
         if not group.future.done():
