@@ -257,9 +257,10 @@ def no_sharing_prompts(tok, n: int, target_len: int) -> list[str]:
     pool = SHOTS + QUESTIONS
     prompts = []
     for i in range(n):
-        q = QUESTIONS[i % len(QUESTIONS)]
-        facts = [f for f in pool if f != q]
+        q, first = QUESTIONS[i % len(QUESTIONS)], QUESTIONS[(i + 1) % len(QUESTIONS)]  # distinct openings
+        facts = [f for f in pool if f not in (q, first)]
         random.Random(1000 + i).shuffle(facts)
+        facts.insert(0, first)
         text = ""
         for f in facts:
             if len(tok(text + qa(q[0])).input_ids) >= target_len:
