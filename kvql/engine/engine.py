@@ -15,9 +15,11 @@ Invariants (`check_integrity` asserts them; tests call it):
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import threading
 import traceback
+import weakref
 
 import torch
 
@@ -27,6 +29,16 @@ from .radix_cache import RadixCache
 from .request import Request, RequestGroup, SamplingParams
 from .sampler import sample
 from .scheduler import Scheduler
+
+
+_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Join engine threads before the interpreter tears torch down under them (which aborts).
+    for engine in list(_engines):
+        engine.close()
 
 
 class Engine:
@@ -55,6 +67,7 @@ class Engine:
         self._cancels: list[RequestGroup] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        _engines.add(self)
 
     # -- submission (any thread) ---------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, index: int = 0,
@@ -96,9 +109,16 @@ class Engine:
                         self._fail(req.group, e, keep=False)
 
     def close(self) -> None:
+        """Stop the engine thread after its current step; pending requests are cancelled."""
         with self._wake:
             self._closed = True
             self._wake.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._state:
+            self._take_inbox()
+            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self._fail(req.group, concurrent.futures.CancelledError(), keep=True)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
