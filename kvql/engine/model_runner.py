@@ -2,10 +2,10 @@
 
 All new tokens of all requests are flattened to one `[1, T]` row with per-request `position_ids`.
 A `PoolCache` passed as the model's `cache=` writes each layer's new K/V into the pool slots given
-for those tokens and returns the K/V of the *union* of slots the batch reads (`[1, kv_heads, U, D]`);
-a boolean mask `[T, U]` lets each token see exactly its own request's slots up to itself. A prefix
-shared by many requests is therefore read once per layer, not once per request, and is never copied.
-Cached keys were rotated at their own positions when computed (RoPE), so any slot order is valid.
+for those tokens; the registered attention function then runs the `attention_plan` for the batch:
+each token sees exactly its own request's slots up to itself, and a prefix shared by many requests is
+gathered and multiplied once for all of them, never copied per request. Cached keys were rotated at
+their own positions when computed (RoPE), so any slot order is valid.
 
 Works for any model on the standard transformers path: attention modules that call
 `cache.update(k, v, layer_idx, ...)` and then the registered attention function (Llama, Qwen2,
@@ -22,41 +22,53 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from .attention_plan import Bucket, plan
 from .kv_pool import KVPool
 
 ATTENTION = "kvql"
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvql_packed=False, **kwargs):
-    """SDPA over pool K/V; query heads that share a KV head are packed into one row block (no K/V copy).
-
-    Without `kvql_packed` (the model used by plain transformers code) it is ordinary SDPA.
-    """
-    if not kvql_packed:
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvql_plan=None, **kwargs):
+    """Attention over pool K/V following `kvql_plan`; plain SDPA when called by ordinary transformers
+    code (no plan), so the same model object still works with `generate`."""
+    if kvql_plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     _, heads, t, d = query.shape
-    kv_heads = key.shape[1]
-    q = query.reshape(1, kv_heads, (heads // kv_heads) * t, d)
-    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(1, heads, t, value.shape[-1]).transpose(1, 2), None
+    k_pool, v_pool = key[0], value[0]  # [kv_heads, slots, head_dim]
+    kv_heads = k_pool.shape[0]
+    g = heads // kv_heads
+    qv = query[0].view(kv_heads, g, t, d)
+    out = query.new_empty(t, heads, v_pool.shape[-1])
+    b: Bucket
+    for b in kvql_plan:
+        # query heads sharing a KV head are packed along the query axis: K/V are never repeated
+        q = qv[:, :, b.q_index].view(kv_heads, g, b.rows, b.q_len, d).permute(2, 0, 1, 3, 4)
+        q = q.reshape(b.rows, kv_heads, g * b.q_len, d)
+        k = k_pool.index_select(1, b.k_slots).view(kv_heads, b.rows, b.k_len, d).transpose(0, 1)
+        v = v_pool.index_select(1, b.k_slots).view(kv_heads, b.rows, b.k_len, -1).transpose(0, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, scale=scaling)
+        o = o.view(b.rows, kv_heads, g, b.q_len, -1).permute(0, 3, 1, 2, 4).reshape(b.rows * b.q_len, heads, -1)
+        out[b.out_index] = o[b.valid]
+    return out[None], None
 
 
 AttentionInterface.register(ATTENTION, _attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4-D mask is passed through as is: skips mask building
 
 
 class PoolCache:
-    """The `cache=` object for one forward: writes new K/V into the pool, returns the batch's K/V."""
+    """The `cache=` object for one forward: writes new K/V into the pool, hands the layer's pool on."""
 
-    def __init__(self, pool: KVPool, write_slots: torch.Tensor, read_slots: torch.Tensor):
-        self.pool, self.write_slots, self.read_slots = pool, write_slots, read_slots
+    def __init__(self, pool: KVPool, write_slots: torch.Tensor):
+        self.pool, self.write_slots = pool, write_slots
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = self.pool.k[layer_idx], self.pool.v[layer_idx]
         k.index_copy_(1, self.write_slots, key_states[0])
         v.index_copy_(1, self.write_slots, value_states[0])
-        return k.index_select(1, self.read_slots)[None], v.index_select(1, self.read_slots)[None]
+        return k[None], v[None]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -90,34 +102,21 @@ class ModelRunner:
         """Run the batch; return float32 logits `[n, vocab]` for the segments with `needs_logits`, in order."""
         dev = self.device
         ids, pos, rows = [], [], []
-        t = 0
         for s in segments:
             n = len(s.token_ids)
             ids.extend(s.token_ids)
             pos.append(torch.arange(s.start, s.start + n))
             if s.needs_logits:
-                rows.append(t + n - 1)
-            t += n
-        write = torch.cat([s.new_slots for s in segments])
-        read = torch.unique(torch.cat([torch.cat([s.past_slots, s.new_slots]) for s in segments]))
-        mask = torch.zeros(t, read.numel(), dtype=torch.bool, device=dev)
-        t = 0
-        for s in segments:
-            n, past = len(s.token_ids), s.past_slots.numel()
-            cols = torch.searchsorted(read, torch.cat([s.past_slots, s.new_slots]))
-            q = torch.arange(past, past + n, device=dev)[:, None]
-            k = torch.arange(past + n, device=dev)[None, :]
-            mask[t:t + n, cols] = k <= q
-            t += n
-        packed = mask.repeat(self.groups, 1)[None, None]
+                rows.append(len(ids) - 1)
+        buckets = plan(segments, self.groups, dev)
         started = time.perf_counter()
         out = self.model(
             input_ids=torch.tensor([ids], device=dev),
             position_ids=torch.cat(pos).to(dev)[None],
-            attention_mask=packed,
-            cache=PoolCache(self.pool, write, read),
+            attention_mask=_NO_MASK.to(dev),
+            cache=PoolCache(self.pool, torch.cat([s.new_slots for s in segments])),
             logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev),
-            kvql_packed=True,
+            kvql_plan=buckets,
         )
         logits = out.logits[0].float()
         if dev.type == "cuda":
