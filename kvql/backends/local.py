@@ -12,7 +12,7 @@ import torch
 from ..completion import Completion
 from ..engine.engine import Engine
 from ..engine.kv_pool import KVPool
-from ..engine.request import MaskFn, RequestGroup, SamplingParams
+from ..engine.request import MaskFn, RequestGroup, SamplingParams, StopFn
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -112,10 +112,11 @@ class Model:
                              f"({need * per} bytes) but the budget holds {slots} tokens ({slots * per} bytes)")
 
     def _submit(self, prompts, on_update=None, *, max_tokens, stop, temperature, top_p, n, seed, logprobs,
-                mask) -> list[RequestGroup]:
+                mask, stop_fn=None, masked_logprobs=False, ignore_eos=False) -> list[RequestGroup]:
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), n=n,
-                                seed=seed, stop=stop, logprobs=logprobs, mask=mask)
+                                seed=seed, stop=stop, logprobs=logprobs, mask=mask, stop_fn=stop_fn,
+                                masked_logprobs=masked_logprobs, ignore_eos=ignore_eos)
         params.validate()
         all_ids = self._prompt_ids(prompts)
         for i, ids in enumerate(all_ids):
@@ -125,11 +126,13 @@ class Model:
     # -- public API ------------------------------------------------------------------------------
     def generate(self, prompts, *, max_tokens: int = 16, stop: str | list[str] | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
-                 logprobs: int | None = None, mask: MaskFn | None = None) -> list[Completion]:
+                 logprobs: int | None = None, mask: MaskFn | None = None, stop_fn: StopFn | None = None,
+                 masked_logprobs: bool = False, ignore_eos: bool = False) -> list[Completion]:
         """Complete each prompt (a string or token ids); returns `len(prompts) * n` completions,
         prompt by prompt, samples in order. Raises the first request's error after all finished."""
         groups = self._submit(prompts, max_tokens=max_tokens, stop=stop, temperature=temperature, top_p=top_p,
-                              n=n, seed=seed, logprobs=logprobs, mask=mask)
+                              n=n, seed=seed, logprobs=logprobs, mask=mask, stop_fn=stop_fn,
+                              masked_logprobs=masked_logprobs, ignore_eos=ignore_eos)
         if not self.engine.background:
             self.engine.run_until_idle()
         try:
@@ -143,10 +146,12 @@ class Model:
 
     async def agenerate(self, prompts, *, max_tokens: int = 16, stop: str | list[str] | None = None,
                         temperature: float = 0.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
-                        logprobs: int | None = None, mask: MaskFn | None = None) -> list[Completion]:
+                        logprobs: int | None = None, mask: MaskFn | None = None, stop_fn: StopFn | None = None,
+                 masked_logprobs: bool = False, ignore_eos: bool = False) -> list[Completion]:
         """`generate` for asyncio; cancelling the awaiting task cancels the requests."""
         groups = self._submit(prompts, max_tokens=max_tokens, stop=stop, temperature=temperature, top_p=top_p,
-                              n=n, seed=seed, logprobs=logprobs, mask=mask)
+                              n=n, seed=seed, logprobs=logprobs, mask=mask, stop_fn=stop_fn,
+                              masked_logprobs=masked_logprobs, ignore_eos=ignore_eos)
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(g.future) for g in groups))
         except BaseException:
@@ -157,7 +162,8 @@ class Model:
 
     async def stream(self, prompt, *, max_tokens: int = 16, stop: str | list[str] | None = None,
                      temperature: float = 0.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
-                     logprobs: int | None = None, mask: MaskFn | None = None) -> AsyncIterator[StreamChunk]:
+                     logprobs: int | None = None, mask: MaskFn | None = None, stop_fn: StopFn | None = None,
+                     masked_logprobs: bool = False, ignore_eos: bool = False) -> AsyncIterator[StreamChunk]:
         """Yield a `StreamChunk` per generated token of one prompt (all `n` samples interleaved).
         Leaving the loop early cancels the request."""
         if not isinstance(prompt, str) and not (isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt)):
@@ -169,7 +175,8 @@ class Model:
             loop.call_soon_threadsafe(queue.put_nowait, StreamChunk(sample, text, token, completion))
 
         (group,) = self._submit(prompt, on_update, max_tokens=max_tokens, stop=stop, temperature=temperature,
-                                top_p=top_p, n=n, seed=seed, logprobs=logprobs, mask=mask)
+                                top_p=top_p, n=n, seed=seed, logprobs=logprobs, mask=mask, stop_fn=stop_fn,
+                              masked_logprobs=masked_logprobs, ignore_eos=ignore_eos)
         group.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
         try:
             while (chunk := await queue.get()) is not None:

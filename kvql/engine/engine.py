@@ -217,7 +217,7 @@ class Engine:
             if logprob is not None:
                 req.logprobs.append(logprob)
             req.detok.append(token)
-            if req.detok.stopped:
+            if req.detok.stopped or (p.stop_fn is not None and p.stop_fn(req.output_ids, req.detok.text)):
                 req.finish_reason = "stop"
             elif len(req.output_ids) >= p.max_tokens:
                 req.finish_reason = "length"

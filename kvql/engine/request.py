@@ -18,6 +18,11 @@ next tokens, or None for no restriction. Samples of one prompt share the functio
 only on the ids it is given. If it raises, that request fails alone."""
 
 
+StopFn = Callable[[list[int], str], bool]
+"""Called after each generated token with the ids and text so far; True ends the sequence ("stop").
+The text is not cut: the caller decides where its value ends."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -28,6 +33,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     mask: MaskFn | None = None
+    stop_fn: StopFn | None = None
+    masked_logprobs: bool = False  # logprobs of the masked distribution (beam search) instead of the raw one
     ignore_eos: bool = False
 
     def validate(self) -> None:
@@ -43,6 +50,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if self.mask is not None and not callable(self.mask):
             raise TypeError("mask must be a callable (generated token ids -> bool tensor or None)")
+        if self.stop_fn is not None and not callable(self.stop_fn):
+            raise TypeError("stop_fn must be a callable (generated token ids, text -> bool)")
 
 
 class RequestGroup:

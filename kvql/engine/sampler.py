@@ -24,7 +24,8 @@ def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None
 
     Greedy when temperature is 0 (ties go to the lowest id, as in `torch.argmax`); otherwise
     temperature, then nucleus (top-p) filtering, then a draw from the request's own seeded generator.
-    Logprobs are those of the raw model distribution (before mask and temperature).
+    Logprobs are those of the raw model distribution (before mask and temperature), or of the masked
+    one with `masked_logprobs`.
     """
     p = req.params
     raw = logits
@@ -45,7 +46,7 @@ def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None
         token = int(torch.multinomial(probs.cpu(), 1, generator=req.generator))
     entry = None
     if p.logprobs is not None:
-        logp = torch.log_softmax(raw, dim=-1)
+        logp = torch.log_softmax(logits if p.masked_logprobs else raw, dim=-1)
         top = torch.topk(logp, p.logprobs) if p.logprobs else None
         entry = TokenLogprob(token, float(logp[token]),
                              dict(zip(top.indices.tolist(), top.values.tolist())) if top else {})

@@ -1,0 +1,154 @@
+"""Constraints compiled to token masks with llguidance.
+
+A `Grammar` is a constraint compiled for one tokenizer: a regex, a choice among strings, a JSON schema
+or a Lark grammar. It always constrains the *whole* generated text (a regex must match all of it,
+like `re.fullmatch`). `grammar.mask_fn()` gives the engine's `MaskFn`: it allows the tokens that
+keep the text a prefix of something the grammar accepts, plus EOS once the text is complete (only
+EOS when nothing more can follow, so the engine ends the sequence with finish_reason "stop").
+Where the grammar leaves a choice, every such token is allowed; bytes the grammar forces are offered
+only in their canonical tokenization (llguidance's default, which keeps the model on tokenizations
+it was trained on; `%llguidance {"no_forcing": true}` in a Lark grammar turns it off). Histories
+are accepted in any tokenization.
+
+Regexes use the syntax of Rust's `regex` crate (https://docs.rs/regex/latest/regex/#syntax); `.`
+does not match a newline unless written `(?s:.)`. Inside a regex, `&` and `~` are plain characters.
+Intersection and negation exist only in Lark terminal definitions, outside the `/.../` delimiters:
+
+    MATCH: /[a-z ]+/ & /.*x.*/                   both regexes match
+    MATCH: /[a-z ]+/ & ~/(?s:.*)bad(?s:.*)/      the first matches and the text does not contain "bad"
+
+`&` binds tighter than `|`, and `~` tighter than `*` or `+` (`~A+` is `(~A)+`). `~A` alone also
+matches invalid UTF-8, so intersect it with a positive regex as above. `Grammar.regex_all` builds
+the intersection of plain regexes; for negation write the terminal in a grammar, e.g.
+`Grammar.lark(tok, 'start: MATCH\\nMATCH: /[a-z ]+/ & ~/(?s:.*)bad(?s:.*)/')`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from typing import Callable
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)  # errors without parser-state dumps
+_ll_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ll_tokenizers_lock = threading.Lock()
+
+
+def _ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
+    """llguidance's view of a Hugging Face fast tokenizer, built once per tokenizer object (~0.5 s for
+    a 49k vocabulary)."""
+    with _ll_tokenizers_lock:
+        ll = _ll_tokenizers.get(tokenizer)
+        if ll is None:
+            if tokenizer.eos_token_id is None:
+                raise ValueError("the tokenizer has no EOS token, which a grammar needs to end the output")
+            ll = _ll_tokenizers[tokenizer] = llguidance.hf.from_tokenizer(tokenizer)
+        return ll
+
+
+class Grammar:
+    """A compiled constraint for one tokenizer; immutable and shareable between requests.
+
+    Build it with `regex`, `regex_all`, `choices`, `json_schema` or `lark`; they raise ValueError,
+    naming what was given and what is wrong, when the constraint is invalid. `vocab_size` is the
+    length of the masks.
+    """
+
+    def __init__(self, tokenizer, grammar: str, what: str):
+        self._ll = _ll_tokenizer(tokenizer)
+        self._initial = llguidance.LLMatcher(self._ll, grammar, log_level=0, limits=_LIMITS)
+        if self._initial.is_error():
+            raise ValueError(f"invalid {what}: {self._initial.get_error().rstrip()}")
+        self.vocab_size: int = self._ll.vocab_size
+
+    @classmethod
+    def regex(cls, tokenizer, pattern: str) -> Grammar:
+        """The whole output matches `pattern`."""
+        return cls(tokenizer, llguidance.LLMatcher.grammar_from_regex(pattern), f"regex {pattern!r}")
+
+    @classmethod
+    def regex_all(cls, tokenizer, patterns: list[str]) -> Grammar:
+        """The whole output matches every one of `patterns` (their intersection)."""
+        if not patterns:
+            raise ValueError("regex_all needs at least one pattern")
+        terms = " & ".join(f"/{llguidance.regex_to_lark(p, '')}/" for p in patterns)
+        return cls(tokenizer, llguidance.LLMatcher.grammar_from_lark(f"start: MATCH\nMATCH: {terms}"),
+                   f"regexes {list(patterns)!r}")
+
+    @classmethod
+    def choices(cls, tokenizer, options: list[str]) -> Grammar:
+        """The output is exactly one of `options`, however the model tokenizes it."""
+        if not options:
+            raise ValueError("choices needs at least one option")
+        if not all(isinstance(o, str) for o in options):
+            raise TypeError(f"choices must be strings, got {list(options)!r}")
+        lark = "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
+        return cls(tokenizer, llguidance.LLMatcher.grammar_from_lark(lark), f"choices {list(options)!r}")
+
+    @classmethod
+    def json_schema(cls, tokenizer, schema: dict | str) -> Grammar:
+        """The output is JSON valid under `schema` (a dict or its JSON text).
+
+        Whitespace is fixed, as `json.dumps` writes it (`{"a": 1, "b": [1, 2]}`), so the output is
+        never padded with whitespace; a schema's `"x-guidance"` options (e.g.
+        `{"whitespace_flexible": true}`) override this.
+        """
+        what = f"JSON schema {schema if isinstance(schema, str) else json.dumps(schema)}"
+        defaults = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
+        except ValueError as e:
+            raise ValueError(f"invalid {what}: {e}") from None
+        return cls(tokenizer, grammar, what)
+
+    @classmethod
+    def lark(cls, tokenizer, grammar: str) -> Grammar:
+        """The output is derived from the rule `start` of a Lark grammar in llguidance's dialect
+        (https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md)."""
+        return cls(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), f"Lark grammar {grammar!r}")
+
+    def mask_fn(self) -> Callable[[list[int]], torch.Tensor]:
+        """A new kvql `MaskFn`: generated ids so far -> bool tensor `[vocab_size]` of allowed next tokens.
+
+        It answers for any history, so the samples or beams of one prompt may share it: it advances
+        when the ids extend the previous call's, else rolls back to the common prefix. It is
+        thread-safe. A history the grammar rejects raises ValueError with llguidance's message.
+        """
+        return _Mask(self._initial, self.vocab_size)
+
+
+class _Mask:
+    """One mask function: a matcher that follows whichever history it is called with."""
+
+    def __init__(self, initial: llguidance.LLMatcher, vocab_size: int):
+        self._initial = initial
+        self._matcher = initial.deep_copy()
+        self._consumed: list[int] = []
+        self._vocab_size = vocab_size
+        self._lock = threading.Lock()
+
+    def __call__(self, ids: list[int]) -> torch.Tensor:
+        ids = list(ids)
+        with self._lock:
+            consumed = self._consumed
+            common = next((i for i, (a, b) in enumerate(zip(consumed, ids)) if a != b),
+                          min(len(consumed), len(ids)))
+            if common < len(consumed):  # a failed rollback leaves the matcher in error: raised below
+                self._matcher.rollback(len(consumed) - common)
+            del consumed[common:]
+            self._matcher.consume_tokens(ids[common:])
+            consumed.extend(ids[common:])
+            if not self._matcher.is_error():
+                bits = self._matcher.compute_bitmask()
+            if self._matcher.is_error():
+                error = self._matcher.get_error()
+                self._matcher, self._consumed = self._initial.deep_copy(), []  # errors are permanent
+                raise ValueError(f"grammar error after {len(ids)} generated tokens: {error}")
+        allowed = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:self._vocab_size]
+        return torch.from_numpy(allowed.view(np.bool_))

@@ -1,0 +1,1 @@
+"""The query language: parsing and compiling LMQL queries to Python coroutines."""

@@ -1,0 +1,1 @@
+"""Running compiled queries: context, constraints, decoders, results."""

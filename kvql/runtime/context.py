@@ -1,0 +1,274 @@
+"""The runtime context of one query run: the prompt so far (as token ids), holes, roles, nesting.
+
+The prompt is kept as the token ids actually fed to the model: literal text is tokenized in the
+largest pieces available (everything between two holes at once), generated values keep the tokens
+the model produced (unless a stop phrase or a post-processor changed the text). Running the same
+query again therefore feeds the same ids, and the engine serves them from its radix cache.
+
+What runs when: every run of a query (one per sample of `sample(n)` / `beam(n)`) executes the body
+once, top to bottom; Python side effects happen once per run and are never replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.grammar import Grammar
+from .chat import role_wrapper
+from .constraints import INT_REGEX, HolePlan, plan_for
+from .result import LMQLResult
+from .scoring import score_continuations
+
+DEFAULT_MAX_LEN = 2048
+
+
+class QueryError(RuntimeError):
+    """A query could not run as written (not a model error): names the hole and what is wrong."""
+
+
+@dataclass
+class Decoding:
+    """Decoder settings of a run: `argmax`, `sample` or `beam`, with LMQL's keyword arguments."""
+
+    name: str = "argmax"
+    n: int = 1
+    temperature: float = 1.0
+    max_len: int = DEFAULT_MAX_LEN
+    seed: int | None = None
+    shared: dict = field(default_factory=dict)  # beam searches shared by the n runs of one call
+
+
+class Context:
+    def __init__(self, model, decoding: Decoding, run_index: int = 0, *, ids: list[int] | None = None,
+                 text: str = "", role: str | None = None, roles_seen: bool = False):
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.decoding = decoding
+        self.run_index = run_index
+        self.ids = list(ids) if ids is not None else self.tokenizer("", add_special_tokens=True).input_ids
+        self._text = text
+        self._pending: list[str] = []
+        self._role, self._roles_seen = role, roles_seen
+        self._holes = 0
+        self.variables: dict = {}
+        self.dist_clause: tuple[str, list] | None = None
+        self.cached_tokens = 0
+        self.computed_tokens = 0
+
+    # -- prompt ----------------------------------------------------------------------------------
+    @property
+    def prompt(self) -> str:
+        return self._text + "".join(self._pending)
+
+    async def text(self, s: str) -> None:
+        self._pending.append(s)
+
+    @staticmethod
+    def fmt(value, conversion: str = "", spec: str = "") -> str:
+        if conversion:
+            value = {"r": repr, "s": str, "a": ascii}[conversion](value)
+        return format(value, spec)
+
+    async def role(self, role: str) -> None:
+        if self._role is not None:
+            await self.text(role_wrapper(self.tokenizer, self._role, first=False)[1])
+        before, _ = role_wrapper(self.tokenizer, role, first=not self._roles_seen)
+        self._role, self._roles_seen = role, True
+        await self.text(before)
+
+    async def close_role(self) -> None:
+        if self._role is not None:
+            await self.text(role_wrapper(self.tokenizer, self._role, first=False)[1])
+            self._role = None
+
+    def _flush(self) -> list[int]:
+        if self._pending:
+            chunk = "".join(self._pending)
+            self._pending.clear()
+            self._text += chunk
+            self.ids += self.tokenizer.encode(chunk, add_special_tokens=False)
+        return list(self.ids)
+
+    def _append_value(self, value: str, token_ids: list[int] | None) -> None:
+        self._flush()
+        self._text += value
+        if token_ids is not None and self.tokenizer.decode(token_ids) == value:
+            self.ids += token_ids  # keep the model's own tokens: their KV is already cached
+        else:
+            self.ids += self.tokenizer.encode(value, add_special_tokens=False)
+
+    def _count(self, completions) -> None:
+        for c in completions:
+            self.cached_tokens += c.cached_tokens
+            self.computed_tokens += c.prompt_tokens - c.cached_tokens
+
+    # -- holes -----------------------------------------------------------------------------------
+    async def hole(self, name: str, constraint=None, type=None, post=()):
+        from ..query import Query  # the nested-query type lives one layer up
+
+        if isinstance(type, Query):
+            return await self.nested(name, type, (), {}, post)
+        if type not in (None, int, str):
+            raise QueryError(f"[{name}: {getattr(type, '__name__', type)}]: a hole's type must be int, str or a "
+                             "query")
+        try:
+            plan = plan_for(constraint, name)
+        except ValueError as e:
+            raise QueryError(f"constraint on {name}: {e}") from None
+        if type is int:
+            plan.require(INT_REGEX)
+        ids = self._flush()
+        limit = min(self.decoding.max_len, self.model.context_length) - len(ids)
+        if limit < 1:
+            raise QueryError(f"the prompt before [{name}] has {len(ids)} tokens: no room left under "
+                             f"max_len={self.decoding.max_len} / context {self.model.context_length}")
+        max_tokens = min(plan.max_tokens or limit, limit)
+        if self.decoding.name == "beam":
+            value, tokens = await self._beam(name, plan, ids, max_tokens)
+        else:
+            value, tokens = await self._sample(name, plan, ids, max_tokens)
+        if type is int:
+            try:
+                value = int(value.strip())
+            except ValueError:
+                raise QueryError(f"[{name}: int] produced {value!r}, not an integer") from None
+        for fn in post:
+            value = fn(value)
+        changed = type is int or bool(post)
+        self._append_value(str(value), None if changed else tokens)
+        self.variables[name] = value
+        return value
+
+    def _mask(self, plan: HolePlan):
+        lark = plan.lark()
+        grammar = Grammar.lark(self.tokenizer, lark).mask_fn() if lark else None
+        if not plan.min_tokens:
+            return grammar
+        eos = list(self.model.engine.eos_ids)
+        vocab = self.model.vocab_size
+
+        def mask(ids):
+            allowed = grammar(ids) if grammar else None
+            if len(ids) < plan.min_tokens:
+                allowed = torch.ones(vocab, dtype=torch.bool) if allowed is None else allowed.clone()
+                allowed[[e for e in eos if e < allowed.numel()]] = False
+            return allowed
+
+        return mask
+
+    @staticmethod
+    def _cut(plan: HolePlan, text: str, n_tokens: int) -> str:
+        hit = plan.stop_index(text, n_tokens)
+        if hit is None:
+            return text
+        i, stop = hit
+        return text[:i] + (stop.phrase if stop.include else "")
+
+    async def _sample(self, name, plan, ids, max_tokens):
+        greedy = self.decoding.name == "argmax"
+        seed = None
+        if not greedy:
+            base = self.decoding.seed if self.decoding.seed is not None else random.getrandbits(32)
+            seed = hash((base, self.run_index, self._holes)) & 0x7FFFFFFF
+        self._holes += 1
+        stop_fn = (lambda out, text: plan.stop_index(text, len(out)) is not None) if plan.stops else None
+        try:
+            (c,) = await self.model.agenerate([ids], max_tokens=max_tokens, mask=self._mask(plan), stop_fn=stop_fn,
+                                              temperature=0.0 if greedy else self.decoding.temperature, seed=seed)
+        except ValueError as e:
+            raise QueryError(f"while generating {name}: {e}") from e
+        self._count([c])
+        value = self._cut(plan, c.text, len(c.token_ids))
+        return value, c.token_ids
+
+    async def _beam(self, name, plan, ids, max_tokens):
+        key = (tuple(ids), name, repr(plan), max_tokens)
+        shared = self.decoding.shared
+        if key not in shared:
+            shared[key] = asyncio.ensure_future(self._beam_search(plan, ids, max_tokens))
+        beams = await shared[key]
+        value, tokens, _ = beams[min(self.run_index, len(beams) - 1)]
+        return value, tokens
+
+    async def _beam_search(self, plan, ids, max_tokens):
+        """Beam search over one hole: -> [(value, token ids, log-probability)], best first."""
+        width = self.decoding.n
+        base = self._mask(plan)
+        eos = self.model.engine.eos_ids
+        active, done = [([], 0.0)], []
+        for _ in range(max_tokens):
+            def mask_for(prefix):
+                return (lambda out: base(prefix + out)) if base else None
+            results = await asyncio.gather(*(
+                self.model.agenerate([ids + g], max_tokens=1, logprobs=width, masked_logprobs=True,
+                                     mask=mask_for(g), ignore_eos=True) for g, _ in active))
+            candidates = []
+            for (g, score), (c,) in zip(active, results):
+                self._count([c])
+                for tok, lp in c.logprobs[0].top.items():
+                    if lp == -math.inf:
+                        continue
+                    new, s = g + [tok], score + lp
+                    text = self.tokenizer.decode(g if tok in eos else new, skip_special_tokens=True)
+                    finished = tok in eos or len(new) >= max_tokens or plan.stop_index(text, len(new)) is not None
+                    candidates.append((s, new if tok not in eos else g, text, finished))
+            candidates.sort(key=lambda x: -x[0])
+            active = []
+            for s, g, text, finished in candidates[:width]:
+                if finished:
+                    done.append((self._cut(plan, text, len(g)), g, s))
+                else:
+                    active.append((g, s))
+            done.sort(key=lambda x: -x[2])
+            if not active or (len(done) >= width and done[width - 1][2] >= max(s for _, s in active)):
+                break
+        done += [(self._cut(plan, self.tokenizer.decode(g, skip_special_tokens=True), len(g)), g, s)
+                 for g, s in active]
+        done.sort(key=lambda x: -x[2])
+        return done[:width]
+
+    # -- nested queries and distributions --------------------------------------------------------
+    async def nested(self, name: str, query, args: tuple, kwargs: dict, post=()):
+        """Run `query` inside this prompt; its own prompt text is removed afterwards and its return
+        value (or, without a return, the text it added) is inserted instead."""
+        ids = self._flush()
+        child = Context(self.model, self.decoding, self.run_index, ids=ids, text=self._text, role=self._role,
+                        roles_seen=self._roles_seen)
+        value = await query._execute(child, args, kwargs)
+        if isinstance(value, LMQLResult):
+            value = value.prompt[len(self._text):]
+        for fn in post:
+            value = fn(value)
+        self.cached_tokens += child.cached_tokens
+        self.computed_tokens += child.computed_tokens
+        self.variables[name] = value
+        await self.text(str(value))
+        return value
+
+    async def distribution(self, name: str, values):
+        """Score every value as the continuation of the prompt; the most likely becomes the hole's value."""
+        values = list(values)
+        if not values:
+            raise QueryError(f"distribution {name} in []: no values to choose from")
+        ids = self._flush()
+        logps, completions = await score_continuations(self.model, ids, [str(v) for v in values])
+        self._count(completions)
+        top = max(logps)
+        z = top + math.log(sum(math.exp(lp - top) for lp in logps))
+        self.variables[f"log P({name})"] = [(v, lp - z) for v, lp in zip(values, logps)]
+        self.variables[f"P({name})"] = [(v, math.exp(lp - z)) for v, lp in zip(values, logps)]
+        best = values[logps.index(top)]
+        self.dist_clause = (name, values)
+        self._append_value(str(best), None)
+        self.variables[name] = best
+        return best
+
+    def result(self) -> LMQLResult:
+        self._flush()
+        name, values = self.dist_clause or (None, None)
+        return LMQLResult(self._text, dict(self.variables), name, values, self.cached_tokens, self.computed_tokens)

@@ -1,0 +1,26 @@
+"""What a query run returns when it has no `return` statement (LMQL's `LMQLResult`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LMQLResult:
+    """`prompt`: the final prompt text; `variables`: every hole's value (and `P(VAR)` / `log P(VAR)` for a
+    `distribution` clause); `distribution_variable` / `distribution_values` name that clause's hole and
+    options; `cached_tokens` / `computed_tokens` count this run's prompt tokens served from / computed
+    by the engine."""
+
+    prompt: str
+    variables: dict = field(default_factory=dict)
+    distribution_variable: str | None = None
+    distribution_values: list | None = None
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+
+    def __getattr__(self, name):
+        variables = self.__dict__.get("variables", {})
+        if name in variables:
+            return variables[name]
+        raise AttributeError(name)
