@@ -1,4 +1,4 @@
-"""Command line: `kvql demo` and `kvql generate`."""
+"""Command line: `kvql demo`, `kvql run FILE.lmql`, `kvql generate`."""
 
 from __future__ import annotations
 
@@ -55,6 +55,28 @@ def generate(args) -> None:
     m.close()
 
 
+def run(args) -> None:
+    import kvql
+
+    with open(args.file) as f:
+        source = f.read()
+    inputs = {}
+    for item in args.input or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--input takes KEY=VALUE, got {item!r}")
+        inputs[key] = value
+    q = kvql.Query(source, name=args.file)
+    result = q.run_sync(model=args.model, **inputs)
+    for r in result if isinstance(result, list) else [result]:
+        if isinstance(r, kvql.LMQLResult):
+            print(r.prompt)
+            for name, value in r.variables.items():
+                print(f"{name}: {value!r}")
+        else:
+            print(r)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvql", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +84,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=demo)
+    p = sub.add_parser("run", help="run an LMQL query file")
+    p.add_argument("file")
+    p.add_argument("--model", default=None, help="model spec (default: the query's own, else smollm2-135m)")
+    p.add_argument("--input", action="append", metavar="KEY=VALUE", help="an input of the query (repeatable)")
+    p.set_defaults(func=run)
     p = sub.add_parser("generate", help="complete prompts")
     p.add_argument("prompt", nargs="+")
     p.add_argument("--model", default="smollm2-135m")
@@ -73,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RuntimeError, NameError) as e:
         print(f"kvql: error: {e}", file=sys.stderr)
         sys.exit(2)
 

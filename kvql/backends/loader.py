@@ -80,7 +80,9 @@ def _builtin_dir(name: str) -> Path:
 def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """Load `(model, tokenizer)` for `spec`; fp32 on CPU and bf16 on CUDA unless `dtype` is given."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # no "Loading weights" bars on every load
     path = resolve(spec)
     config = AutoConfig.from_pretrained(path)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
