@@ -54,6 +54,10 @@ def _run_sync(make_coro):
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        loop_running = False
+    else:
+        loop_running = True
+    if not loop_running:
         return asyncio.run(make_coro())
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, make_coro()).result()
@@ -177,10 +181,13 @@ class Query:
         return f"<kvql.Query {self.name} holes={self.output_variables}>"
 
 
-def _function_scope(fn):
-    """The defining scope of `fn`: its globals, then its closure's current values."""
+def _function_scope(fn, frame=None):
+    """The defining scope of `fn`: its globals, the locals of the scope it was defined in (a query's
+    body is a docstring, so Python records no closure for the names it uses), then its closure."""
     def scope():
         s = dict(fn.__globals__)
+        if frame is not None and frame.f_locals is not frame.f_globals:
+            s.update(frame.f_locals)
         for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             try:
                 s[var] = cell.cell_contents
@@ -221,10 +228,11 @@ def query(fn=None, *, model=None, decoder: str | None = None, is_async: bool | N
                      model=model, decoder=decoder, **decoder_kwargs)
     if fn is None:
         return functools.partial(query, model=model, decoder=decoder, is_async=is_async, **decoder_kwargs)
+    frame = inspect.currentframe().f_back
     source = _raw_docstring(fn)
     if not source:
         raise ValueError(f"@query function {fn.__name__} has no docstring with the query")
-    q = Query(source, name=fn.__name__, signature=inspect.signature(fn), scope=_function_scope(fn),
+    q = Query(source, name=fn.__name__, signature=inspect.signature(fn), scope=_function_scope(fn, frame),
               is_async=inspect.iscoroutinefunction(fn) if is_async is None else is_async,
               model=model, decoder=decoder, **decoder_kwargs)
     functools.update_wrapper(q, fn)

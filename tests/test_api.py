@@ -217,3 +217,25 @@ def test_stats_report_cache_use(m):
     assert s["prompt_tokens"] == 78 and s["cached_tokens"] == 38 and s["computed_tokens"] == 40
     assert s["hit_rate"] == pytest.approx(38 / 78)
     assert 0 < s["cache_bytes"] <= s["cache_budget_bytes"] and s["locked_nodes"] == 0
+
+
+def test_concurrent_first_submissions_start_one_engine_thread(make_model):
+    for _ in range(10):
+        m = make_model()
+        barrier = threading.Barrier(4)
+
+        def work():
+            barrier.wait()
+            m.generate(["hi"], max_tokens=2)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        engine_threads = [t for t in threading.enumerate() if t is m.engine._thread]
+        assert len(engine_threads) == 1
+        closer = threading.Thread(target=m.close)
+        closer.start()
+        closer.join(timeout=10)
+        assert not closer.is_alive(), "close() hung: an engine thread was not woken"

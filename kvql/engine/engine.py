@@ -77,21 +77,18 @@ class Engine:
             if self._closed:
                 raise RuntimeError("engine is closed")
             self._inbox.append(group)
-            self._wake.notify()
-        if self.background:
-            self._ensure_thread()
+            self._wake.notify_all()
+            if self.background and (self._thread is None or not self._thread.is_alive()):
+                # under the lock: concurrent first submits must not start two engine threads
+                self._thread = threading.Thread(target=self._loop, name="kvql-engine", daemon=True)
+                self._thread.start()
         return group
 
     def cancel(self, group: RequestGroup) -> None:
         """Cancel a group; its future fails with CancelledError, its KV stays cached, locks are released."""
         with self._wake:
             self._cancels.append(group)
-            self._wake.notify()
-
-    def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._loop, name="kvql-engine", daemon=True)
-            self._thread.start()
+            self._wake.notify_all()
 
     def _loop(self) -> None:
         while True:
@@ -112,7 +109,7 @@ class Engine:
         """Stop the engine thread after its current step; pending requests are cancelled."""
         with self._wake:
             self._closed = True
-            self._wake.notify()
+            self._wake.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         with self._state:

@@ -28,7 +28,7 @@ from .prompt_string import Expr, Hole, PromptSyntaxError, Role, Text, parse_prom
 
 DECODERS = ("argmax", "sample", "beam")
 _DECODER_LINE = re.compile(r"^(argmax|sample|beam)\s*(\(.*\))?\s*:?\s*$", re.I | re.S)
-_CLAUSE = re.compile(r"^(from|where|distribution)\b(.*)$", re.I | re.S)
+_CLAUSE = re.compile(r"^(from|where|distribution)\b(?!\s*[=.(\[])(.*)$", re.I | re.S)
 _counter = iter(range(1, 1 << 62))
 
 
@@ -136,7 +136,6 @@ class _WhereRewriter(ast.NodeTransformer):
 
     def __init__(self, holes: set[str]):
         self.holes = holes
-        self.used: set[str] = set()
 
     @staticmethod
     def _c(name: str) -> ast.expr:
@@ -144,7 +143,6 @@ class _WhereRewriter(ast.NodeTransformer):
 
     def visit_Name(self, node):
         if node.id in self.holes:
-            self.used.add(node.id)
             return ast.Call(self._c("Var"), [ast.Constant(node.id)], [])
         if node.id in BUILDERS:
             return self._c(node.id)
@@ -189,17 +187,16 @@ def _where_code(src: str, holes: set[str], where_line: int, source: str) -> str:
         tree = ast.parse(src.strip(), mode="eval")
     except SyntaxError as e:
         raise QuerySyntaxError(f"invalid where clause: {e.msg}", where_line, e.offset or 1, source) from None
-    rewriter = _WhereRewriter(holes)
-    try:
-        out = rewriter.visit(tree)
-    except ValueError as e:
-        raise QuerySyntaxError(str(e), where_line, 1, source) from None
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in BUILDERS:
             for a in node.args[:1]:
                 if isinstance(a, ast.Name) and a.id not in holes:
-                    raise QuerySyntaxError(f"{node.func.id}({a.id}, ...): no prompt generates a variable "
+                    raise QuerySyntaxError(f"{node.func.id}({a.id}, ...): no prompt here generates a variable "
                                            f"named {a.id}", where_line, 1, source)
+    try:
+        out = _WhereRewriter(holes).visit(tree)
+    except ValueError as e:
+        raise QuerySyntaxError(str(e), where_line, 1, source) from None
     return ast.unparse(ast.fix_missing_locations(out))
 
 

@@ -255,6 +255,7 @@ class HolePlan:
     max_tokens: int | None = None
     min_tokens: int = 0
     min_chars: int = 0
+    as_int: bool = False  # a top-level INT(V): the program sees an int, as in LMQL
 
     def require(self, regex: str) -> None:
         self.terms.append("/" + regex_to_lark(regex, "") + "/")
@@ -263,18 +264,28 @@ class HolePlan:
         """The Lark grammar of the value, or None if it is unconstrained."""
         return f"start: VALUE\nVALUE: {' & '.join(self.terms)}" if self.terms else None
 
-    def stop_index(self, text: str, n_tokens: int) -> tuple[int, Stop] | None:
-        """Where the value ends in `text` (first stop phrase occurring once the length guards hold)."""
-        if n_tokens < self.min_tokens:
+    def stop_index(self, text: str, guard_chars: int | None) -> tuple[int, Stop] | None:
+        """Where the value ends in `text`: the first stop phrase whose cut value satisfies the hole's
+        length conditions. `guard_chars` is the text length at which the token-count lower bound was
+        reached (None while it is not)."""
+        if guard_chars is None:
             return None
+        need = max(guard_chars, self.min_chars)
         best = None
         for s in self.stops:
-            i = text.find(s.phrase, self.min_chars)
-            while i >= 0 and i < self.min_chars:
-                i = text.find(s.phrase, i + 1)
+            shift = len(s.phrase) if s.include else 0
+            i = text.find(s.phrase, max(0, need - shift))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         return best
+
+    def cut(self, text: str, guard_chars: int | None) -> str:
+        """The value: `text` up to the stop phrase (kept for STOPS_AT), or all of it."""
+        hit = self.stop_index(text, guard_chars)
+        if hit is None:
+            return text
+        i, stop = hit
+        return text[:i] + (stop.phrase if stop.include else "")
 
 
 def plan_for(constraint, name: str) -> HolePlan:
@@ -306,6 +317,7 @@ def plan_for(constraint, name: str) -> HolePlan:
             if op == "!=":
                 raise ConstraintError(f"len(TOKENS({name})) != n is not supported")
         elif _regexable(c):
+            plan.as_int = plan.as_int or (isinstance(c, Atom) and c.kind == "int")
             if isinstance(c, Atom) and c.kind == "len" and c.arg[1] in (">", ">="):
                 plan.min_chars = max(plan.min_chars, c.arg[2] + (c.arg[1] == ">"))
             plan.terms.append(_term(c))

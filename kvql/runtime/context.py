@@ -122,7 +122,11 @@ class Context:
             raise QueryError(f"constraint on {name}: {e}") from None
         if type is int:
             plan.require(INT_REGEX)
+            plan.as_int = True
         ids = self._flush()
+        if not ids:  # a hole at the very start, and a tokenizer that adds no BOS: give the model one token
+            start = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.tokenizer.eos_token_id
+            self.ids = ids = [start]
         limit = min(self.decoding.max_len, self.model.context_length) - len(ids)
         if limit < 1:
             raise QueryError(f"the prompt before [{name}] has {len(ids)} tokens: no room left under "
@@ -132,14 +136,14 @@ class Context:
             value, tokens = await self._beam(name, plan, ids, max_tokens)
         else:
             value, tokens = await self._sample(name, plan, ids, max_tokens)
-        if type is int:
+        if plan.as_int:
             try:
                 value = int(value.strip())
             except ValueError:
-                raise QueryError(f"[{name}: int] produced {value!r}, not an integer") from None
-        for fn in post:
+                raise QueryError(f"{name} should be an integer but the model produced {value!r}") from None
+        for fn in reversed(post):  # [@f @g X] is f(g(X)), as Python applies stacked decorators
             value = fn(value)
-        changed = type is int or bool(post)
+        changed = plan.as_int or bool(post)
         self._append_value(str(value), None if changed else tokens)
         self.variables[name] = value
         return value
@@ -161,14 +165,6 @@ class Context:
 
         return mask
 
-    @staticmethod
-    def _cut(plan: HolePlan, text: str, n_tokens: int) -> str:
-        hit = plan.stop_index(text, n_tokens)
-        if hit is None:
-            return text
-        i, stop = hit
-        return text[:i] + (stop.phrase if stop.include else "")
-
     async def _sample(self, name, plan, ids, max_tokens):
         greedy = self.decoding.name == "argmax"
         seed = None
@@ -176,15 +172,26 @@ class Context:
             base = self.decoding.seed if self.decoding.seed is not None else random.getrandbits(32)
             seed = hash((base, self.run_index, self._holes)) & 0x7FFFFFFF
         self._holes += 1
-        stop_fn = (lambda out, text: plan.stop_index(text, len(out)) is not None) if plan.stops else None
+        guard = {"chars": 0 if not plan.min_tokens else None}
+
+        def stop_fn(out, text):
+            if guard["chars"] is None and len(out) >= plan.min_tokens:
+                guard["chars"] = len(text)  # the stop phrases count from here on
+            return plan.stop_index(text, guard["chars"]) is not None
+
         try:
-            (c,) = await self.model.agenerate([ids], max_tokens=max_tokens, mask=self._mask(plan), stop_fn=stop_fn,
+            (c,) = await self.model.agenerate([ids], max_tokens=max_tokens, mask=self._mask(plan),
+                                              stop_fn=stop_fn if plan.stops else None,
                                               temperature=0.0 if greedy else self.decoding.temperature, seed=seed)
         except ValueError as e:
             raise QueryError(f"while generating {name}: {e}") from e
         self._count([c])
-        value = self._cut(plan, c.text, len(c.token_ids))
-        return value, c.token_ids
+        return plan.cut(c.text, guard["chars"]), c.token_ids
+
+    def _guard_chars(self, plan: HolePlan, tokens: list[int]) -> int | None:
+        if len(tokens) < plan.min_tokens:
+            return None
+        return len(self.tokenizer.decode(tokens[:plan.min_tokens], skip_special_tokens=True))
 
     async def _beam(self, name, plan, ids, max_tokens):
         key = (tuple(ids), name, repr(plan), max_tokens)
@@ -214,20 +221,22 @@ class Context:
                     if lp == -math.inf:
                         continue
                     new, s = g + [tok], score + lp
-                    text = self.tokenizer.decode(g if tok in eos else new, skip_special_tokens=True)
-                    finished = tok in eos or len(new) >= max_tokens or plan.stop_index(text, len(new)) is not None
-                    candidates.append((s, new if tok not in eos else g, text, finished))
+                    seq = g if tok in eos else new
+                    text = self.tokenizer.decode(seq, skip_special_tokens=True)
+                    finished = tok in eos or len(new) >= max_tokens or \
+                        plan.stop_index(text, self._guard_chars(plan, seq)) is not None
+                    candidates.append((s, seq, text, finished))
             candidates.sort(key=lambda x: -x[0])
             active = []
             for s, g, text, finished in candidates[:width]:
                 if finished:
-                    done.append((self._cut(plan, text, len(g)), g, s))
+                    done.append((plan.cut(text, self._guard_chars(plan, g)), g, s))
                 else:
                     active.append((g, s))
             done.sort(key=lambda x: -x[2])
             if not active or (len(done) >= width and done[width - 1][2] >= max(s for _, s in active)):
                 break
-        done += [(self._cut(plan, self.tokenizer.decode(g, skip_special_tokens=True), len(g)), g, s)
+        done += [(plan.cut(self.tokenizer.decode(g, skip_special_tokens=True), self._guard_chars(plan, g)), g, s)
                  for g, s in active]
         done.sort(key=lambda x: -x[2])
         return done[:width]
@@ -242,7 +251,7 @@ class Context:
         value = await query._execute(child, args, kwargs)
         if isinstance(value, LMQLResult):
             value = value.prompt[len(self._text):]
-        for fn in post:
+        for fn in reversed(post):
             value = fn(value)
         self.cached_tokens += child.cached_tokens
         self.computed_tokens += child.computed_tokens
