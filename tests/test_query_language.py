@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import math
 import re
 import threading
 
@@ -185,6 +186,30 @@ def test_standalone_form_with_from_where_distribution(m):
     assert sum(p for _, p in r.variables["P(ANSWER)"]) == pytest.approx(1.0)
 
 
+def test_decoder_clause_inside_a_docstring_query(m):
+    @lmql.query
+    def q():
+        '''lmql
+        sample(n=2, temperature=0.9)
+        # a comment line
+        "Pick [X]" where X in ["a", "b"]  # a trailing comment
+        return X
+        '''
+
+    out = q(seed=4)
+    assert isinstance(out, list) and len(out) == 2 and set(out) <= {"a", "b"}
+
+
+def test_where_clause_on_continuation_lines(m):
+    src = ('"Greet: [G]" \\\n'
+           '    where len(TOKENS(G)) < 4\n'
+           '"and [H]" where (H.startswith("ab") and\n'
+           '                 len(H) < 6)\n')
+    r = lmql.run_sync(src)
+    assert r.variables["H"].startswith("ab") and len(r.variables["H"]) < 6
+    assert r.prompt == "Greet: " + r.variables["G"] + "and " + r.variables["H"]
+
+
 # -- 3. body semantics ---------------------------------------------------------------------------
 def test_quote_styles_and_backslash_continuations(m):
     src = ('"double " \'single \'\n'
@@ -325,6 +350,19 @@ def test_a_hole_name_used_again_keeps_its_last_value(m):
     assert re.fullmatch(r"a:a[12] b:b[12] c:c[12] ", r.prompt)
 
 
+@lmql.query
+async def helper(word):
+    '''lmql
+    "Repeat {word}: [W]" where W == word
+    return W.upper()
+    '''
+
+
+def test_a_query_can_await_another_query_as_a_function(m):
+    out = lmql.run_sync('v = await helper("pen")\n"Got {v} [X]" where X in ["ok"]\nreturn v, context.prompt')
+    assert out == ("PEN", "Got PEN ok")
+
+
 def test_context_prompt_is_the_prompt_so_far(m):
     r = lmql.run_sync('"Hello [X]" where X in ["world"]\nseen = context.prompt\n"!"\nreturn seen')
     assert r == "Hello world"
@@ -375,7 +413,7 @@ def test_distribution_sets_probabilities_and_the_most_likely_value(m):
     assert sum(probs.values()) == pytest.approx(1.0)
     assert r.variables["A"] == max(probs, key=probs.get)
     for v in probs:
-        assert logs[v] == pytest.approx(__import__("math").log(probs[v]))
+        assert logs[v] == pytest.approx(math.log(probs[v]))
     s = lmql.score_sync("Question: what is the capital of France? Answer:", list(probs))
     assert dict(zip(s.values, s.probs())) == pytest.approx(probs, abs=1e-4)
 
@@ -409,6 +447,13 @@ def test_stops_at_newline(m):
         x = r.variables["X"]
         if "\n" in x:
             assert x.index("\n") == len(x) - 1
+
+
+def test_stop_phrases_combined_with_or(m):
+    r = lmql.run_sync('"Say:[X]|" where (STOPS_AT(X, ".") or STOPS_AT(X, "!")) and REGEX(X, r"[a-z]{0,4}[.!][a-z]{0,3}")')
+    x = r.variables["X"]
+    assert x[-1] in ".!" and sum(x.count(c) for c in ".!") == 1
+    assert r.prompt == "Say:" + x + "|"
 
 
 def test_token_length_bounds_the_generated_tokens(m):
@@ -618,6 +663,13 @@ def test_unclosed_brace_is_a_syntax_error(m):
     with pytest.raises(kvql.QuerySyntaxError) as info:
         lmql.query('"ok [X]" where X in ["a"]\n"Hello {name"')
     assert info.value.lineno == 2
+
+
+def test_unknown_decoder_and_unknown_nested_query_are_errors(m):
+    with pytest.raises((ValueError, SyntaxError), match="nosuchdecoder"):
+        lmql.run_sync('"Hi [X]" where X in ["a"]', decoder="nosuchdecoder")
+    with pytest.raises(NameError, match="no_such_query"):
+        lmql.run_sync('"Hi [X: no_such_query]"')
 
 
 def test_a_failing_query_fails_alone(m):
