@@ -20,6 +20,7 @@ import io
 import linecache
 import re
 import textwrap
+import threading
 import tokenize
 from dataclasses import dataclass, field
 
@@ -315,7 +316,18 @@ def _statement_code(st: _Statement, where_code: str) -> str:
     return st.indent + "; ".join(calls)
 
 
+_lock = threading.Lock()
+
+
 def compile_query(source: str, params: list[str] | None = None, name: str = "query") -> CompiledQuery:
+    """Compile query `source` into a module defining `__kvql_query__(__ctx, __args)`, with `params`
+    bound as locals. Serialized: CPython 3.11's `ast` module is not safe to use from several threads
+    at once (its recursion-depth counter is shared, gh-106905)."""
+    with _lock:
+        return _compile(source, params, name)
+
+
+def _compile(source: str, params: list[str] | None, name: str) -> CompiledQuery:
     source = _strip_marker(source)
     decoder, body, line0, col0, model, where, distribution = split_clauses(source)
     statements = _find_statements(body, source, line0, col0)
