@@ -732,3 +732,13 @@ def test_results_are_identical_with_a_cleared_cache(m):
     warm = lmql.run_sync(src)
     assert runs[0].prompt == runs[1].prompt == warm.prompt
     assert runs[0].variables == runs[1].variables == warm.variables
+
+
+def test_operators_lmql_rejects_are_supported(m, tokenizer):
+    """LMQL rejects <=, != and `not in`; kvql supports them with their Python meaning."""
+    r, n = generated(m, lambda: lmql.run_sync(
+        '"A: [X]|[Y]|[Z]" where len(TOKENS(X)) <= 2 and Y != "no" and Y in ["no", "yes"] '
+        'and Z not in ["a", "b"] and Z in ["a", "b", "c"]'))
+    v = r.variables
+    assert v["Y"] == "yes" and v["Z"] == "c"
+    assert len(tokenizer.encode(v["X"])) <= 2
