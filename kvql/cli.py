@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, TypeError, RuntimeError, NameError) as e:
+    except (ValueError, TypeError, RuntimeError, NameError, SyntaxError) as e:
         print(f"kvql: error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -51,3 +51,20 @@ def test_stop_at_newline_returns_the_answer_only(smol):
     (c,) = smol.generate([f"{FEW_SHOT}Q: What is the capital of Italy?\nA:"], max_tokens=10, stop="\n")
     assert "\n" not in c.text and c.text.strip()
     assert c.finish_reason == "stop"
+
+
+def test_a_query_answers_as_plain_generation_does(smol):
+    """The few-shot query on the real model: each answer equals uncached transformers greedy text."""
+    import kvql
+
+    @kvql.query(model=smol)
+    def answer(question):
+        '''lmql
+        "{FEW_SHOT}Q: {question}\nA:[ANSWER]" where STOPS_BEFORE(ANSWER, "\n") and len(TOKENS(ANSWER)) < 8
+        return ANSWER
+        '''
+
+    got = answer.map(QUESTIONS[:3])
+    for q, a in zip(QUESTIONS[:3], got):
+        text = smol.tokenizer.decode(hf_generate(smol, f"{FEW_SHOT}Q: {q}\nA:", 8))
+        assert a == text.split("\n")[0]
