@@ -242,3 +242,27 @@ def test_concurrent_first_submissions_start_one_engine_thread(make_model):
         closer.start()
         closer.join(timeout=10)
         assert not closer.is_alive(), "close() hung: an engine thread was not woken"
+
+
+def test_generate_takes_regex_choices_json_schema_and_grammar(m):
+    import json
+    import re
+
+    (c,) = m.generate(["Number:"], max_tokens=8, regex=r"[0-9]{3}")
+    assert re.fullmatch(r"[0-9]{3}", c.text) and c.finish_reason == "stop"
+    out = m.generate(["Pick:"], max_tokens=8, choices=["red", "green", "greenish"], n=3, temperature=1.0, seed=2)
+    assert all(o.text in ("red", "green", "greenish") for o in out)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"],
+              "additionalProperties": False}
+    (c,) = m.generate(["JSON:"], max_tokens=40, json_schema=schema)
+    assert isinstance(json.loads(c.text)["n"], int)
+    (c,) = m.generate(["Lark:"], max_tokens=8, grammar='start: "a" B\nB: /[xy]{2}/')
+    assert re.fullmatch("a[xy]{2}", c.text)
+
+
+def test_constraints_are_exclusive_and_invalid_ones_are_named(m):
+    with pytest.raises(ValueError, match="at most one"):
+        m.generate(["x"], max_tokens=2, regex="a", choices=["a"])
+    with pytest.raises(ValueError, match="invalid regex"):
+        m.generate(["x"], max_tokens=2, regex="a(")
+    assert m.stats()["prompt_tokens"] == 0

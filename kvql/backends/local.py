@@ -11,6 +11,7 @@ import torch
 
 from ..completion import Completion
 from ..engine.engine import Engine
+from ..engine.grammar import Grammar
 from ..engine.kv_pool import KVPool
 from ..engine.request import MaskFn, RequestGroup, SamplingParams, StopFn
 
@@ -111,8 +112,21 @@ class Model:
             raise ValueError(f"cache_budget too small: prompt {i} needs {need} tokens of KV "
                              f"({need * per} bytes) but the budget holds {slots} tokens ({slots * per} bytes)")
 
-    def _submit(self, prompts, on_update=None, *, max_tokens, stop, temperature, top_p, n, seed, logprobs,
-                mask, stop_fn=None, masked_logprobs=False, ignore_eos=False) -> list[RequestGroup]:
+    def _submit(self, prompts, on_update=None, *, max_tokens: int = 16, stop: str | list[str] | None = None,
+                temperature: float = 0.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
+                logprobs: int | None = None, mask: MaskFn | None = None, regex: str | None = None,
+                choices: list[str] | None = None, json_schema: dict | str | None = None, grammar: str | None = None,
+                stop_fn: StopFn | None = None, masked_logprobs: bool = False,
+                ignore_eos: bool = False) -> list[RequestGroup]:
+        constraints = {k: v for k, v in (("mask", mask), ("regex", regex), ("choices", choices),
+                                         ("json_schema", json_schema), ("grammar", grammar)) if v is not None}
+        if len(constraints) > 1:
+            raise ValueError(f"give at most one of mask, regex, choices, json_schema, grammar; got {sorted(constraints)}")
+        if constraints and "mask" not in constraints:
+            (kind, value), = constraints.items()
+            compile_ = {"regex": Grammar.regex, "choices": Grammar.choices, "json_schema": Grammar.json_schema,
+                        "grammar": Grammar.lark}[kind]
+            mask = compile_(self.tokenizer, value).mask_fn()
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), n=n,
                                 seed=seed, stop=stop, logprobs=logprobs, mask=mask, stop_fn=stop_fn,
@@ -124,15 +138,15 @@ class Model:
         return [self.engine.submit(ids, params, index=i, on_update=on_update) for i, ids in enumerate(all_ids)]
 
     # -- public API ------------------------------------------------------------------------------
-    def generate(self, prompts, *, max_tokens: int = 16, stop: str | list[str] | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
-                 logprobs: int | None = None, mask: MaskFn | None = None, stop_fn: StopFn | None = None,
-                 masked_logprobs: bool = False, ignore_eos: bool = False) -> list[Completion]:
+    # Options of generate / agenerate / stream (unknown ones raise TypeError):
+    #   max_tokens=16, stop=None, temperature=0.0, top_p=1.0, n=1, seed=None, logprobs=None (top-k per token),
+    #   at most one constraint: mask (fn of generated ids -> bool tensor), regex, choices, json_schema, grammar
+    #   (Lark, llguidance dialect), compiled by kvql.engine.grammar; and for the query runtime: stop_fn,
+    #   masked_logprobs, ignore_eos.
+    def generate(self, prompts, **options) -> list[Completion]:
         """Complete each prompt (a string or token ids); returns `len(prompts) * n` completions,
         prompt by prompt, samples in order. Raises the first request's error after all finished."""
-        groups = self._submit(prompts, max_tokens=max_tokens, stop=stop, temperature=temperature, top_p=top_p,
-                              n=n, seed=seed, logprobs=logprobs, mask=mask, stop_fn=stop_fn,
-                              masked_logprobs=masked_logprobs, ignore_eos=ignore_eos)
+        groups = self._submit(prompts, **options)
         if not self.engine.background:
             self.engine.run_until_idle()
         try:
@@ -144,14 +158,9 @@ class Model:
             raise
         return [c for g in groups for c in g.future.result()]
 
-    async def agenerate(self, prompts, *, max_tokens: int = 16, stop: str | list[str] | None = None,
-                        temperature: float = 0.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
-                        logprobs: int | None = None, mask: MaskFn | None = None, stop_fn: StopFn | None = None,
-                 masked_logprobs: bool = False, ignore_eos: bool = False) -> list[Completion]:
+    async def agenerate(self, prompts, **options) -> list[Completion]:
         """`generate` for asyncio; cancelling the awaiting task cancels the requests."""
-        groups = self._submit(prompts, max_tokens=max_tokens, stop=stop, temperature=temperature, top_p=top_p,
-                              n=n, seed=seed, logprobs=logprobs, mask=mask, stop_fn=stop_fn,
-                              masked_logprobs=masked_logprobs, ignore_eos=ignore_eos)
+        groups = self._submit(prompts, **options)
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(g.future) for g in groups))
         except BaseException:
@@ -160,10 +169,7 @@ class Model:
             raise
         return [c for r in results for c in r]
 
-    async def stream(self, prompt, *, max_tokens: int = 16, stop: str | list[str] | None = None,
-                     temperature: float = 0.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
-                     logprobs: int | None = None, mask: MaskFn | None = None, stop_fn: StopFn | None = None,
-                     masked_logprobs: bool = False, ignore_eos: bool = False) -> AsyncIterator[StreamChunk]:
+    async def stream(self, prompt, **options) -> AsyncIterator[StreamChunk]:
         """Yield a `StreamChunk` per generated token of one prompt (all `n` samples interleaved).
         Leaving the loop early cancels the request."""
         if not isinstance(prompt, str) and not (isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt)):
@@ -174,9 +180,7 @@ class Model:
         def on_update(sample, text, token, completion):
             loop.call_soon_threadsafe(queue.put_nowait, StreamChunk(sample, text, token, completion))
 
-        (group,) = self._submit(prompt, on_update, max_tokens=max_tokens, stop=stop, temperature=temperature,
-                                top_p=top_p, n=n, seed=seed, logprobs=logprobs, mask=mask, stop_fn=stop_fn,
-                              masked_logprobs=masked_logprobs, ignore_eos=ignore_eos)
+        (group,) = self._submit(prompt, on_update, **options)
         group.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
         try:
             while (chunk := await queue.get()) is not None:
