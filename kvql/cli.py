@@ -1,4 +1,4 @@
-"""Command line: `kvql demo`, `kvql run FILE.lmql`, `kvql generate`."""
+"""Command line: `kvql demo`, `kvql run FILE.lmql`, `kvql serve`, `kvql generate`."""
 
 from __future__ import annotations
 
@@ -77,6 +77,18 @@ def run(args) -> None:
             print(r)
 
 
+def serve(args) -> None:
+    import uvicorn
+
+    import kvql
+    from kvql.server.app import create_app
+
+    m = kvql.model(args.model, device=args.device, cache_budget=args.cache_budget)
+    app = create_app(m, api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap)
+    # uvicorn handles SIGINT/SIGTERM: stop accepting, let in-flight requests finish, run shutdown, exit 0
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvql", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +101,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="model spec (default: the query's own, else smollm2-135m)")
     p.add_argument("--input", action="append", metavar="KEY=VALUE", help="an input of the query (repeatable)")
     p.set_defaults(func=run)
+    p = sub.add_parser("serve", help="OpenAI-compatible server sharing one model and its cache")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
+    p.add_argument("--cache-budget", default=None, help="KV cache size, e.g. 512MB or 2GiB")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-tokens-cap", type=int, default=4096)
+    p.set_defaults(func=serve)
     p = sub.add_parser("generate", help="complete prompts")
     p.add_argument("prompt", nargs="+")
     p.add_argument("--model", default="smollm2-135m")

@@ -1,0 +1,159 @@
+"""The OpenAI-compatible server: a real uvicorn server on loopback, the official `openai` client."""
+
+from __future__ import annotations
+
+import copy
+import re
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import kvql
+from kvql.server.app import create_app
+
+KEY = "test-key"
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer, llama):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = TEMPLATE
+    model = kvql.Model(llama, tok, name="tiny", cache_budget=4 << 20)
+    app = create_app(model, api_key=KEY, max_body_bytes=20_000, max_tokens_cap=64)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(500):
+        if server.started:
+            break
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}", model
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def wait_idle(model):
+    for _ in range(1000):
+        if model.engine.idle():
+            return
+        time.sleep(0.01)
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_completion_equals_local_generation(client, served):
+    out = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=6, temperature=0)
+    local = served[1].generate(["The quick brown"], max_tokens=6)[0]
+    assert out.choices[0].text == local.text
+    assert out.usage.completion_tokens == len(local.token_ids)
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    prompt = "Question: how many legs does a spider have? Answer:"
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_chat_completion_uses_the_chat_template(client, served):
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                         temperature=0)
+    ids = served[1].tokenizer.encode("<|user|>hi<|end|><|assistant|>")
+    assert out.choices[0].message.content == served[1].generate([ids], max_tokens=5)[0].text
+
+
+def test_streamed_completion_adds_up_to_the_plain_one(client):
+    plain = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_streamed_chat_sends_deltas(client):
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}],
+                                                 max_tokens=5, temperature=0, stream=True))
+    assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_regex_and_choices_through_extra_body_are_obeyed(client):
+    out = client.completions.create(model="tiny", prompt="Code:", max_tokens=8, temperature=1.0, seed=3,
+                                    extra_body={"regex": "[0-9]{3}"})
+    assert re.fullmatch("[0-9]{3}", out.choices[0].text)
+    out = client.completions.create(model="tiny", prompt="Answer:", max_tokens=8, n=3, temperature=1.0, seed=4,
+                                    extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert {c.text for c in out.choices} <= {"yes", "no"}
+
+
+def test_chat_response_format_json_schema_is_obeyed(client):
+    import json
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "json please"}], max_tokens=20, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert isinstance(json.loads(out.choices[0].message.content)["ok"], bool)
+
+
+def test_missing_or_wrong_key_is_401_and_health_needs_none(served):
+    url = served[0]
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/v1/models").status_code == 401
+    r = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_body_over_the_limit_is_413(served):
+    r = httpx.post(served[0] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": "x" * 30_000, "max_tokens": 2})
+    assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"prompt": "x", "max_tokens": 2, "guided_regex": "[0-9]"}, 400, "guided_regex"),
+    ({"prompt": "x", "max_tokens": 2, "structured_outputs": {"regx": "a"}}, 400, "regx"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 500}, 400, "cap"),
+    ({"prompt": "x", "max_tokens": 2, "regex": "a("}, 400, "invalid regex"),
+    ({"max_tokens": 2}, 400, "prompt"),
+])
+def test_bad_fields_get_a_4xx_with_a_message(served, body, status, words):
+    r = httpx.post(served[0] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body)
+    assert r.status_code == status
+    assert words in r.json()["error"]["message"]
+
+
+def test_malformed_json_is_400(served):
+    r = httpx.post(served[0] + "/v1/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+
+
+def test_client_leaving_a_stream_cancels_its_request(served):
+    url, model = served
+    with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": "Once upon a time", "max_tokens": 64, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                break
+    wait_idle(model)
+    model.check_integrity()
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert "kvql_locked_nodes 0" in metrics and "kvql_cache_hit_rate" in metrics
