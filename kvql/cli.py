@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 import time
 
@@ -83,10 +85,26 @@ def serve(args) -> None:
     import kvql
     from kvql.server.app import create_app
 
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # SIGINT/SIGTERM: stop accepting, let in-flight requests finish (30 s at most), shut down, exit 0
+            # (uvicorn's own handlers re-raise the signal afterwards, which exits non-zero)
+            def stop(*_):
+                self.force_exit = self.should_exit
+                self.should_exit = True
+            previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
     m = kvql.model(args.model, device=args.device, cache_budget=args.cache_budget)
     app = create_app(m, api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap)
-    # uvicorn handles SIGINT/SIGTERM: stop accepting, let in-flight requests finish, run shutdown, exit 0
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    print(f"kvql serving {args.model} on http://{args.host}:{args.port}/v1", flush=True)
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                          timeout_graceful_shutdown=30)).run()
 
 
 def main(argv: list[str] | None = None) -> None:

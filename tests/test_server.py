@@ -157,3 +157,37 @@ def test_client_leaving_a_stream_cancels_its_request(served):
     model.check_integrity()
     metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert "kvql_locked_nodes 0" in metrics and "kvql_cache_hit_rate" in metrics
+
+
+def test_load_320_concurrent_requests_with_10_percent_disconnecting(served):
+    import asyncio
+
+    url, model = served
+    prompts = [f"Question {i % 16}: what is the capital of France? Answer:" for i in range(320)]
+    expected = {p: c.text for p, c in zip(prompts[:16], model.generate(prompts[:16], max_tokens=8))}
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def one(client, i):
+        body = {"prompt": prompts[i], "max_tokens": 8, "temperature": 0}
+        if i % 10 == 0:  # this client goes away after the first streamed event
+            async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                                     headers=headers) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        return None
+        r = await client.post(url + "/v1/completions", json=body, headers=headers)
+        return r.json()["choices"][0]["text"]
+
+    async def main():
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
+        async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(320))), 240)
+
+    results = asyncio.run(main())
+    for i, text in enumerate(results):
+        if i % 10:
+            assert text == expected[prompts[i]], i
+    wait_idle(model)
+    model.check_integrity()  # no slot leaked: free + cached = pool
+    metrics = httpx.get(url + "/metrics", headers=headers).text
+    assert "kvql_locked_nodes 0" in metrics and "kvql_running_requests 0" in metrics
