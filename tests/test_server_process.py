@@ -78,3 +78,35 @@ def test_two_client_processes_share_the_cache_and_the_server_exits_cleanly(model
             proc.kill()
             raise
     assert code == 0
+
+
+def test_remote_backend_on_kvql_serve_matches_the_local_backend(model_dir, llama, tokenizer):
+    import asyncio
+
+    import kvql
+
+    port = free_port()
+    proc = start(model_dir, port)
+    try:
+        remote = kvql.model(f"http://127.0.0.1:{port}/v1")
+        assert remote.kind == "kvql" and "regex" in remote.supported_constraints
+        local = kvql.Model(llama, tokenizer, cache_budget="4MB")
+        prompts = ["The quick brown", "Once upon a time", [5, 6, 7, 8]]
+        got, want = remote.generate(prompts, max_tokens=7), local.generate(prompts, max_tokens=7)
+        assert [c.text for c in got] == [c.text for c in want]
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        (c,) = remote.generate(["Code:"], max_tokens=6, regex="[0-9]{3}")
+        assert len(c.text) == 3 and c.text.isdigit()
+
+        async def streamed():
+            return [ch async for ch in remote.stream("The quick brown", max_tokens=7)]
+
+        chunks = asyncio.run(streamed())
+        assert "".join(ch.text for ch in chunks) == want[0].text
+        with pytest.raises(ValueError, match="cannot run on a remote server"):
+            remote.generate(["x"], max_tokens=2, mask=lambda ids: None)
+        assert remote.stats()["prompt_tokens_total"] > 0
+        local.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

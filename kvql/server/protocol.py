@@ -47,6 +47,7 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    return_token_ids: bool = False  # vLLM's name: each choice also carries its generated token ids
 
 
 class ChatMessage(BaseModel):
