@@ -31,3 +31,4 @@ class Completion:
     index: int = 0
     sample: int = 0
     logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | None = None  # the stop string that ended the sequence, if one did

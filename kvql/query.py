@@ -17,6 +17,7 @@ import textwrap
 from dataclasses import dataclass
 
 from .backends.local import Model
+from .backends.remote import RemoteModel
 from .lang.compiler import CompiledQuery, Decoder, compile_query
 from .lang.prompt_string import Expr, Hole, parse_prompt
 from .runtime import constraints
@@ -35,12 +36,12 @@ def set_default_model(model: Model | str) -> None:
     _default = model
 
 
-def get_model(model: Model | str | None = None) -> Model:
+def get_model(model: Model | RemoteModel | str | None = None) -> Model | RemoteModel:
     """A loaded `Model`: the object itself, or one loaded once per spec and shared by all queries."""
     from . import model as load
 
     model = model if model is not None else (_default or DEFAULT_MODEL)
-    if isinstance(model, Model):
+    if isinstance(model, (Model, RemoteModel)):
         return model
     if not isinstance(model, str):
         raise TypeError(f"model must be a kvql.Model or a spec string, got {type(model).__name__}")
@@ -297,6 +298,8 @@ class ScoreResult:
 
 async def score(prompt: str, values, model=None) -> ScoreResult:
     m = get_model(model)
+    if isinstance(m, RemoteModel):
+        raise ValueError("score() reads the model's logits: it needs a local model")
     values = list(values)
     ids = m.tokenizer(prompt, add_special_tokens=True).input_ids
     logps, _ = await score_continuations(m, ids, [str(v) for v in values])

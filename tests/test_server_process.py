@@ -106,6 +106,15 @@ def test_remote_backend_on_kvql_serve_matches_the_local_backend(model_dir, llama
         with pytest.raises(ValueError, match="cannot run on a remote server"):
             remote.generate(["x"], max_tokens=2, mask=lambda ids: None)
         assert remote.stats()["prompt_tokens_total"] > 0
+
+        # kvql queries run on the remote backend, their constraints sent as regex / stop strings
+        q = kvql.query('"Pick: [A] then [N] and [S]" where A in ["red", "green"] and INT(N) and '
+                       'len(TOKENS(N)) < 4 and STOPS_AT(S, "a") and len(TOKENS(S)) < 6\nreturn A, N, S',
+                       is_async=False)
+        a, n, s = q(model=remote)
+        assert a in ("red", "green") and isinstance(n, int) and ("a" not in s[:-1])
+        with pytest.raises(kvql.QueryError, match="local model"):
+            kvql.run_sync('"[X]" distribution X in ["a", "b"]', model=remote)
         local.close()
     finally:
         proc.send_signal(signal.SIGTERM)

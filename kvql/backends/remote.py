@@ -121,7 +121,9 @@ class RemoteModel:
                 out.append(Completion(text=choice["text"], token_ids=choice.get("token_ids") or [],
                                       finish_reason=choice.get("finish_reason") or "length",
                                       prompt_tokens=usage.get("prompt_tokens", 0),
-                                      cached_tokens=details.get("cached_tokens") or 0, index=index, sample=sample))
+                                      cached_tokens=details.get("cached_tokens") or 0, index=index, sample=sample,
+                                      stop_reason=reason if isinstance(reason := choice.get("stop_reason"), str)
+                                      else None))
         return out
 
     def generate(self, prompts, **options) -> list[Completion]:

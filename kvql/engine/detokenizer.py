@@ -18,6 +18,7 @@ class Detokenizer:
         self.ids: list[int] = []
         self.text = ""
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text
         self._prefix_offset = 0
         self._read_offset = 0
         self._streamed = 0
@@ -36,8 +37,9 @@ class Detokenizer:
         searched_from = max(0, len(self.text) - self.hold)
         self.text += full[len(prefix):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        cut = min((i for i in (self.text.find(s, searched_from) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, searched_from)) >= 0]
+        if hits:
+            cut, self.stop_string = min(hits)
             self.text = self.text[:cut]
             self.stopped = True
 

@@ -130,4 +130,5 @@ class Request:
             index=self.group.index,
             sample=self.sample,
             logprobs=self.logprobs,
+            stop_reason=self.detok.stop_string,
         )

@@ -231,6 +231,15 @@ def _term(node: Node) -> str:
     return "/" + regex_to_lark(_atom_regex(node), "") + "/"
 
 
+def _plain(node: Node) -> str | None:
+    if isinstance(node, Or):
+        parts = [_plain(i) for i in node.items]
+        return None if None in parts else "(" + "|".join(f"({p})" for p in parts) + ")"
+    if isinstance(node, Atom):
+        return _atom_regex(node)
+    return None
+
+
 def _regexable(node: Node) -> bool:
     if isinstance(node, (And, Or)):
         return all(_regexable(i) for i in node.items)
@@ -251,6 +260,7 @@ class HolePlan:
     phrases, token bounds."""
 
     terms: list[str] = field(default_factory=list)
+    plain: list[str | None] = field(default_factory=list)  # each term as one plain regex, None if it needs & or ~
     stops: list[Stop] = field(default_factory=list)
     max_tokens: int | None = None
     min_tokens: int = 0
@@ -259,6 +269,16 @@ class HolePlan:
 
     def require(self, regex: str) -> None:
         self.terms.append("/" + regex_to_lark(regex, "") + "/")
+        self.plain.append(regex)
+
+    def regex(self) -> str | None:
+        """The value's constraint as one plain regex (what OpenAI-compatible servers accept), or None."""
+        if not self.terms:
+            return None
+        if len(self.plain) != 1 or self.plain[0] is None:
+            raise ConstraintError("this combination of conditions needs regex intersection or negation, "
+                                  "which only kvql's local engine can enforce")
+        return self.plain[0]
 
     def lark(self) -> str | None:
         """The Lark grammar of the value, or None if it is unconstrained."""
@@ -321,6 +341,7 @@ def plan_for(constraint, name: str) -> HolePlan:
             if isinstance(c, Atom) and c.kind == "len" and c.arg[1] in (">", ">="):
                 plan.min_chars = max(plan.min_chars, c.arg[2] + (c.arg[1] == ">"))
             plan.terms.append(_term(c))
+            plan.plain.append(_plain(c))
         else:
             raise ConstraintError(f"cannot enforce this condition on {name}: STOPS_AT, STOPS_BEFORE and "
                                   "len(TOKENS()) combine with the rest only through a top-level 'and'")

@@ -47,10 +47,13 @@ class Context:
     def __init__(self, model, decoding: Decoding, run_index: int = 0, *, ids: list[int] | None = None,
                  text: str = "", role: str | None = None, roles_seen: bool = False):
         self.model = model
-        self.tokenizer = model.tokenizer
+        # a remote model (no local tokenizer): the prompt is kept as text and sent as text
+        self.remote = not hasattr(model, "engine")
+        self.tokenizer = None if self.remote else model.tokenizer
         self.decoding = decoding
         self.run_index = run_index
-        self.ids = list(ids) if ids is not None else self.tokenizer("", add_special_tokens=True).input_ids
+        self.ids = list(ids) if ids is not None else [] if self.remote else \
+            self.tokenizer("", add_special_tokens=True).input_ids
         self._text = text
         self._pending: list[str] = []
         self._role, self._roles_seen = role, roles_seen
@@ -75,6 +78,9 @@ class Context:
         return format(value, spec)
 
     async def role(self, role: str) -> None:
+        if self.remote:
+            raise QueryError("{:role} tags need the model's chat template; on a remote server use /v1/chat "
+                             "directly or a local model")
         if self._role is not None:
             await self.text(role_wrapper(self.tokenizer, self._role, first=False)[1])
         before, _ = role_wrapper(self.tokenizer, role, first=not self._roles_seen)
@@ -91,12 +97,15 @@ class Context:
             chunk = "".join(self._pending)
             self._pending.clear()
             self._text += chunk
-            self.ids += self.tokenizer.encode(chunk, add_special_tokens=False)
+            if not self.remote:
+                self.ids += self.tokenizer.encode(chunk, add_special_tokens=False)
         return list(self.ids)
 
     def _append_value(self, value: str, token_ids: list[int] | None) -> None:
         self._flush()
         self._text += value
+        if self.remote:
+            return
         if token_ids is not None and self.tokenizer.decode(token_ids) == value:
             self.ids += token_ids  # keep the model's own tokens: their KV is already cached
         else:
@@ -123,6 +132,9 @@ class Context:
         if type is int:
             plan.require(INT_REGEX)
             plan.as_int = True
+        if self.remote:
+            value, tokens = await self._remote_sample(name, plan), None
+            return self._finish_hole(name, plan, value, tokens, post)
         ids = self._flush()
         if not ids:  # a hole at the very start, and a tokenizer that adds no BOS: give the model one token
             start = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.tokenizer.eos_token_id
@@ -136,6 +148,9 @@ class Context:
             value, tokens = await self._beam(name, plan, ids, max_tokens)
         else:
             value, tokens = await self._sample(name, plan, ids, max_tokens)
+        return self._finish_hole(name, plan, value, tokens, post)
+
+    def _finish_hole(self, name, plan, value, tokens, post):
         if plan.as_int:
             try:
                 value = int(value.strip())
@@ -147,6 +162,29 @@ class Context:
         self._append_value(str(value), None if changed else tokens)
         self.variables[name] = value
         return value
+
+    async def _remote_sample(self, name: str, plan: HolePlan) -> str:
+        """One hole on a remote server: constraints as one regex, stop phrases as stop strings."""
+        if self.decoding.name == "beam":
+            raise QueryError("beam decoding runs on local models only")
+        if plan.min_tokens or plan.min_chars:
+            raise QueryError(f"{name}: lower length bounds and guarded stop phrases need a local model")
+        try:
+            regex = plan.regex()
+        except ValueError as e:
+            raise QueryError(f"constraint on {name}: {e}") from None
+        self._flush()
+        greedy = self.decoding.name == "argmax"
+        options = dict(max_tokens=plan.max_tokens or min(self.decoding.max_len, 256),
+                       temperature=0.0 if greedy else self.decoding.temperature,
+                       stop=[s.phrase for s in plan.stops] or None, regex=regex)
+        if not greedy and self.decoding.seed is not None:
+            options["seed"] = hash((self.decoding.seed, self.run_index, self._holes)) & 0x7FFFFFFF
+        self._holes += 1
+        (c,) = await self.model.agenerate([self._text], **options)
+        self._count([c])
+        kept = {s.phrase for s in plan.stops if s.include}
+        return c.text + c.stop_reason if c.stop_reason in kept else c.text
 
     def _mask(self, plan: HolePlan):
         lark = plan.lark()
@@ -245,7 +283,7 @@ class Context:
     async def nested(self, name: str, query, args: tuple, kwargs: dict, post=()):
         """Run `query` inside this prompt; its own prompt text is removed afterwards and its return
         value (or, without a return, the text it added) is inserted instead."""
-        ids = self._flush()
+        ids = self._flush() if not self.remote else None
         child = Context(self.model, self.decoding, self.run_index, ids=ids, text=self._text, role=self._role,
                         roles_seen=self._roles_seen)
         value = await query._execute(child, args, kwargs)
@@ -261,6 +299,8 @@ class Context:
 
     async def distribution(self, name: str, values):
         """Score every value as the continuation of the prompt; the most likely becomes the hole's value."""
+        if self.remote:
+            raise QueryError("distribution clauses score with the model's logits: they need a local model")
         values = list(values)
         if not values:
             raise QueryError(f"distribution {name} in []: no values to choose from")

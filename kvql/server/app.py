@@ -151,7 +151,7 @@ def create_app(model: Model, *, api_key: str | None = None, max_body_bytes: int 
         out = await run(prompts, opts)
         texts = {i: p for i, p in enumerate(prompts) if isinstance(p, str)} if req.echo else {}
         choices = [{"index": i, "text": texts.get(c.index, "") + c.text, "finish_reason": c.finish_reason,
-                    "logprobs": _logprobs(model, c) if req.logprobs is not None else None}
+                    "stop_reason": c.stop_reason, "logprobs": _logprobs(model, c) if req.logprobs is not None else None}
                    | ({"token_ids": c.token_ids} if req.return_token_ids else {}) for i, c in enumerate(out)]
         return {"id": rid, "object": "text_completion", "created": created, "model": model.name,
                 "choices": choices, "usage": usage(out, req.n)}
