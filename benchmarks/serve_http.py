@@ -3,8 +3,8 @@
 Workload A (few-shot QA of fewshot_qa.py): 24 concurrent /v1/completions requests sharing a ~290-token
 prefix, greedy, max_tokens 10, stop "\\n"; cold (fresh server) then warm (again). Answers are compared
 with plain transformers one-at-a-time greedy answers (computed here, uncached).
-Workload B: N = 1, 8, 32, 128 concurrent clients, each sending 2 requests, with a shared prefix (the
-few-shot prompts) and without (each prompt starts with its own distinct text); requests/s and the
+Workload B: N = 1, 8, 32, 128 concurrent clients sending 2N requests, with a shared prefix (the
+few-shot prompts) and without (every request starts with its own distinct line); requests/s and the
 share of prompt tokens the server reported as cached (`usage.prompt_tokens_details.cached_tokens`).
 
 Usage: python benchmarks/serve_http.py [--vllm] [--quick]
@@ -74,14 +74,14 @@ async def fire(url: str, model: str, prompts: list[str], clients: int) -> tuple[
 def measure(name: str, url: str, model: str, reference: list[str], n_list, shared_prompts, unshared_prompts):
     rows = {}
     for label in ("cold", "warm"):
-        wall, bodies = asyncio.run(fire(url, model, shared_prompts, len(shared_prompts)))
+        wall, bodies = asyncio.run(fire(url, model, [shared_prompts(j) for j in range(24)], 24))
         equal = sum(answer(b["choices"][0]["text"]) == r for b, r in zip(bodies, reference))
         rows[label] = {"wall_s": wall, "answers_equal": equal}
-        print(f"{name:<6} {label}: {len(shared_prompts)} concurrent requests {wall:6.2f} s, "
+        print(f"{name:<6} {label}: 24 concurrent requests {wall:6.2f} s, "
               f"answers equal {equal}/{len(reference)}")
     for n in n_list:
-        for kind, prompts in (("shared", shared_prompts), ("unshared", unshared_prompts)):
-            batch = (prompts * (2 * n // len(prompts) + 1))[:2 * n]
+        for kind, make in (("shared", shared_prompts), ("unshared", unshared_prompts)):
+            batch = [make(j) for j in range(2 * n)]
             wall, bodies = asyncio.run(fire(url, model, batch, n))
             prompt = sum(b["usage"]["prompt_tokens"] for b in bodies)
             cached = sum((b["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for b in bodies)
@@ -98,12 +98,16 @@ def main():
     torch.set_num_threads(1)
     n_list = (1, 8) if args.quick else (1, 8, 32, 128)
     questions = [q for q, _ in QUESTIONS[:24]]
-    shared = [f"{PREFIX}Q: {q}\nA:" for q in questions]
-    unshared = [f"Note {i}: {'xyz' * (i + 1)} {PREFIX}Q: {q}\nA:" for i, q in enumerate(questions)]
+    def shared(j: int) -> str:  # every prompt starts with the same few-shot prefix
+        return f"{PREFIX}Q: {questions[j % 24]}\nA:"
+
+    def unshared(j: int) -> str:  # a distinct first line: no two requests share more than a token or two
+        return f"Request {j} ({'xyz' * (j % 9 + 1)}).\n{PREFIX}Q: {questions[j % 24]}\nA:"
 
     from kvql.backends.loader import load_hf
     hf, tok = load_hf("smollm2-135m")
-    reference = [answer(t) for t in hf_one_at_a_time(hf, tok, shared, gen_kwargs(tok, newline_token_ids(tok)))]
+    reference = [answer(t) for t in hf_one_at_a_time(hf, tok, [shared(j) for j in range(24)],
+                                                      gen_kwargs(tok, newline_token_ids(tok)))]
     del hf
     results = {}
 
