@@ -79,9 +79,11 @@ def measure(name: str, url: str, model: str, reference: list[str], n_list, share
         rows[label] = {"wall_s": wall, "answers_equal": equal}
         print(f"{name:<6} {label}: 24 concurrent requests {wall:6.2f} s, "
               f"answers equal {equal}/{len(reference)}")
+    offset = 0  # unshared requests never repeat one sent in an earlier round
     for n in n_list:
         for kind, make in (("shared", shared_prompts), ("unshared", unshared_prompts)):
-            batch = [make(j) for j in range(2 * n)]
+            batch = [make(offset + j) for j in range(2 * n)]
+            offset += 2 * n if kind == "unshared" else 0
             wall, bodies = asyncio.run(fire(url, model, batch, n))
             prompt = sum(b["usage"]["prompt_tokens"] for b in bodies)
             cached = sum((b["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for b in bodies)
