@@ -70,9 +70,6 @@ class PoolCache:
         v.index_copy_(1, self.write_slots, value_states[0])
         return k[None], v[None]
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
 
 @dataclass
 class Segment:

@@ -348,7 +348,3 @@ def plan_for(constraint, name: str) -> HolePlan:
     if plan.max_tokens is not None and plan.min_tokens > plan.max_tokens:
         raise ConstraintError(f"the token bounds on {name} contradict each other")
     return plan
-
-
-def mentioned(constraint) -> set[str]:
-    return constraint.vars() if isinstance(constraint, Node) else set()
