@@ -77,6 +77,16 @@ def run(args) -> None:
                 print(f"{name}: {value!r}")
         else:
             print(r)
+    trace = q.last_trace
+    if args.trace:
+        if trace is None:
+            raise ValueError("no trace: the query ran on a remote model")
+        trace.save(args.trace)
+        print(f"trace written to {args.trace}", file=sys.stderr)
+    if args.stats and trace is not None:
+        s = trace.summary()
+        print(f"tokens {s['tokens']}: cached {s['cached']}, computed {s['computed']}, generated {s['generated']}, "
+              f"never sent {s['unsent']}; hit rate {s['hit_rate']:.0%}; {s['seconds']:.2f} s", file=sys.stderr)
 
 
 def serve(args) -> None:
@@ -118,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("file")
     p.add_argument("--model", default=None, help="model spec (default: the query's own, else smollm2-135m)")
     p.add_argument("--input", action="append", metavar="KEY=VALUE", help="an input of the query (repeatable)")
+    p.add_argument("--trace", metavar="FILE", help="write the run's trace: FILE.html (self-contained) or FILE.json")
+    p.add_argument("--stats", action="store_true", help="print the run's cached / computed token counts")
     p.set_defaults(func=run)
     p = sub.add_parser("serve", help="OpenAI-compatible server sharing one model and its cache")
     p.add_argument("--model", default="smollm2-135m")

@@ -137,9 +137,15 @@ class Query:
         decoding = self._decoding(compiled, overrides)
         m = get_model(model or self.model or compiled.model)
         n = 1 if decoding.name == "argmax" else decoding.n
-        runs = [self._execute(Context(m, decoding, k), (), inputs) for k in range(n)]
-        results = await asyncio.gather(*runs)
+        contexts = [Context(m, decoding, k) for k in range(n)]
+        results = await asyncio.gather(*(self._execute(ctx, (), inputs) for ctx in contexts))
+        self.last_traces = [ctx.trace() for ctx in contexts]  # one per run; see kvql.runtime.trace
         return list(results) if n > 1 else results[0]
+
+    @property
+    def last_trace(self):
+        """The trace of this query's latest run (its first sample), also for queries with `return`."""
+        return self.last_traces[0] if getattr(self, "last_traces", None) else None
 
     def run_sync(self, *args, **kwargs):
         return _run_sync(lambda: self.run(*args, **kwargs))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ from .chat import role_wrapper
 from .constraints import INT_REGEX, HolePlan, plan_for
 from .result import LMQLResult
 from .scoring import score_continuations
+from .trace import Trace, TraceHole, TraceToken
 
 DEFAULT_MAX_LEN = 2048
 
@@ -59,6 +61,10 @@ class Context:
         self._role, self._roles_seen = role, roles_seen
         self._holes = 0
         self.variables: dict = {}
+        self._served: list[str | None] = [None] * len(self.ids)  # per prompt position, see runtime.trace
+        self._hole_of: list[str | None] = [None] * len(self.ids)
+        self._hole_log: list[TraceHole] = []
+        self._started = time.perf_counter()
         self.dist_clause: tuple[str, list] | None = None
         self.cached_tokens = 0
         self.computed_tokens = 0
@@ -98,18 +104,29 @@ class Context:
             self._pending.clear()
             self._text += chunk
             if not self.remote:
-                self.ids += self.tokenizer.encode(chunk, add_special_tokens=False)
+                self._extend(self.tokenizer.encode(chunk, add_special_tokens=False), None)
         return list(self.ids)
 
-    def _append_value(self, value: str, token_ids: list[int] | None) -> None:
+    def _extend(self, token_ids: list[int], hole: str | None) -> None:
+        self.ids += token_ids
+        self._served += [None] * len(token_ids)
+        self._hole_of += [hole] * len(token_ids)
+
+    def _sent(self, n: int, cached: int) -> None:
+        """A request with the first `n` prompt tokens was served `cached` of them from the cache."""
+        for i in range(n):
+            if self._served[i] is None:
+                self._served[i] = "cached" if i < cached else "computed"
+
+    def _append_value(self, value: str, token_ids: list[int] | None, hole: str | None = None) -> None:
         self._flush()
         self._text += value
         if self.remote:
             return
         if token_ids is not None and self.tokenizer.decode(token_ids) == value:
-            self.ids += token_ids  # keep the model's own tokens: their KV is already cached
+            self._extend(token_ids, hole)  # keep the model's own tokens: their KV is already cached
         else:
-            self.ids += self.tokenizer.encode(value, add_special_tokens=False)
+            self._extend(self.tokenizer.encode(value, add_special_tokens=False), hole)
 
     def _count(self, completions) -> None:
         for c in completions:
@@ -138,7 +155,9 @@ class Context:
         ids = self._flush()
         if not ids:  # a hole at the very start, and a tokenizer that adds no BOS: give the model one token
             start = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.tokenizer.eos_token_id
-            self.ids = ids = [start]
+            self._extend([start], None)
+            ids = list(self.ids)
+        started = time.perf_counter()
         limit = min(self.decoding.max_len, self.model.context_length) - len(ids)
         if limit < 1:
             raise QueryError(f"the prompt before [{name}] has {len(ids)} tokens: no room left under "
@@ -148,6 +167,7 @@ class Context:
             value, tokens = await self._beam(name, plan, ids, max_tokens)
         else:
             value, tokens = await self._sample(name, plan, ids, max_tokens)
+        self._hole_log.append(TraceHole(name, str(value), repr(plan), len(tokens), time.perf_counter() - started))
         return self._finish_hole(name, plan, value, tokens, post)
 
     def _finish_hole(self, name, plan, value, tokens, post):
@@ -159,7 +179,7 @@ class Context:
         for fn in reversed(post):  # [@f @g X] is f(g(X)), as Python applies stacked decorators
             value = fn(value)
         changed = plan.as_int or bool(post)
-        self._append_value(str(value), None if changed else tokens)
+        self._append_value(str(value), None if changed else tokens, name)
         self.variables[name] = value
         return value
 
@@ -224,6 +244,7 @@ class Context:
         except ValueError as e:
             raise QueryError(f"while generating {name}: {e}") from e
         self._count([c])
+        self._sent(len(ids), c.cached_tokens)
         return plan.cut(c.text, guard["chars"]), c.token_ids
 
     def _guard_chars(self, plan: HolePlan, tokens: list[int]) -> int | None:
@@ -252,6 +273,8 @@ class Context:
             results = await asyncio.gather(*(
                 self.model.agenerate([ids + g], max_tokens=1, logprobs=width, masked_logprobs=True,
                                      mask=mask_for(g), ignore_eos=True) for g, _ in active))
+            if not done and len(active) == 1 and not active[0][0]:  # the first step sent the prompt itself
+                self._sent(len(ids), results[0][0].cached_tokens)
             candidates = []
             for (g, score), (c,) in zip(active, results):
                 self._count([c])
@@ -287,6 +310,9 @@ class Context:
         child = Context(self.model, self.decoding, self.run_index, ids=ids, text=self._text, role=self._role,
                         roles_seen=self._roles_seen)
         value = await query._execute(child, args, kwargs)
+        if ids is not None:
+            self._served[:len(ids)] = child._served[:len(ids)]
+            self._hole_log += child._hole_log
         if isinstance(value, LMQLResult):
             value = value.prompt[len(self._text):]
         for fn in reversed(post):
@@ -307,6 +333,8 @@ class Context:
         ids = self._flush()
         logps, completions = await score_continuations(self.model, ids, [str(v) for v in values])
         self._count(completions)
+        if completions:
+            self._sent(len(ids), min(c.cached_tokens for c in completions))
         top = max(logps)
         z = top + math.log(sum(math.exp(lp - top) for lp in logps))
         self.variables[f"log P({name})"] = [(v, lp - z) for v, lp in zip(values, logps)]
@@ -315,9 +343,20 @@ class Context:
         self.dist_clause = (name, values)
         self._append_value(str(best), None)
         self.variables[name] = best
+        self._hole_of[len(ids):] = [name] * (len(self.ids) - len(ids))
         return best
+
+    def trace(self) -> Trace | None:
+        """This run's trace (None on a remote model: it has no tokens to show)."""
+        if self.remote:
+            return None
+        self._flush()
+        tokens = [TraceToken(t, self.tokenizer.decode([t]), served or "unsent", hole)
+                  for t, served, hole in zip(self.ids, self._served, self._hole_of)]
+        return Trace(tokens, list(self._hole_log), time.perf_counter() - self._started)
 
     def result(self) -> LMQLResult:
         self._flush()
         name, values = self.dist_clause or (None, None)
-        return LMQLResult(self._text, dict(self.variables), name, values, self.cached_tokens, self.computed_tokens)
+        return LMQLResult(self._text, dict(self.variables), name, values, self.cached_tokens, self.computed_tokens,
+                          self.trace())

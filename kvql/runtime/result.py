@@ -10,7 +10,7 @@ class LMQLResult:
     """`prompt`: the final prompt text; `variables`: every hole's value (and `P(VAR)` / `log P(VAR)` for a
     `distribution` clause); `distribution_variable` / `distribution_values` name that clause's hole and
     options; `cached_tokens` / `computed_tokens` count this run's prompt tokens served from / computed
-    by the engine."""
+    by the engine; `trace` shows them token by token (`trace.save("t.html")`)."""
 
     prompt: str
     variables: dict = field(default_factory=dict)
@@ -18,6 +18,7 @@ class LMQLResult:
     distribution_values: list | None = None
     cached_tokens: int = 0
     computed_tokens: int = 0
+    trace: "Trace | None" = field(default=None, repr=False)  # see kvql.runtime.trace
 
     def __getattr__(self, name):
         variables = self.__dict__.get("variables", {})
