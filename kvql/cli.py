@@ -1,4 +1,4 @@
-"""Command line: `kvql demo`, `kvql run FILE.lmql`, `kvql serve`, `kvql generate`."""
+"""Command line: `kvql demo`, `kvql run FILE.lmql`, `kvql serve`, `kvql bench`, `kvql generate`."""
 
 from __future__ import annotations
 
@@ -117,6 +117,21 @@ def serve(args) -> None:
                           timeout_graceful_shutdown=30)).run()
 
 
+def bench(args) -> None:
+    import kvql
+    from kvql import bench as suite
+
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    m = kvql.model(args.model)
+    results = suite.run(m, args.workloads or suite.WORKLOADS, (2, 4, 8) if args.quick else (4, 8, 16, 32),
+                        args.out, progress=True)
+    suite.print_table(results)
+    print(f"wrote {args.out}/bench.json and {args.out}/bench.png")
+    m.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="kvql", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,6 +156,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-tokens-cap", type=int, default=4096)
     p.set_defaults(func=serve)
+    p = sub.add_parser("bench", help="workloads side by side: kvql vs HF generate / generate_batch")
+    p.add_argument("workloads", nargs="*", help="fewshot chat tot json classify (default: all)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--quick", action="store_true", help="small sizes (2, 4, 8): about 2 minutes on 2 cores")
+    p.add_argument("--out", default="bench-results")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.set_defaults(func=bench)
     p = sub.add_parser("generate", help="complete prompts")
     p.add_argument("prompt", nargs="+")
     p.add_argument("--model", default="smollm2-135m")
