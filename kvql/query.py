@@ -84,9 +84,7 @@ class Query:
         self._compiled: dict[tuple, CompiledQuery] = {}
         first = self._compile(tuple(signature.parameters) if signature else ())
         self.output_variables = first.holes
-        unknown = set(decoder_kwargs) - _DECODER_KEYS
-        if unknown:
-            raise TypeError(f"unknown query options {sorted(unknown)}; known: model, decoder, {sorted(_DECODER_KEYS)}")
+        self._decoding(first, {})  # bad decoder options fail at definition, not at the first call
 
     def _compile(self, params: tuple) -> CompiledQuery:
         if params not in self._compiled:

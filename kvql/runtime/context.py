@@ -12,6 +12,7 @@ once, top to bottom; Python side effects happen once per run and are never repla
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import random
 import time
@@ -27,6 +28,12 @@ from .scoring import score_continuations
 from .trace import Trace, TraceHole, TraceToken
 
 DEFAULT_MAX_LEN = 2048
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(tokenizer, lark: str) -> Grammar:
+    """Grammars are immutable: every run of a query (map over many inputs) shares one per hole plan."""
+    return Grammar.lark(tokenizer, lark)
 
 
 class QueryError(RuntimeError):
@@ -208,7 +215,7 @@ class Context:
 
     def _mask(self, plan: HolePlan):
         lark = plan.lark()
-        grammar = Grammar.lark(self.tokenizer, lark).mask_fn() if lark else None
+        grammar = _compiled(self.tokenizer, lark).mask_fn() if lark else None
         if not plan.min_tokens:
             return grammar
         eos = list(self.model.engine.eos_ids)
