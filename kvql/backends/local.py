@@ -117,7 +117,7 @@ class Model:
                 logprobs: int | None = None, mask: MaskFn | None = None, regex: str | None = None,
                 choices: list[str] | None = None, json_schema: dict | str | None = None, grammar: str | None = None,
                 stop_fn: StopFn | None = None, masked_logprobs: bool = False,
-                ignore_eos: bool = False) -> list[RequestGroup]:
+                ignore_eos: bool = False, cache_salt: str | None = None) -> list[RequestGroup]:
         constraints = {k: v for k, v in (("mask", mask), ("regex", regex), ("choices", choices),
                                          ("json_schema", json_schema), ("grammar", grammar)) if v is not None}
         if len(constraints) > 1:
@@ -132,17 +132,21 @@ class Model:
                                 seed=seed, stop=stop, logprobs=logprobs, mask=mask, stop_fn=stop_fn,
                                 masked_logprobs=masked_logprobs, ignore_eos=ignore_eos)
         params.validate()
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         all_ids = self._prompt_ids(prompts)
         for i, ids in enumerate(all_ids):
             self._check_fits(ids, params, i)
-        return [self.engine.submit(ids, params, index=i, on_update=on_update) for i, ids in enumerate(all_ids)]
+        return [self.engine.submit(ids, params, index=i, on_update=on_update, cache_salt=cache_salt)
+                for i, ids in enumerate(all_ids)]
 
     # -- public API ------------------------------------------------------------------------------
     # Options of generate / agenerate / stream (unknown ones raise TypeError):
     #   max_tokens=16, stop=None, temperature=0.0, top_p=1.0, n=1, seed=None, logprobs=None (top-k per token),
     #   at most one constraint: mask (fn of generated ids -> bool tensor), regex, choices, json_schema, grammar
     #   (Lark, llguidance dialect), compiled by kvql.engine.grammar; and for the query runtime: stop_fn,
-    #   masked_logprobs, ignore_eos.
+    #   masked_logprobs, ignore_eos; cache_salt (a string: requests share cached prefixes only with requests
+    #   of the same salt, so tenants cannot probe each other's prompts through cached_tokens or timing).
     def generate(self, prompts, **options) -> list[Completion]:
         """Complete each prompt (a string or token ids); returns `len(prompts) * n` completions,
         prompt by prompt, samples in order. Raises the first request's error after all finished."""

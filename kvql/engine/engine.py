@@ -71,8 +71,12 @@ class Engine:
 
     # -- submission (any thread) ---------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, index: int = 0,
-               on_update=None) -> RequestGroup:
-        group = RequestGroup(list(prompt_ids), params, index, on_update)
+               on_update=None, cache_salt: str | None = None) -> RequestGroup:
+        """Queue one prompt; returns its group, whose future only the engine resolves (cancel with
+        `cancel`: the future itself cannot be cancelled, so no other thread changes a request's
+        state in the middle of a step). `cache_salt` partitions the prefix cache: requests share
+        cached tokens only with requests of the same salt (None: the shared default partition)."""
+        group = RequestGroup(list(prompt_ids), params, index, on_update, cache_salt)
         with self._wake:
             if self._closed:
                 raise RuntimeError("engine is closed")
@@ -135,6 +139,14 @@ class Engine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> None:
+        """One batch: schedule, forward, then commit KV and sample for each request.
+
+        Rows of the logits are addressed by request, never by a running counter: a request that
+        fails or finishes while the step is being applied must not shift its neighbours' rows.
+        Everything user-supplied (masks, stop functions, grammar state) runs in `_sample`, inside
+        the request's own error boundary; the engine's own bookkeeping runs first, for every
+        segment, so no failure can leave a segment's slots unaccounted for.
+        """
         with self._state:
             self._take_inbox()
             batch = self.scheduler.schedule()
@@ -151,17 +163,16 @@ class Engine:
                     self.pool.free(seg.new_slots)
                     self._fail(req.group, e, keep=False)
                 return
-            row = 0
+            rows = {}
             for req, seg in batch:
-                if req.group.done:  # failed with a sibling earlier in this loop
-                    self.pool.free(seg.new_slots)
-                    continue
                 req.kv_slots = torch.cat([req.kv_slots, seg.new_slots])
                 if seg.start < len(req.prompt_ids):
                     self.scheduler.cache_computed(req)
                 if seg.needs_logits:
+                    rows[req] = len(rows)
+            for req, row in rows.items():
+                if not req.group.closed:  # a sibling may have failed it earlier in this loop
                     self._sample(req, logits[row])
-                    row += 1
 
     def _take_inbox(self) -> None:
         with self._wake:
@@ -173,13 +184,14 @@ class Engine:
             req = Request(group, 0, self.tokenizer, self.device)
             group.requests.append(req)
             self.scheduler.waiting.append(req)
-        # a consumer may also cancel the future itself (asyncio.wrap_future does on task cancel)
-        cancels += [r.group for r in (*self.scheduler.running, *self.scheduler.waiting) if r.group.future.cancelled()]
         for group in cancels:
             group.cancelled = True
             self._fail(group, concurrent.futures.CancelledError(), keep=True)
 
     def _sample(self, req: Request, logits: torch.Tensor) -> None:
+        """Pick `req`'s next token (and fork its `n - 1` siblings after the prompt). The request's
+        error boundary: whatever the caller supplied raises here fails this group alone, with its
+        KV kept in the tree (the forward was valid), and never the step."""
         group = req.group
         try:
             token, logprob = sample(logits, req)
@@ -189,20 +201,20 @@ class Engine:
                 for i in range(1, req.params.n):
                     sib = Request(group, i, self.tokenizer, self.device)
                     forks.append((sib, *sample(logits, sib)))
+            for sib, _, _ in forks:
+                # share the prompt's KV: the prompt is in the tree, the sibling locks the same node
+                sib.kv_slots, sib.node, sib.tree_len = req.kv_slots, req.node, req.tree_len
+                sib.cached_tokens = req.cached_tokens
+                self.tree.lock(sib.node)
+                group.requests.append(sib)
+                self.scheduler.running.append(sib)
+            self._append(req, token, logprob)
+            for sib, tok, lp in forks:
+                if not group.closed:
+                    self._append(sib, tok, lp)
         except Exception as e:
             e.add_note(f"kvql: request {req.rid} failed while sampling:\n{traceback.format_exc(limit=3)}")
             self._fail(group, e, keep=True)
-            return
-        for sib, _, _ in forks:
-            # share the prompt's KV: the prompt is in the tree, the sibling locks the same node
-            sib.kv_slots, sib.node, sib.tree_len = req.kv_slots, req.node, req.tree_len
-            sib.cached_tokens = req.cached_tokens
-            self.tree.lock(sib.node)
-            group.requests.append(sib)
-            self.scheduler.running.append(sib)
-        self._append(req, token, logprob)
-        for sib, tok, lp in forks:
-            self._append(sib, tok, lp)
 
     def _append(self, req: Request, token: int, logprob) -> None:
         p = req.params
@@ -219,10 +231,10 @@ class Engine:
             elif len(req.output_ids) >= p.max_tokens:
                 req.finish_reason = "length"
         done = req.finish_reason is not None
+        group = req.group
         if done:
             self.scheduler.remove(req, keep=True)
-            req.group.completions[req.sample] = req.completion()
-        group = req.group
+            group.completions[req.sample] = req.completion()
         if group.on_update is not None:
             try:
                 group.on_update(req.sample, req.detok.pop_stream_delta(done), token,
@@ -230,14 +242,16 @@ class Engine:
             except Exception:  # the consumer is gone (e.g. its event loop closed): stop generating
                 with self._wake:
                     self._cancels.append(group)
-        if done and all(c is not None for c in group.completions) and not group.future.done():
+        if done and all(c is not None for c in group.completions):
+            group.close()
             group.future.set_result(list(group.completions))
 
     def _fail(self, group: RequestGroup, error: BaseException, keep: bool) -> None:
         """Remove every request of the group (idempotent) and resolve its future with `error`."""
         for req in group.requests:
             self.scheduler.remove(req, keep=keep)
-        if not group.future.done():
+        if not group.closed:
+            group.close()
             group.future.set_exception(error)
 
     # -- inspection (any thread; waits for the current step) -----------------------------------

@@ -12,6 +12,9 @@ Contract (what callers may rely on):
 - `lock(node)` / `unlock(node)` count references on the path from `node` to the root. A node whose
   count is positive, or that has a locked descendant, is never evicted.
 - `evict(n)` frees at least `n` slots if it can, least recently used unlocked leaves first.
+- `salt` (on `match_prefix` / `insert`) names a partition: each salt has its own root, so tokens
+  inserted under one salt are never matched under another (tenant isolation; None is the shared
+  default partition). An emptied salted root is dropped.
 
 Invariants (`check_integrity` asserts them):
 1. every node but the root holds one slot per token of its key; no slot appears twice;
@@ -31,6 +34,8 @@ _clock = itertools.count()
 
 
 class Node:
+    """`parent` is None only for a root (one per salt)."""
+
     __slots__ = ("key", "slots", "children", "parent", "lock_ref", "last_access")
 
     def __init__(self, key: list[int], slots: torch.Tensor, parent: "Node | None"):
@@ -58,15 +63,22 @@ class RadixCache:
     def __init__(self, free_slots: Callable[[torch.Tensor], None], device: torch.device | str = "cpu"):
         self._free_slots = free_slots
         self.device = torch.device(device)
-        self.root = Node([], torch.empty(0, dtype=torch.long, device=self.device), None)
-        self.root.lock_ref = 1  # the root is never evicted
+        self.roots: dict[str | None, Node] = {}
+        self.root = self._root(None)
         self.total_tokens = 0
         self.locked_tokens = 0
         self.evicted_tokens = 0
 
+    def _root(self, salt: str | None) -> Node:
+        root = self.roots.get(salt)
+        if root is None:
+            root = self.roots[salt] = Node([], torch.empty(0, dtype=torch.long, device=self.device), None)
+            root.lock_ref = 1  # a root is never evicted
+        return root
+
     # -- lookup and insertion ------------------------------------------------------------------
-    def match_prefix(self, tokens: list[int]) -> tuple[torch.Tensor, Node]:
-        node, pos, parts = self.root, 0, []
+    def match_prefix(self, tokens: list[int], salt: str | None = None) -> tuple[torch.Tensor, Node]:
+        node, pos, parts = self._root(salt), 0, []
         node.last_access = next(_clock)
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -82,10 +94,10 @@ class RadixCache:
         slots = torch.cat(parts) if parts else self.root.slots
         return slots, node
 
-    def insert(self, tokens: list[int], slots: torch.Tensor) -> int:
+    def insert(self, tokens: list[int], slots: torch.Tensor, salt: str | None = None) -> int:
         """Insert `tokens` with their `slots`; return how many leading tokens were already cached."""
         assert len(tokens) == slots.numel(), "one slot per token"
-        node, pos = self.root, 0
+        node, pos = self._root(salt), 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
@@ -113,14 +125,14 @@ class RadixCache:
 
     # -- locking -------------------------------------------------------------------------------
     def lock(self, node: Node) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self.locked_tokens += len(node.key)
             node.lock_ref += 1
             node = node.parent
 
     def unlock(self, node: Node) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             assert node.lock_ref > 0, "unlock without lock"
             node.lock_ref -= 1
             if node.lock_ref == 0:
@@ -144,8 +156,10 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[leaf.key[0]]
             self.total_tokens -= len(leaf.key)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        for salt in [s for s, r in self.roots.items() if s is not None and not r.children]:
+            del self.roots[salt]
         self.evicted_tokens += freed
         return freed
 
@@ -155,29 +169,30 @@ class RadixCache:
 
     # -- inspection ----------------------------------------------------------------------------
     def _nodes(self):
-        stack = [self.root]
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
 
     def _leaves(self):
-        return (n for n in self._nodes() if not n.children and n is not self.root)
+        return (n for n in self._nodes() if not n.children and n.parent is not None)
 
     def num_nodes(self) -> int:
-        return sum(1 for _ in self._nodes()) - 1
+        return sum(1 for n in self._nodes() if n.parent is not None)
 
     def num_locked_nodes(self) -> int:
-        return sum(1 for n in self._nodes() if n is not self.root and n.lock_ref > 0)
+        return sum(1 for n in self._nodes() if n.parent is not None and n.lock_ref > 0)
 
     def held_slots(self) -> torch.Tensor:
-        parts = [n.slots for n in self._nodes() if n is not self.root]
+        parts = [n.slots for n in self._nodes() if n.parent is not None]
         return torch.cat(parts) if parts else self.root.slots
 
     def check_integrity(self) -> None:
         total = locked = 0
         for node in self._nodes():
-            if node is self.root:
+            if node.parent is None:
+                assert node.lock_ref == 1 and not node.key, "a root holds tokens or locks"
                 continue
             assert len(node.key) > 0, "empty non-root node"
             assert node.slots.numel() == len(node.key), "node slots do not match its key"

@@ -59,21 +59,29 @@ class RequestGroup:
 
     `on_update(sample, text_delta, token_id, completion)` is called on the engine thread after each
     generated token (`completion` set when that sample finished).
+
+    The future is marked running at creation, so no consumer can cancel it behind the engine's back
+    (`asyncio.wrap_future` tries to on task cancellation); cancellation goes through
+    `Engine.cancel` and is applied between steps. `closed` is set, by the engine thread only, just
+    before the future is resolved.
     """
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, index: int, on_update=None):
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, index: int, on_update=None,
+                 salt: str | None = None):
         self.prompt_ids = prompt_ids
         self.params = params
         self.index = index
         self.on_update = on_update
+        self.salt = salt
         self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.future.set_running_or_notify_cancel()
         self.completions: list[Completion | None] = [None] * params.n
         self.requests: list[Request] = []
         self.cancelled = False
+        self.closed = False
 
-    @property
-    def done(self) -> bool:
-        return self.future.done()
+    def close(self) -> None:
+        self.closed = True
 
 
 _ids = itertools.count()
@@ -90,6 +98,7 @@ class Request:
         self.sample = sample
         self.params = group.params
         self.prompt_ids = group.prompt_ids
+        self.salt = group.salt
         self.output_ids: list[int] = []
         self.kv_slots = torch.empty(0, dtype=torch.long, device=device)
         self.tree_len = 0

@@ -52,16 +52,16 @@ class Scheduler:
         return self.pool.alloc(n)
 
     def _admit_prefix(self, req: Request) -> None:
-        slots, node = self.tree.match_prefix(req.tokens[:req.num_tokens - 1])
+        slots, node = self.tree.match_prefix(req.tokens[:req.num_tokens - 1], req.salt)
         self.tree.lock(node)
         req.kv_slots, req.node, req.tree_len = slots, node, slots.numel()
 
     def cache_computed(self, req: Request) -> None:
         """Hand the request's computed tokens to the tree and lock them there (it keeps reading them)."""
         tokens = req.tokens[:req.num_computed]
-        existing = self.tree.insert(tokens, req.kv_slots)
+        existing = self.tree.insert(tokens, req.kv_slots, req.salt)
         self.pool.free(req.kv_slots[req.tree_len:existing])  # computed twice: the tree's copy wins
-        slots, node = self.tree.match_prefix(tokens)
+        slots, node = self.tree.match_prefix(tokens, req.salt)
         self.tree.lock(node)
         if req.node is not None:
             self.tree.unlock(req.node)
@@ -125,14 +125,15 @@ class Scheduler:
         if budget <= 0 or not self.waiting or len(self.running) >= self.max_running:
             return
         candidates = list(self.waiting)[:self.lookahead]
-        matched = {r.rid: self.tree.match_prefix(r.tokens[:r.num_tokens - 1])[0].numel() for r in candidates}
+        matched = {r.rid: self.tree.match_prefix(r.tokens[:r.num_tokens - 1], r.salt)[0].numel() for r in candidates}
         candidates.sort(key=lambda r: -matched[r.rid])  # stable: FIFO among equal hits
         prefilling = [r for r in self.running if r.num_computed < len(r.prompt_ids)]
         for req in candidates:
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
             m = matched[req.rid]
-            if any(common_prefix_len(req.tokens, p.prompt_ids) - m >= self.dedup_min for p in prefilling):
+            if any(p.salt == req.salt and common_prefix_len(req.tokens, p.prompt_ids) - m >= self.dedup_min
+                   for p in prefilling):
                 continue  # another request is computing our prefix: hit it next step
             self._admit_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)

@@ -1,0 +1,171 @@
+"""Isolation: no request can change another's answer, fail it, leak its memory or read its cache.
+
+Each test puts a misbehaving request (failing sibling, cancelled task, raising callback, another
+tenant) next to well-behaved ones and asserts that every well-behaved answer equals the uncached
+reference, and that the engine's invariants hold afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import pytest
+
+from conftest import random_prompts, reference_greedy
+
+
+def submit(m, prompts, **kw):
+    return m._submit(prompts, **({"max_tokens": 8} | kw))
+
+
+def assert_exact(llama, tokenizer, prompts, groups, max_tokens=8):
+    for p, g in zip(prompts, groups):
+        assert g.future.result()[0].token_ids == reference_greedy(llama, p, max_tokens, tokenizer.eos_token_id)
+
+
+def test_a_group_failing_mid_step_does_not_shift_its_neighbours_logits(make_model, llama, tokenizer):
+    # Three samples of one prompt are in the same batch when the first one's mask raises; the
+    # requests after them in the batch must still read their own logits rows.
+    prompts = random_prompts(seed=31, count=6, vocab=len(tokenizer))
+
+    def explode(ids):
+        if len(ids) == 2:
+            raise RuntimeError("mask bug")
+        return None
+
+    m = make_model(background=False)
+    bad = submit(m, ["hi there"], n=3, temperature=0.7, seed=1, mask=explode)
+    good = submit(m, prompts)
+    m.engine.run_until_idle()
+    with pytest.raises(RuntimeError, match="mask bug"):
+        bad[0].future.result()
+    assert_exact(llama, tokenizer, prompts, good)
+    m.check_integrity()
+    assert m.stats()["locked_nodes"] == 0
+
+
+def test_a_failing_grammar_with_n_samples_leaves_its_batch_mates_exact(make_model, llama, tokenizer):
+    prompts = random_prompts(seed=32, count=5, vocab=len(tokenizer))
+    m = make_model(background=False)
+    # every sample is forced down "a"s and then fails when the forced text cannot be produced by the
+    # model's vocabulary ordering: a regex that admits nothing after "ab" fails at the third token
+    # llguidance builds this regex lazily: it fails after the first token, once the samples forked
+    bad = submit(m, ["hello"], n=3, regex="a{1000000}")
+    m.engine.step()  # prefill and fork: the three samples now precede the others in every batch
+    good = submit(m, prompts)
+    m.engine.run_until_idle()
+    with pytest.raises(ValueError, match="grammar error after 1 generated tokens"):
+        bad[0].future.result()
+    assert_exact(llama, tokenizer, prompts, good)
+    m.check_integrity()
+
+
+def test_a_raising_stop_fn_fails_only_its_request_and_leaks_no_slot(make_model, llama, tokenizer):
+    prompts = random_prompts(seed=33, count=6, vocab=len(tokenizer))
+
+    def stop_fn(ids, text):
+        if len(ids) == 3:
+            raise RuntimeError("stop_fn bug")
+        return False
+
+    m = make_model(background=False)
+    first = submit(m, prompts[:3])
+    bad = submit(m, prompts[3:4], stop_fn=stop_fn, n=2, temperature=0.5, seed=0)
+    rest = submit(m, prompts[4:])
+    m.engine.run_until_idle()
+    with pytest.raises(RuntimeError, match="stop_fn bug"):
+        bad[0].future.result()
+    assert_exact(llama, tokenizer, prompts[:3] + prompts[4:], first + rest)
+    m.check_integrity()
+    assert m.stats()["locked_nodes"] == 0
+
+
+def test_a_raising_stream_consumer_cancels_only_its_request(make_model, llama, tokenizer):
+    prompts = random_prompts(seed=34, count=4, vocab=len(tokenizer))
+
+    def on_update(*args):
+        raise RuntimeError("consumer gone")
+
+    m = make_model(background=False)
+    bad = m._submit(prompts[0], on_update, max_tokens=8)
+    good = submit(m, prompts[1:])
+    m.engine.run_until_idle()
+    with pytest.raises(concurrent.futures.CancelledError):
+        bad[0].future.result()
+    assert_exact(llama, tokenizer, prompts[1:], good)
+    m.check_integrity()
+
+
+def test_the_future_cannot_be_cancelled_behind_the_engines_back(make_model, tokenizer):
+    m = make_model(background=False)
+    (g,) = submit(m, ["hello there"])
+    assert not g.future.cancel()  # cancellation goes through Engine.cancel, between steps
+    m.engine.cancel(g)
+    m.engine.run_until_idle()
+    with pytest.raises(concurrent.futures.CancelledError):
+        g.future.result()
+    m.check_integrity()
+
+
+@pytest.mark.parametrize("how", ["cancel", "wait_for"])
+def test_asyncio_cancellation_in_a_batch_of_16_leaves_the_others_exact(make_model, llama, tokenizer, how):
+    prompts = random_prompts(seed=35, count=16, vocab=len(tokenizer))
+    m = make_model()
+    solo = [reference_greedy(llama, p, 24, tokenizer.eos_token_id) for p in prompts]
+
+    async def main():
+        async def one(i):
+            coro = m.agenerate([prompts[i]], max_tokens=24)
+            if i % 3 == 0 and how == "wait_for":
+                return await asyncio.wait_for(coro, timeout=0.005 * i)
+            return await coro
+
+        tasks = [asyncio.create_task(one(i)) for i in range(16)]
+        if how == "cancel":
+            await asyncio.sleep(0.02)
+            for i in range(0, 16, 3):
+                tasks[i].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(main())
+    finished = 0
+    for i, r in enumerate(results):
+        if isinstance(r, BaseException):
+            assert i % 3 == 0 and isinstance(r, (asyncio.CancelledError, TimeoutError)), r
+        else:
+            assert r[0].token_ids == solo[i], f"request {i} changed by a cancelled batch-mate"
+            finished += 1
+    assert finished >= 10
+    for _ in range(200):
+        if m.engine.idle():
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    m.check_integrity()
+    assert m.stats()["locked_nodes"] == 0
+
+
+def test_cache_salt_partitions_the_prefix_cache(make_model, llama, tokenizer):
+    prompt = "Question: what is the capital of France? Answer:"
+    m = make_model()
+    (a,) = m.generate([prompt], max_tokens=6, cache_salt="tenant-a")
+    (b,) = m.generate([prompt], max_tokens=6, cache_salt="tenant-b")
+    (shared,) = m.generate([prompt], max_tokens=6)
+    (a2,) = m.generate([prompt], max_tokens=6, cache_salt="tenant-a")
+    assert a.cached_tokens == 0 and b.cached_tokens == 0 and shared.cached_tokens == 0
+    assert a2.cached_tokens == a2.prompt_tokens - 1
+    assert a.token_ids == b.token_ids == shared.token_ids == a2.token_ids
+    m.check_integrity()
+    with pytest.raises(TypeError, match="cache_salt"):
+        m.generate([prompt], cache_salt=5)
+
+
+def test_salted_partitions_are_evicted_like_any_other(make_model, tokenizer):
+    m = make_model(cache_tokens=64)
+    for i in range(12):
+        m.generate([f"The quick brown fox {i} jumps over the lazy dog."], max_tokens=4, cache_salt=f"t{i}")
+        m.check_integrity()
+    assert len(m.engine.tree.roots) < 12  # emptied partitions are dropped
+    assert m.clear_cache() > 0
+    assert list(m.engine.tree.roots) == [None]
+    m.check_integrity()
