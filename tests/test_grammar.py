@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvql.engine.grammar import Grammar
+from kvql.engine.grammar import MAX_BYTES, Grammar
 
 PROMPTS = ["Question: what is the capital of France? Answer:", "Once upon a time", "def add(a, b):"]
 SEEDS = (0, 1)
@@ -163,7 +163,7 @@ def test_a_rejected_history_fails_the_request_with_the_grammar_error(m, tokenize
     (lambda tok: Grammar.regex(tok, "a(b"), "a(b", "unclosed group"),
     (lambda tok: Grammar.regex_all(tok, ["[a-z]+", "x)"]), "x)", "unopened group"),
     (lambda tok: Grammar.json_schema(tok, {"type": "foo"}), '"type": "foo"', "Invalid type: foo"),
-    (lambda tok: Grammar.json_schema(tok, '{"type": "object"'), '{"type": "object"', "EOF"),
+    (lambda tok: Grammar.json_schema(tok, '{"type": "object"'), '{"type": "object"', "not JSON (Expecting"),
     (lambda tok: Grammar.json_schema(tok, {"type": "string", "format": "weird"}), "weird", "Unknown format"),
     (lambda tok: Grammar.lark(tok, "start: foo"), "start: foo", 'unknown name: "foo"'),
     (lambda tok: Grammar.lark(tok, 'start: "a" | ('), 'start: "a" | (', "Expected token ')'"),
@@ -180,3 +180,53 @@ def test_empty_choices_and_patterns_are_rejected(tokenizer):
         Grammar.choices(tokenizer, [])
     with pytest.raises(ValueError, match="at least one pattern"):
         Grammar.regex_all(tokenizer, [])
+
+
+def _lark_chain(n: int) -> str:
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "a"\n'
+
+
+def _ref_chain(n: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string", "maxLength": 3}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+@pytest.mark.parametrize("build", [
+    lambda tok: Grammar.lark(tok, _lark_chain(3000)),   # segfaulted the process in the compiler
+    lambda tok: Grammar.json_schema(tok, _ref_chain(3000)),
+    lambda tok: Grammar.lark(tok, _lark_chain_within_limit()),  # the deepest chain the size limit lets in
+])
+def test_deep_grammars_compile_without_crashing_the_process(tokenizer, build):
+    mask = build(tokenizer).mask_fn()
+    assert mask([]).any()
+
+
+def _lark_chain_within_limit() -> str:
+    lines, size, i = ["start: a0\n"], 10, 0
+    while True:
+        line = f"a{i:x}: a{i + 1:x}\n"
+        if size + len(line) + 16 > MAX_BYTES:
+            break
+        lines.append(line)
+        size += len(line)
+        i += 1
+    lines.append(f'a{i:x}: "a"\n')
+    return "".join(lines)
+
+
+def test_oversize_and_overdeep_constraints_are_refused_before_compiling(tokenizer):
+    with pytest.raises(ValueError, match=f"at most {MAX_BYTES} bytes"):
+        Grammar.lark(tokenizer, _lark_chain(40_000))
+    with pytest.raises(ValueError, match=f"at most {MAX_BYTES} bytes"):
+        Grammar.regex(tokenizer, "a" * (MAX_BYTES + 1))
+    nested: dict = {"type": "string"}
+    for _ in range(600):
+        nested = {"type": "object", "properties": {"a": nested}}
+    with pytest.raises(ValueError, match="nested 1201 deep"):
+        Grammar.json_schema(tokenizer, nested)
+    text = '{"type": "array", "items": ' * 100_000 + "{}" + "}" * 100_000
+    with pytest.raises(ValueError, match="bytes"):
+        Grammar.json_schema(tokenizer, text)
+    with pytest.raises(TypeError, match="must be a string"):
+        Grammar.regex(tokenizer, 5)

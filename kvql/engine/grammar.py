@@ -21,6 +21,15 @@ Intersection and negation exist only in Lark terminal definitions, outside the `
 matches invalid UTF-8, so intersect it with a positive regex as above. `Grammar.regex_all` builds
 the intersection of plain regexes; for negation write the terminal in a grammar, e.g.
 `Grammar.lark(tok, 'start: MATCH\\nMATCH: /[a-z ]+/ & ~/(?s:.*)bad(?s:.*)/')`.
+
+Untrusted constraints reach native code here, so they are bounded first: at most `MAX_BYTES` of
+grammar text (a regex, a Lark grammar, a schema's JSON, the choices together) and JSON nested at
+most `MAX_DEPTH` deep, checked without recursion; anything larger is a ValueError that says so.
+llguidance's compiler recurses natively along chains of rules or `$ref`s (3,000 chained rules
+overflow an 8 MiB thread stack and kill the process), so compilation runs on a thread whose stack
+(`COMPILE_STACK`) holds the deepest chain that fits in `MAX_BYTES` several times over
+(measured: 70,000 chained Lark rules, 1 MB of text, compile in a 512 MiB stack; 30,000 `$ref`s in
+256 MiB). The stack is virtual memory, committed only as far as it is used.
 """
 
 from __future__ import annotations
@@ -36,6 +45,10 @@ import numpy as np
 import torch
 
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)  # errors without parser-state dumps
+MAX_BYTES = 256 * 1024
+MAX_DEPTH = 64
+COMPILE_STACK = 256 * 2**20
+_stack_size_lock = threading.Lock()
 _ll_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ll_tokenizers_lock = threading.Lock()
 
@@ -52,6 +65,46 @@ def _ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
         return ll
 
 
+def _json_depth(value) -> int:
+    """Nesting depth of dicts and lists in `value`, without recursion (so any depth is safe)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _check_size(text: str, what: str) -> None:
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_BYTES:
+        raise ValueError(f"{what} is {size} bytes; kvql compiles constraints of at most {MAX_BYTES} bytes")
+
+
+def _on_big_stack(fn):
+    """Run `fn()` on a new thread with a `COMPILE_STACK` stack; return its result or raise its error."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            out["error"] = e
+
+    with _stack_size_lock:
+        previous = threading.stack_size(COMPILE_STACK)
+        try:
+            thread = threading.Thread(target=run, name="kvql-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 class Grammar:
     """A compiled constraint for one tokenizer; immutable and shareable between requests.
 
@@ -60,9 +113,11 @@ class Grammar:
     length of the masks.
     """
 
-    def __init__(self, tokenizer, grammar: str, what: str):
+    def __init__(self, tokenizer, build, what: str):
+        """`build()` returns llguidance's grammar text; it runs, with the compile, on a big stack."""
         self._ll = _ll_tokenizer(tokenizer)
-        self._initial = llguidance.LLMatcher(self._ll, grammar, log_level=0, limits=_LIMITS)
+        self._initial = _on_big_stack(
+            lambda: llguidance.LLMatcher(self._ll, build(), log_level=0, limits=_LIMITS))
         if self._initial.is_error():
             raise ValueError(f"invalid {what}: {self._initial.get_error().rstrip()}")
         self.vocab_size: int = self._ll.vocab_size
@@ -70,16 +125,22 @@ class Grammar:
     @classmethod
     def regex(cls, tokenizer, pattern: str) -> Grammar:
         """The whole output matches `pattern`."""
-        return cls(tokenizer, llguidance.LLMatcher.grammar_from_regex(pattern), f"regex {pattern!r}")
+        if not isinstance(pattern, str):
+            raise TypeError(f"a regex must be a string, got {type(pattern).__name__}")
+        _check_size(pattern, "the regex")
+        return cls(tokenizer, lambda: llguidance.LLMatcher.grammar_from_regex(pattern), f"regex {pattern!r}")
 
     @classmethod
     def regex_all(cls, tokenizer, patterns: list[str]) -> Grammar:
         """The whole output matches every one of `patterns` (their intersection)."""
         if not patterns:
             raise ValueError("regex_all needs at least one pattern")
-        terms = " & ".join(f"/{llguidance.regex_to_lark(p, '')}/" for p in patterns)
-        return cls(tokenizer, llguidance.LLMatcher.grammar_from_lark(f"start: MATCH\nMATCH: {terms}"),
-                   f"regexes {list(patterns)!r}")
+        _check_size("".join(patterns), "the regexes")
+
+        def build():
+            terms = " & ".join(f"/{llguidance.regex_to_lark(p, '')}/" for p in patterns)
+            return llguidance.LLMatcher.grammar_from_lark(f"start: MATCH\nMATCH: {terms}")
+        return cls(tokenizer, build, f"regexes {list(patterns)!r}")
 
     @classmethod
     def choices(cls, tokenizer, options: list[str]) -> Grammar:
@@ -89,7 +150,8 @@ class Grammar:
         if not all(isinstance(o, str) for o in options):
             raise TypeError(f"choices must be strings, got {list(options)!r}")
         lark = "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
-        return cls(tokenizer, llguidance.LLMatcher.grammar_from_lark(lark), f"choices {list(options)!r}")
+        _check_size(lark, "the choices")
+        return cls(tokenizer, lambda: llguidance.LLMatcher.grammar_from_lark(lark), f"choices {list(options)!r}")
 
     @classmethod
     def json_schema(cls, tokenizer, schema: dict | str) -> Grammar:
@@ -99,19 +161,40 @@ class Grammar:
         never padded with whitespace; a schema's `"x-guidance"` options (e.g.
         `{"whitespace_flexible": true}`) override this.
         """
-        what = f"JSON schema {schema if isinstance(schema, str) else json.dumps(schema)}"
+        if isinstance(schema, str):
+            _check_size(schema, "the JSON schema")
+            try:
+                schema = json.loads(schema)
+            except (json.JSONDecodeError, RecursionError) as e:
+                shown = schema if len(schema) < 500 else schema[:500] + "..."
+                raise ValueError(f"invalid JSON schema {shown}: not JSON ({e})") from None
+        if not isinstance(schema, (dict, bool)):
+            raise TypeError(f"a JSON schema is an object (dict) or its JSON text, got {type(schema).__name__}")
+        depth = _json_depth(schema)
+        if depth > MAX_DEPTH:
+            raise ValueError(f"the JSON schema is nested {depth} deep; kvql compiles schemas nested at most "
+                             f"{MAX_DEPTH} deep")
+        text = json.dumps(schema)
+        _check_size(text, "the JSON schema")
+        what = f"JSON schema {text if len(text) < 500 else text[:500] + '...'}"
         defaults = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
-        except ValueError as e:
-            raise ValueError(f"invalid {what}: {e}") from None
-        return cls(tokenizer, grammar, what)
+
+        def build():
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
+            except ValueError as e:
+                raise ValueError(f"invalid {what}: {e}") from None
+        return cls(tokenizer, build, what)
 
     @classmethod
     def lark(cls, tokenizer, grammar: str) -> Grammar:
         """The output is derived from the rule `start` of a Lark grammar in llguidance's dialect
         (https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md)."""
-        return cls(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), f"Lark grammar {grammar!r}")
+        if not isinstance(grammar, str):
+            raise TypeError(f"a Lark grammar must be a string, got {type(grammar).__name__}")
+        _check_size(grammar, "the Lark grammar")
+        what = f"Lark grammar {grammar!r}" if len(grammar) < 500 else f"Lark grammar {grammar[:500]!r}..."
+        return cls(tokenizer, lambda: llguidance.LLMatcher.grammar_from_lark(grammar), what)
 
     def mask_fn(self) -> Callable[[list[int]], torch.Tensor]:
         """A new kvql `MaskFn`: generated ids so far -> bool tensor `[vocab_size]` of allowed next tokens.
