@@ -169,3 +169,12 @@ def test_salted_partitions_are_evicted_like_any_other(make_model, tokenizer):
     assert m.clear_cache() > 0
     assert list(m.engine.tree.roots) == [None]
     m.check_integrity()
+
+
+def test_the_cheap_integrity_check_sees_a_leaked_slot(make_model):
+    m = make_model(background=False)
+    m.generate(["hello there"], max_tokens=3)
+    m.check_integrity(full=False)
+    m.engine.pool.alloc(1)  # taken and never given to anyone
+    with pytest.raises(AssertionError, match="slots leaked"):
+        m.check_integrity(full=False)

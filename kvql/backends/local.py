@@ -201,8 +201,9 @@ class Model:
         """Evict every cached token not in use by a running request; returns how many were freed."""
         return self.engine.clear_cache()
 
-    def check_integrity(self) -> None:
-        self.engine.check_integrity()
+    def check_integrity(self, full: bool = True) -> None:
+        """Assert the engine's invariants; `full=False` is the cheap slot count only."""
+        self.engine.check_integrity(full)
 
     def close(self) -> None:
         self.engine.close()

@@ -27,6 +27,7 @@ _SPELLINGS = {
     "openai": {},
 }
 _LOCAL_ONLY = ("mask", "stop_fn", "masked_logprobs", "ignore_eos")
+_SALTED = ("kvql", "vllm")  # servers that partition their prefix cache by a request's `cache_salt`
 
 
 class RemoteModel:
@@ -68,14 +69,18 @@ class RemoteModel:
 
     # -- requests --------------------------------------------------------------------------------
     def _body(self, prompt, *, max_tokens: int = 16, stop=None, temperature: float = 0.0, top_p: float = 1.0,
-              n: int = 1, seed: int | None = None, logprobs: int | None = None, stream: bool = False, **constraints):
+              n: int = 1, seed: int | None = None, logprobs: int | None = None, stream: bool = False,
+              cache_salt: str | None = None, **constraints):
         for key in _LOCAL_ONLY:
             if constraints.pop(key, None):
                 raise ValueError(f"{key} is a Python callback or engine option and cannot run on a remote server; "
                                  "use regex, choices, json_schema or grammar")
         body = {"model": self.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": top_p, "n": n, "stream": stream}
-        for key, value in (("stop", stop), ("seed", seed), ("logprobs", logprobs)):
+        if cache_salt is not None and self.kind not in _SALTED:
+            raise ValueError(f"the {self.kind} server at {self.base_url} has no cache_salt: its prefix cache "
+                             "cannot be partitioned per request")
+        for key, value in (("stop", stop), ("seed", seed), ("logprobs", logprobs), ("cache_salt", cache_salt)):
             if value is not None:
                 body[key] = value
         given = {k: v for k, v in constraints.items() if v is not None}
@@ -139,7 +144,12 @@ class RemoteModel:
                 async for line in r.aiter_lines():
                     if not line.startswith("data:") or line.strip() == "data: [DONE]":
                         continue
-                    for choice in json.loads(line[5:])["choices"]:
+                    event = json.loads(line[5:])
+                    if "error" in event:  # the request failed after the stream had started
+                        error = event["error"]
+                        raise ValueError(f"{self.kind} server: {error.get('message', error)}"
+                                         if isinstance(error, dict) else f"{self.kind} server: {error}")
+                    for choice in event["choices"]:
                         i, text = choice.get("index", 0), choice.get("text", "")
                         texts[i] = texts.get(i, "") + text
                         reason = choice.get("finish_reason")

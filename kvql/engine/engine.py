@@ -287,8 +287,16 @@ class Engine:
                 "forward_seconds": self.runner.forward_seconds,
             }
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, full: bool = True) -> None:
+        """Assert the invariants (module docstring). `full=False` checks only the slot count (O(running
+        requests), cheap enough for a health probe); `full=True` also walks the tree and every slot."""
         with self._state:
+            held = sum(r.num_computed - r.tree_len for r in self.scheduler.running)
+            assert self.pool.num_free + self.tree.total_tokens + held == self.pool.num_slots, (
+                f"slots leaked or doubled: free {self.pool.num_free} + tree {self.tree.total_tokens} + running "
+                f"{held} != pool {self.pool.num_slots}")
+            if not full:
+                return
             self.tree.check_integrity()
             free, tree, held = self.pool.free_slots(), self.tree.held_slots(), self.scheduler.held_slots()
             every = torch.cat([free, tree, held])
