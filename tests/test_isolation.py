@@ -11,6 +11,8 @@ import asyncio
 import concurrent.futures
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import random_prompts, reference_greedy
 
@@ -178,3 +180,47 @@ def test_the_cheap_integrity_check_sees_a_leaked_slot(make_model):
     m.engine.pool.alloc(1)  # taken and never given to anyone
     with pytest.raises(AssertionError, match="slots leaked"):
         m.check_integrity(full=False)
+
+
+def _raise_at(k: int, what: str):
+    def fn(ids, *rest):
+        if len(ids) == k:
+            raise RuntimeError(what)
+        return None if not rest else False
+    return fn
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), budget=st.sampled_from([64, 128, 4096]),
+       kinds=st.lists(st.sampled_from(["good", "good", "mask", "stop_fn", "fork", "cancel", "salt"]),
+                      min_size=4, max_size=10))
+def test_misbehaving_requests_never_change_a_good_answer(make_model, llama, tokenizer, seed, budget, kinds):
+    prompts = random_prompts(seed=seed, count=len(kinds), vocab=len(tokenizer), prefix_lengths=(0, 6, 20),
+                             suffix=(1, 8))
+    m = make_model(background=False, cache_tokens=budget, max_batch_tokens=24)
+    groups = []
+    for i, (kind, p) in enumerate(zip(kinds, prompts)):
+        kw = {"max_tokens": 6}
+        if kind == "mask":
+            kw["mask"] = _raise_at(i % 4, "mask bug")
+        elif kind == "stop_fn":
+            kw["stop_fn"] = _raise_at(1 + i % 4, "stop bug")
+        elif kind == "fork":
+            kw |= {"n": 3, "temperature": 0.8, "seed": i, "mask": _raise_at(2, "fork bug") if i % 2 else None}
+        elif kind == "salt":
+            kw["cache_salt"] = f"tenant{i % 2}"
+        groups += m._submit([p], **kw)
+    for step in range(40):
+        for i, kind in enumerate(kinds):
+            if kind == "cancel" and step == i % 5:
+                m.engine.cancel(groups[i])
+        m.engine.step()
+        m.check_integrity()
+        if m.engine.idle():
+            break
+    m.engine.run_until_idle()
+    m.check_integrity()
+    assert m.stats()["locked_nodes"] == 0
+    for kind, p, g in zip(kinds, prompts, groups):
+        if kind in ("good", "salt") or (kind == "cancel" and not g.future.exception()):
+            assert g.future.result()[0].token_ids == reference_greedy(llama, p, 6, tokenizer.eos_token_id)
