@@ -21,7 +21,7 @@ from .backends.remote import RemoteModel
 from .lang.compiler import CompiledQuery, Decoder, compile_query
 from .lang.prompt_string import Expr, Hole, parse_prompt
 from .runtime import constraints
-from .runtime.context import DEFAULT_MAX_LEN, Context, Decoding, QueryError
+from .runtime.context import DEFAULT_MAX_LEN, Context, Decoding, QueryError, UnmetConstraint
 from .runtime.result import LMQLResult
 from .runtime.scoring import score_continuations
 
@@ -315,4 +315,4 @@ def score_sync(prompt: str, values, model=None) -> ScoreResult:
 
 
 __all__ = ["query", "run", "run_sync", "F", "generate", "generate_sync", "score", "score_sync", "Query",
-           "set_default_model", "get_model", "LMQLResult", "QueryError"]
+           "set_default_model", "get_model", "LMQLResult", "QueryError", "UnmetConstraint"]

@@ -115,7 +115,7 @@ def split_clauses(source: str):
                     raise QuerySyntaxError(f"'from' needs a model name in quotes, got {text!r}", j + 1, 1,
                                            source) from None
             elif kind == "where":
-                where = (text, j + 1)
+                where = _Span(m.group(2) + "\n" + "\n".join(lines[j + 1:k]), j + 1, m.start(2), 0)
             else:
                 distribution = (text, j + 1)
             j = k
@@ -132,6 +132,41 @@ def split_clauses(source: str):
 
 
 # -- where clauses -------------------------------------------------------------------------------
+@dataclass
+class _Span:
+    """A piece of query text (a where clause) and where it lies: its first character at 1-based
+    `line`, 0-based `col` of the query; its later lines start `indent` columns into theirs."""
+
+    text: str
+    line: int
+    col: int
+    indent: int
+
+    def at(self, line: int, col: int) -> tuple[int, int]:
+        """(query line, 1-based query column) of 1-based `line`, 0-based character `col` in the text."""
+        return self.line + line - 1, (self.col if line == 1 else self.indent) + col + 1
+
+    def node_at(self, node: ast.AST) -> tuple[int, int]:
+        """Position of an AST node parsed from the text (its col_offset counts UTF-8 bytes)."""
+        line = self.text.split("\n")[node.lineno - 1]
+        return self.at(node.lineno, len(line.encode()[:node.col_offset].decode(errors="ignore")))
+
+    def lstrip(self) -> "_Span":
+        """The same text without leading whitespace (which `ast.parse(..., mode="eval")` refuses)."""
+        lead = self.text[:len(self.text) - len(self.text.lstrip())]
+        rows = lead.split("\n")
+        line, col = self.line + len(rows) - 1, (self.col if len(rows) == 1 else self.indent) + len(rows[-1])
+        return _Span(self.text[len(lead):], line, col, self.indent)
+
+
+class _NodeError(ValueError):
+    """An error about one node of a where clause; the caller turns it into a positioned QuerySyntaxError."""
+
+    def __init__(self, message: str, node: ast.AST):
+        super().__init__(message)
+        self.node = node
+
+
 class _WhereRewriter(ast.NodeTransformer):
     """Turn a where expression into code that builds the constraint IR (see runtime.constraints)."""
 
@@ -154,8 +189,8 @@ class _WhereRewriter(ast.NodeTransformer):
             return ast.Call(self._c("LEN"), [self.visit(a) for a in node.args], [])
         if isinstance(node.func, ast.Name) and node.func.id.isupper() and node.func.id not in BUILDERS \
                 and any(isinstance(a, ast.Name) and a.id in self.holes for a in node.args):
-            raise ValueError(f"unknown constraint {node.func.id}(); kvql knows "
-                             f"{', '.join(sorted(BUILDERS))}, len(), in, ==, <, >, and, or, not")
+            raise _NodeError(f"unknown constraint {node.func.id}(); kvql knows "
+                             f"{', '.join(sorted(BUILDERS))}, len(), in, ==, <, >, and, or, not", node)
         return self.generic_visit(node)
 
     def visit_BoolOp(self, node):
@@ -183,35 +218,112 @@ class _WhereRewriter(ast.NodeTransformer):
         return parts[0] if len(parts) == 1 else ast.Call(self._c("AND"), parts, [])
 
 
-def _where_code(src: str, holes: set[str], where_line: int, source: str) -> str:
+def _where_code(span: _Span, holes: set[str], source: str) -> str:
+    """Python source building the IR of the where clause in `span`; errors point into the query."""
+    span = _Span(span.text.rstrip(), span.line, span.col, span.indent).lstrip()
     try:
-        tree = ast.parse(src.strip(), mode="eval")
+        for _ in _tokens(span.text):
+            pass
+    except tokenize.TokenError as e:
+        (row, col) = e.args[1]
+        raise QuerySyntaxError(f"invalid where clause: {e.args[0]}", *span.at(row, col), source) from None
+    except IndentationError:
+        pass  # indentation does not matter inside the brackets added below
+    try:
+        # in brackets, so that a standalone `where` clause may continue on following lines
+        tree = ast.parse(f"({span.text}\n)", mode="eval")
     except SyntaxError as e:
-        raise QuerySyntaxError(f"invalid where clause: {e.msg}", where_line, e.offset or 1, source) from None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in BUILDERS:
-            for a in node.args[:1]:
-                if isinstance(a, ast.Name) and a.id not in holes:
-                    raise QuerySyntaxError(f"{node.func.id}({a.id}, ...): no prompt here generates a variable "
-                                           f"named {a.id}", where_line, 1, source)
+        lines = span.text.split("\n")
+        row, col = e.lineno or 1, (e.offset or 1) - 1 - ((e.lineno or 1) == 1)
+        if row > len(lines):  # at the closing bracket added above: the clause ended too early
+            row, col = len(lines), len(lines[-1])
+        raise QuerySyntaxError(f"invalid where clause: {e.msg}", *span.at(row, max(col, 0)), source) from None
+    for node in ast.walk(tree):  # positions as in the text itself, without the added bracket
+        if getattr(node, "lineno", None) == 1:
+            node.col_offset -= 1
+        if getattr(node, "end_lineno", None) == 1:
+            node.end_col_offset -= 1
     try:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in BUILDERS:
+                fn = node.func.id
+                for a in node.args[:1]:
+                    if isinstance(a, ast.Name) and a.id not in holes:
+                        raise _NodeError(f"{fn}({a.id}, ...): no prompt here generates a variable named {a.id}", a)
+                if fn in ("STOPS_AT", "STOPS_BEFORE") and len(node.args) > 1 \
+                        and isinstance(node.args[1], ast.Constant) and node.args[1].value == "":
+                    raise _NodeError(f'{fn}({ast.unparse(node.args[0])}, ""): the stop phrase is empty',
+                                     node.args[1])
         out = _WhereRewriter(holes).visit(tree)
-    except ValueError as e:
-        raise QuerySyntaxError(str(e), where_line, 1, source) from None
+    except _NodeError as e:
+        raise QuerySyntaxError(str(e), *span.node_at(e.node), source) from None
     return ast.unparse(ast.fix_missing_locations(out))
 
 
 # -- prompt statements ---------------------------------------------------------------------------
+_PAIRS = {")": "(", "]": "[", "}": "{"}
+
+
+def _tokens(text: str):
+    """Python's tokens of `text`; a bracket that is never closed, or closes nothing or the wrong
+    one, raises TokenError(message, (row, col)) at that bracket, as Python's own parser reports it
+    (tokenize alone would say "EOF in multi-line statement" at the end of the text)."""
+    opened: list = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.OP and tok.string in "([{":
+                opened.append(tok)
+            elif tok.type == tokenize.OP and tok.string in _PAIRS:
+                if not opened:
+                    raise tokenize.TokenError(f"unmatched {tok.string!r}", tok.start)
+                if opened[-1].string != _PAIRS[tok.string]:
+                    raise tokenize.TokenError(f"closing parenthesis {tok.string!r} does not match opening "
+                                              f"parenthesis {opened[-1].string!r}", tok.start)
+                opened.pop()
+            yield tok
+    except tokenize.TokenError as e:
+        if opened and "statement" in e.args[0]:
+            raise tokenize.TokenError(f"{opened[-1].string!r} was never closed", opened[-1].start) from None
+        raise
+
+
 def _logical_lines(body: str):
     """Yield lists of significant tokens, one list per logical line."""
     line: list = []
-    for tok in tokenize.generate_tokens(io.StringIO(body).readline):
+    for tok in _tokens(body):
         if tok.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
             if line:
                 yield line
             line = []
         elif tok.type not in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT):
             line.append(tok)
+
+
+# one escape sequence (or character) of a string literal's body
+_UNIT = re.compile(r"\\(?:\n|N\{[^}]*\}|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[0-7]{1,3}|.)|.", re.S)
+
+
+def _char_positions(toks) -> list[tuple[int, int]]:
+    """(row, col) in the body of each character of the value of these adjacent string tokens, and
+    one more for the end, so that an error at an offset of the value points at its source."""
+    out = []
+    for tok in toks:
+        s = tok.string
+        prefix = re.match(r"[A-Za-z]*", s).group(0)
+        quote = 3 if s[len(prefix):len(prefix) + 3] in ('"""', "'''") else 1
+        where, (row, col) = [], tok.start
+        for c in s:
+            where.append((row, col))
+            row, col = (row + 1, 0) if c == "\n" else (row, col + 1)
+        start = len(prefix) + quote
+        body = s[start:len(s) - quote]
+        units = re.finditer(".", body, re.S) if "r" in prefix.lower() else _UNIT.finditer(body)
+        for u in units:
+            text = u.group(0)
+            n = 0 if text == "\\\n" else 2 if text[0] == "\\" and text[1] not in "\\'\"abfnrtvxuUN01234567" else 1
+            out += [where[start + u.start()]] * n
+        end = tok.end
+    return out + [end]
 
 
 def _string_value(tok) -> str:
@@ -228,8 +340,7 @@ class _Statement:
     last: int
     indent: str
     parts: list
-    where: str | None
-    where_line: int
+    where: _Span | None
     distribution: tuple[str, str] | None  # (VAR, values source)
 
 
@@ -240,6 +351,9 @@ def _find_statements(body: str, source: str, line0: int, col0: int) -> list[_Sta
 
     def text_between(a, b):
         return body[offsets[a[0] - 1] + a[1]:offsets[b[0] - 1] + b[1]]
+
+    def error(message, row, col):  # row, col: 1-based line, 0-based column of the body
+        return QuerySyntaxError(message, row + line0 - 1, col + col0 + 1, source)
 
     out = []
     try:
@@ -254,36 +368,34 @@ def _find_statements(body: str, source: str, line0: int, col0: int) -> list[_Sta
                 continue  # a Python expression that merely starts with a string
             try:
                 value = "".join(_string_value(t) for t in toks[:k])
+            except (ValueError, SyntaxError) as e:
+                raise error(f"in prompt string: {e}", *toks[0].start) from None
+            try:
                 parts = parse_prompt(value)
-            except (ValueError, SyntaxError, PromptSyntaxError) as e:
-                row, col = toks[0].start
-                raise QuerySyntaxError(f"in prompt string: {e}", row + line0 - 1, col + col0 + 1, source) from None
+            except PromptSyntaxError as e:
+                raise error(f"in prompt string: {e}", *_char_positions(toks[:k])[e.offset]) from None
             where = distribution = None
-            where_line = toks[0].start[0] + line0 - 1
             if rest:
                 dist_at = next((i for i, t in enumerate(rest) if t.type == tokenize.NAME
                                 and t.string == "distribution"), len(rest))
                 if rest[0].string == "where":
                     end = rest[dist_at].start if dist_at < len(rest) else rest[-1].end
-                    where = text_between(rest[0].end, end)
-                    where_line = rest[0].start[0] + line0 - 1
+                    row, col = rest[0].end
+                    where = _Span(text_between(rest[0].end, end), row + line0 - 1, col + col0, col0)
                 if dist_at < len(rest):
                     dsrc = text_between(rest[dist_at].end, rest[-1].end).strip()
                     m = re.match(r"([A-Za-z_]\w*)\s+in\s+(.+)$", dsrc, re.S)
                     if not m:
-                        row, col = rest[dist_at].start
-                        raise QuerySyntaxError("expected 'distribution VAR in [values]'", row + line0 - 1,
-                                               col + col0 + 1, source)
+                        raise error("expected 'distribution VAR in [values]'", *rest[dist_at].start)
                     distribution = (m.group(1), m.group(2))
             line_text = body.split("\n")[toks[0].start[0] - 1]
             out.append(_Statement(toks[0].start[0], toks[-1].end[0],
                                   line_text[:len(line_text) - len(line_text.lstrip())], parts, where,
-                                  where_line, distribution))
+                                  distribution))
     except tokenize.TokenError as e:
-        row, col = e.args[1]
-        raise QuerySyntaxError(f"{e.args[0]}", row + line0 - 1, col + col0 + 1, source) from None
+        raise error(e.args[0], *e.args[1]) from None
     except IndentationError as e:
-        raise QuerySyntaxError(e.msg, (e.lineno or 1) + line0 - 1, (e.offset or 0) + col0, source) from None
+        raise error(e.msg, e.lineno or 1, max((e.offset or 1) - 1, 0)) from None
     return out
 
 
@@ -346,12 +458,12 @@ def _compile(source: str, params: list[str] | None, name: str) -> CompiledQuery:
         if st.distribution and st.distribution[0] not in [p.name for p in st.parts if isinstance(p, Hole)]:
             raise QuerySyntaxError(f"distribution over {st.distribution[0]}, which this prompt does not generate",
                                    st.first + line0 - 1, 1, source)
-    global_where = _where_code(where[0], set(holes), where[1], source) if where else "None"
+    global_where = _where_code(where, set(holes), source) if where else "None"
 
     lines = body.split("\n")
     for st in reversed(statements):
         own = {p.name for p in st.parts if isinstance(p, Hole)}
-        code = _where_code(st.where, own, st.where_line, source) if st.where else "None"
+        code = _where_code(st.where, own, source) if st.where else "None"
         if where and st.where:
             code = f"__C.AND({global_where}, {code})"
         elif where:

@@ -10,6 +10,7 @@ Syntax (LMQL's):
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ _HOLE = re.compile(r"\s*((?:@[^\s\]]+\s+)*)([A-Za-z_]\w*)\s*(?::\s*(.+?))?\s*$",
 
 
 class PromptSyntaxError(ValueError):
+    """An error in a prompt string; `offset` is the index in the string's value where it is."""
+
     def __init__(self, message: str, offset: int):
         super().__init__(message)
         self.offset = offset
@@ -50,7 +53,7 @@ class Role:
 
 def _scan_expr(s: str, i: int) -> int:
     """Index of the `}` closing the interpolation whose body starts at `i` (strings and nesting aware)."""
-    depth, quote = 0, None
+    start, depth, quote = i - 1, 0, None
     while i < len(s):
         c = s[i]
         if quote:
@@ -71,10 +74,21 @@ def _scan_expr(s: str, i: int) -> int:
                 raise PromptSyntaxError(f"unbalanced {c!r} in interpolation", i)
             depth -= 1
         i += 1
-    raise PromptSyntaxError("'{' is never closed (write '{{' for a literal brace)", i)
+    raise PromptSyntaxError("'{' is never closed (write '{{' for a literal brace)", start)
 
 
-def _split_expr(body: str) -> Expr:
+def _check_python(source: str, offset: int, what: str) -> None:
+    """Raise PromptSyntaxError, at its offset in the prompt string, if `source` (which starts at
+    `offset`) is not a Python expression; the compiled query wraps it in parentheses, and so does this."""
+    try:
+        ast.parse(f"({source})", mode="eval")
+    except SyntaxError as e:
+        at = offset + max((e.offset or 1) - 2, 0) if (e.lineno or 1) == 1 else offset
+        raise PromptSyntaxError(f"invalid {what} {source!r}: {e.msg}", min(at, offset + len(source))) from None
+
+
+def _split_expr(body: str, offset: int) -> Expr:
+    """`body` of a `{...}` interpolation that starts at `offset` of the prompt string."""
     depth, quote, i = 0, None, 0
     conv_at = spec_at = None
     while i < len(body):
@@ -90,14 +104,19 @@ def _split_expr(body: str) -> Expr:
             depth += 1
         elif c in ")]}":
             depth -= 1
-        elif depth == 0 and c == "!" and body[i + 1:i + 2] in ("r", "s", "a") and body[i + 2:i + 3] in ("", ":"):
+        elif depth == 0 and c == "!" and body[i + 1:i + 2] != "=":
+            if not (body[i + 1:i + 2] in ("r", "s", "a") and body[i + 2:i + 3] in ("", ":")):
+                bad = re.match(r"![^:]*", body[i:]).group(0)
+                raise PromptSyntaxError(f"invalid conversion {bad!r} in {{{body}}}: use !r, !s or !a", offset + i)
             conv_at = i
         elif depth == 0 and c == ":" and spec_at is None:
             spec_at = i
             break
         i += 1
     end = conv_at if conv_at is not None else spec_at if spec_at is not None else len(body)
-    return Expr(body[:end].strip(), body[conv_at + 1] if conv_at is not None else "",
+    source = body[:end].strip()
+    _check_python(source, offset + len(body[:end]) - len(body[:end].lstrip()), "expression")
+    return Expr(source, body[conv_at + 1] if conv_at is not None else "",
                 body[spec_at + 1:] if spec_at is not None else "")
 
 
@@ -128,7 +147,7 @@ def parse_prompt(s: str) -> list[Text | Expr | Hole | Role]:
             elif not body.strip():
                 raise PromptSyntaxError("empty interpolation '{}' (write '{{}}' for literal braces)", i)
             else:
-                parts.append(_split_expr(body))
+                parts.append(_split_expr(body, i + 1))
             i = end + 1
         elif c == "[":
             end = s.find("]", i + 1)
@@ -141,6 +160,10 @@ def parse_prompt(s: str) -> list[Text | Expr | Hole | Role]:
             if not m:
                 raise PromptSyntaxError(f"invalid hole [{s[i + 1:end]}]: expected [NAME], [NAME: type] or "
                                         "[@fn NAME] (write '[[' for a literal bracket)", i)
+            for d in re.finditer(r"@(\S+)", m.group(1)):
+                _check_python(d.group(1), i + 1 + m.start(1) + d.start(1), "post-processor")
+            if m.group(3):
+                _check_python(m.group(3), i + 1 + m.start(3), "hole type")
             flush()
             decorators = [d[1:] for d in m.group(1).split()]
             parts.append(Hole(m.group(2), m.group(3), decorators, i))

@@ -11,13 +11,21 @@ A hole's `HolePlan` splits the constraints on it into what the engine can enforc
 - stop phrases (`STOPS_AT` keeps the phrase in the value, `STOPS_BEFORE` drops it), each firing only
   once the other length conditions on the hole hold;
 - token-count bounds (`len(TOKENS(V)) < n` etc.).
+
+The plan also says whether a value meets the grammar (`HolePlan.check`, on the text itself,
+whatever the tokenization) and whether any value can (`HolePlan.satisfiable`), so that the runtime
+never returns a value that breaks its where clause and explains a clause that cannot hold.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import operator
 from dataclasses import dataclass, field
 
+import llguidance
+import llguidance.hf
 from llguidance import regex_to_lark
 
 INT_REGEX = r" ?-?[0-9]+"
@@ -99,12 +107,20 @@ def _var(x, fn: str) -> str:
     raise ConstraintError(f"{fn}() takes a variable that the prompt generates, got {x!r}")
 
 
+def _phrase(fn: str, var: str, phrase) -> str:
+    if not str(phrase):  # it would match before the first token: the value would always be empty
+        raise ConstraintError(f'{fn}({var}, ""): the stop phrase is empty')
+    return str(phrase)
+
+
 def STOPS_AT(var, phrase: str) -> Atom:
-    return Atom("stops_at", _var(var, "STOPS_AT"), str(phrase))
+    name = _var(var, "STOPS_AT")
+    return Atom("stops_at", name, _phrase("STOPS_AT", name, phrase))
 
 
 def STOPS_BEFORE(var, phrase: str) -> Atom:
-    return Atom("stops_before", _var(var, "STOPS_BEFORE"), str(phrase))
+    name = _var(var, "STOPS_BEFORE")
+    return Atom("stops_before", name, _phrase("STOPS_BEFORE", name, phrase))
 
 
 def INT(var) -> Atom:
@@ -188,6 +204,41 @@ def IN(a, b, negate: bool = False):
 BUILDERS = {"STOPS_AT": STOPS_AT, "STOPS_BEFORE": STOPS_BEFORE, "INT": INT, "REGEX": REGEX, "TOKENS": TOKENS}
 
 
+def describe(node) -> str:
+    """A condition as a where clause would write it (for error messages)."""
+    if isinstance(node, (And, Or)):
+        word = " and " if isinstance(node, And) else " or "
+        return word.join(f"({describe(i)})" if isinstance(i, (And, Or)) else describe(i) for i in node.items)
+    if isinstance(node, Not):
+        inner = describe(node.item)
+        return f"not ({inner})" if isinstance(node.item, (And, Or)) else f"not {inner}"
+    v, arg = node.var, node.arg
+    return {
+        "stops_at": lambda: f"STOPS_AT({v}, {arg!r})",
+        "stops_before": lambda: f"STOPS_BEFORE({v}, {arg!r})",
+        "regex": lambda: f"REGEX({v}, {arg!r})",
+        "int": lambda: f"INT({v})",
+        "in": lambda: f"{v} in {list(arg)!r}",
+        "eq": lambda: f"{v} == {arg!r}",
+        "contains": lambda: f"{arg!r} in {v}",
+        "startswith": lambda: f"{v}.startswith({arg!r})",
+        "len": lambda: f"len({'TOKENS(' + v + ')' if arg[0] == 'tokens' else v}) {arg[1]} {arg[2]}",
+    }[node.kind]()
+
+
+def _finite(node) -> frozenset[str] | None:
+    """A finite set holding every value `node` admits (its `in` / `==` choices), or None."""
+    if isinstance(node, Atom) and node.kind in ("in", "eq"):
+        return frozenset(node.arg) if node.kind == "in" else frozenset([node.arg])
+    if isinstance(node, Or):
+        parts = [_finite(i) for i in node.items]
+        return None if None in parts else frozenset().union(*parts)
+    if isinstance(node, And):
+        parts = [p for p in map(_finite, node.items) if p is not None]
+        return frozenset.intersection(*parts) if parts else None
+    return None
+
+
 # -- per-hole plans ------------------------------------------------------------------------------
 _META = set("\\.+*?()|[]{}^$#&~-")
 
@@ -228,7 +279,12 @@ def _term(node: Node) -> str:
         return "(" + " | ".join(_term(i) for i in node.items) + ")"
     if isinstance(node, Not):
         return f"(/(?s:.*)/ & ~{_term(node.item)})"  # ~ alone would also admit invalid UTF-8
-    return "/" + regex_to_lark(_atom_regex(node), "") + "/"
+    return _slashed(_atom_regex(node))
+
+
+def _slashed(regex: str) -> str:
+    """A regex as a Lark terminal; `(?:)` for the empty one (`//` is not Lark), as in `X == ""`."""
+    return "/" + (regex_to_lark(regex, "") or "(?:)") + "/"
 
 
 def _plain(node: Node) -> str | None:
@@ -261,15 +317,48 @@ class HolePlan:
 
     terms: list[str] = field(default_factory=list)
     plain: list[str | None] = field(default_factory=list)  # each term as one plain regex, None if it needs & or ~
+    conditions: list[str] = field(default_factory=list)    # each term as the where clause wrote it
     stops: list[Stop] = field(default_factory=list)
     max_tokens: int | None = None
+    cap: str | None = None       # the condition that set max_tokens, e.g. "len(TOKENS(X)) < 3"
     min_tokens: int = 0
+    floor: str | None = None     # the condition that set min_tokens
     min_chars: int = 0
+    choices: frozenset[str] | None = None  # every value the terms admit is one of these (None: not finite)
     as_int: bool = False  # a top-level INT(V): the program sees an int, as in LMQL
 
-    def require(self, regex: str) -> None:
-        self.terms.append("/" + regex_to_lark(regex, "") + "/")
+    def require(self, regex: str, condition: str) -> None:
+        self.terms.append(_slashed(regex))
         self.plain.append(regex)
+        self.conditions.append(condition)
+
+    def describe(self) -> str:
+        """The value's conditions, as written in the where clause."""
+        return " and ".join(self.conditions)
+
+    def satisfiable(self) -> bool:
+        """False when no text meets every term (their intersection is empty), as far as llguidance
+        can tell from the grammar's initial state; True when unconstrained."""
+        if self.choices is not None and not self.choices:
+            return False
+        for term, condition in zip(self.terms, self.conditions):  # an invalid regex, named by its condition
+            try:
+                _matcher(f"start: VALUE\nVALUE: {term}")
+            except ConstraintError as e:
+                raise ConstraintError(f"{condition}: {e}") from None
+        lark = self.lark()
+        return lark is None or _matcher(lark).satisfiable
+
+    def check(self, text: str) -> str:
+        """"complete" if `text` (see `constrained`) meets every term, "prefix" if only a longer text
+        could, else "no"."""
+        lark = self.lark()
+        if lark is None:
+            return "complete"
+        m = _matcher(lark).initial.deep_copy()
+        if not m.consume_tokens(list(text.encode())) or m.is_error():
+            return "no"
+        return "complete" if m.is_accepting() else "prefix"
 
     def regex(self) -> str | None:
         """The value's constraint as one plain regex (what OpenAI-compatible servers accept), or None."""
@@ -307,6 +396,13 @@ class HolePlan:
         i, stop = hit
         return text[:i] + (stop.phrase if stop.include else "")
 
+    def constrained(self, text: str, guard_chars: int | None) -> str:
+        """What the grammar constrains in generated `text`: up to and including the stop phrase that
+        ends the value. STOPS_BEFORE drops the phrase from the value only afterwards (as in LMQL), so
+        `REGEX(X, "[a-z]+[.]") and STOPS_BEFORE(X, ".")` gives a value without the dot."""
+        hit = self.stop_index(text, guard_chars)
+        return text if hit is None else text[:hit[0]] + hit[1].phrase
+
 
 def plan_for(constraint, name: str) -> HolePlan:
     """The decoding plan for hole `name` under a statement's `constraint` (IR, True, or None)."""
@@ -331,9 +427,10 @@ def plan_for(constraint, name: str) -> HolePlan:
                 cap = n - 1 if op == "<" else n
                 if cap < 1:
                     raise ConstraintError(f"len(TOKENS({name})) {op} {n} leaves no room for a token")
-                plan.max_tokens = cap if plan.max_tokens is None else min(plan.max_tokens, cap)
-            if op in (">", ">=", "=="):
-                plan.min_tokens = max(plan.min_tokens, n + 1 if op == ">" else n)
+                if plan.max_tokens is None or cap < plan.max_tokens:
+                    plan.max_tokens, plan.cap = cap, describe(c)
+            if op in (">", ">=", "==") and (n + 1 if op == ">" else n) > plan.min_tokens:
+                plan.min_tokens, plan.floor = n + 1 if op == ">" else n, describe(c)
             if op == "!=":
                 raise ConstraintError(f"len(TOKENS({name})) != n is not supported")
         elif _regexable(c):
@@ -342,9 +439,80 @@ def plan_for(constraint, name: str) -> HolePlan:
                 plan.min_chars = max(plan.min_chars, c.arg[2] + (c.arg[1] == ">"))
             plan.terms.append(_term(c))
             plan.plain.append(_plain(c))
+            plan.conditions.append(describe(c))
+            finite = _finite(c)
+            if finite is not None:
+                plan.choices = finite if plan.choices is None else plan.choices & finite
         else:
             raise ConstraintError(f"cannot enforce this condition on {name}: STOPS_AT, STOPS_BEFORE and "
                                   "len(TOKENS()) combine with the rest only through a top-level 'and'")
     if plan.max_tokens is not None and plan.min_tokens > plan.max_tokens:
-        raise ConstraintError(f"the token bounds on {name} contradict each other")
+        raise ConstraintError(f"the token bounds on {name} contradict each other: {plan.floor} and {plan.cap}")
     return plan
+
+
+# -- checking values against a plan's grammar ----------------------------------------------------
+class _ByteVocab:
+    """A vocabulary of the 256 bytes (and an end token): a matcher over it reads any text exactly,
+    independent of how a model would tokenize it."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([b]) for b in range(256)] + [b""]
+    special_token_ids = [256]
+
+    def __call__(self, text):
+        return list(text if isinstance(text, bytes) else text.encode())
+
+
+@dataclass
+class _Matcher:
+    initial: llguidance.LLMatcher
+    satisfiable: bool
+
+
+@functools.lru_cache(maxsize=1)
+def _bytes_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocab()))
+
+
+@functools.lru_cache(maxsize=256)
+def _matcher(lark: str) -> _Matcher:
+    # Compiled here, on the caller's thread: a plan's grammar is one terminal, nested only as deep as
+    # its where expression, and llguidance refuses deep nesting itself ("too deeply nested", regex
+    # nest limit); the chained rules that need engine.grammar's big-stack compile cannot occur.
+    limits = llguidance.LLParserLimits(verbose_errors=False)
+    m = llguidance.LLMatcher(_bytes_tokenizer(), llguidance.LLMatcher.grammar_from_lark(lark), log_level=0,
+                             limits=limits)
+    if m.is_error():
+        raise ConstraintError(f"invalid constraint: {m.get_error().rstrip()}")
+    probe = m.deep_copy()
+    probe.compute_bitmask()  # an empty intersection has no first byte: llguidance reports an error here
+    return _Matcher(m, not probe.is_error())
+
+
+@functools.lru_cache(maxsize=8)
+def _pieces(tokenizer) -> tuple[frozenset[bytes], int]:
+    """The byte strings of a Hugging Face tokenizer's ordinary tokens, and the longest one's length."""
+    ll = llguidance.hf.from_tokenizer(tokenizer)
+    pieces = frozenset(ll.decode_bytes([i]) for i in range(ll.vocab_size) if not ll.is_special_token(i)) - {b""}
+    return pieces, max(map(len, pieces), default=1)
+
+
+def fewest_tokens(tokenizer, text: str) -> float:
+    """The fewest tokens of `tokenizer` that spell `text` in any tokenization (math.inf if none do):
+    a lower bound on what generating `text` takes, whatever the model or the mask prefers."""
+    pieces, longest = _pieces(tokenizer)
+    b = text.encode()
+    best = [0] + [math.inf] * len(b)
+    for i in range(len(b)):
+        if best[i] != math.inf:
+            for k in range(1, min(longest, len(b) - i) + 1):
+                if b[i:i + k] in pieces and best[i] + 1 < best[i + k]:
+                    best[i + k] = best[i] + 1
+    return best[-1]
+
+
+def longest_token(tokenizer) -> int:
+    """Bytes in the longest token: `n` tokens spell at most `n * longest_token` characters."""
+    return _pieces(tokenizer)[1]

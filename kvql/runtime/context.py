@@ -22,7 +22,7 @@ import torch
 
 from ..engine.grammar import Grammar
 from .chat import role_wrapper
-from .constraints import INT_REGEX, HolePlan, plan_for
+from .constraints import INT_REGEX, HolePlan, Stop, fewest_tokens, longest_token, plan_for
 from .result import LMQLResult
 from .scoring import score_continuations
 from .trace import Trace, TraceHole, TraceToken
@@ -38,6 +38,25 @@ def _compiled(tokenizer, lark: str) -> Grammar:
 
 class QueryError(RuntimeError):
     """A query could not run as written (not a model error): names the hole and what is wrong."""
+
+
+class UnmetConstraint(QueryError, ValueError):
+    """Hole `hole` got no value that meets its where clause: its conditions contradict each other, or
+    its bounds (token cap, max_len) leave too little room; `value` is what was generated (None when
+    this was certain before generating, and nothing was). kvql raises this rather than return a
+    value that breaks its where clause."""
+
+    def __init__(self, hole: str, message: str, value: str | None = None):
+        super().__init__(f"hole {hole}: {message}")
+        self.hole, self.value = hole, value
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" + ("" if n == 1 else "s")
+
+
+def _stop_name(name: str, stop: Stop) -> str:
+    return f"{'STOPS_AT' if stop.include else 'STOPS_BEFORE'}({name}, {stop.phrase!r})"
 
 
 @dataclass
@@ -154,11 +173,16 @@ class Context:
         except ValueError as e:
             raise QueryError(f"constraint on {name}: {e}") from None
         if type is int:
-            plan.require(INT_REGEX)
+            plan.require(INT_REGEX, f"[{name}: int]")
             plan.as_int = True
+        if not plan.satisfiable():
+            which = "its constraint can never hold" if len(plan.conditions) == 1 else \
+                "its constraints cannot all hold"
+            raise UnmetConstraint(name, f"{which}: {plan.describe()}")
         if self.remote:
-            value, tokens = await self._remote_sample(name, plan), None
-            return self._finish_hole(name, plan, value, tokens, post)
+            value, checked, why = await self._remote_sample(name, plan)
+            self._check_value(name, plan, value, checked, lambda: why)
+            return self._finish_hole(name, plan, value, None, post)
         ids = self._flush()
         if not ids:  # a hole at the very start, and a tokenizer that adds no BOS: give the model one token
             start = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.tokenizer.eos_token_id
@@ -170,12 +194,71 @@ class Context:
             raise QueryError(f"the prompt before [{name}] has {len(ids)} tokens: no room left under "
                              f"max_len={self.decoding.max_len} / context {self.model.context_length}")
         max_tokens = min(plan.max_tokens or limit, limit)
+        if plan.max_tokens == max_tokens:
+            bound = f"{plan.cap} allows"
+        elif self.decoding.max_len <= self.model.context_length:
+            bound = f"max_len={self.decoding.max_len} leaves after the {len(ids)}-token prompt"
+        else:
+            bound = f"the model's {self.model.context_length}-token context leaves after the {len(ids)}-token prompt"
+        self._check_room(name, plan, max_tokens, bound)
         if self.decoding.name == "beam":
             value, tokens = await self._beam(name, plan, ids, max_tokens)
         else:
             value, tokens = await self._sample(name, plan, ids, max_tokens)
         self._hole_log.append(TraceHole(name, str(value), repr(plan), len(tokens), time.perf_counter() - started))
+        full = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        checked = plan.constrained(full, self._guard_chars(plan, tokens))
+        self._check_value(name, plan, value, checked, lambda: self._why_cut(name, plan, full, checked, tokens,
+                                                                            max_tokens, bound))
         return self._finish_hole(name, plan, value, tokens, post)
+
+    def _check_room(self, name: str, plan: HolePlan, max_tokens: int, bound: str) -> None:
+        """Refuse, before generating, a hole that certainly cannot get a valid value in `max_tokens`
+        tokens. Only certain cases: a token lower bound above it or above the bytes of every
+        choice, every choice needing more tokens in its shortest tokenization, or a length needing
+        more characters than that many of the tokenizer's longest tokens hold. Everything else is
+        checked on the generated value."""
+        if plan.min_tokens > max_tokens:
+            raise UnmetConstraint(name, f"{plan.floor} needs at least {_tokens(plan.min_tokens)}, more than the "
+                                        f"{max_tokens} that {bound}")
+        if plan.choices and plan.min_tokens > max(len(c.encode()) for c in plan.choices):  # a token has a byte
+            raise UnmetConstraint(name, f"{plan.floor} needs more tokens than any value of its constraint "
+                                        f"({plan.describe()}) can have")
+        if plan.choices:
+            need = math.inf
+            for choice in plan.choices:
+                need = min(need, fewest_tokens(self.tokenizer, choice))
+                if need <= max_tokens:
+                    break
+            if max_tokens < need < math.inf:
+                raise UnmetConstraint(name, f"its constraint ({plan.describe()}) needs at least {need} tokens, "
+                                            f"more than the {max_tokens} that {bound}")
+        room = max_tokens * longest_token(self.tokenizer) if plan.min_chars else 0
+        if plan.min_chars > room:
+            raise UnmetConstraint(name, f"its constraint ({plan.describe()}) needs at least {plan.min_chars} "
+                                        f"characters; the {_tokens(max_tokens)} that {bound} hold at most {room}")
+
+    @staticmethod
+    def _check_value(name: str, plan: HolePlan, value: str, checked: str, why_cut) -> None:
+        """Raise UnmetConstraint unless the generated text behind `value` (`checked`, see
+        `HolePlan.constrained`) meets every condition of the hole's grammar; `why_cut()` says what
+        ended an incomplete value (the token cap, max_len, a stop phrase)."""
+        state = plan.check(checked)
+        if state == "complete":
+            return
+        if state == "no":  # the local mask only allows prefixes: a server that ignored the regex sent this
+            raise UnmetConstraint(name, f"the value {value!r} does not satisfy its constraint ({plan.describe()})",
+                                  value)
+        raise UnmetConstraint(name, f"the value {value!r} is incomplete: its constraint ({plan.describe()}) "
+                                    f"{why_cut()}", value)
+
+    def _why_cut(self, name, plan, full, checked, tokens, max_tokens, bound) -> str:
+        hit = plan.stop_index(full, self._guard_chars(plan, tokens)) if checked != full else None
+        if hit is not None:
+            return f"was cut short by {_stop_name(name, hit[1])}"
+        if len(tokens) >= max_tokens:
+            return f"needs more than the {_tokens(max_tokens)} that {bound}"
+        return "was ended by the model"
 
     def _finish_hole(self, name, plan, value, tokens, post):
         if plan.as_int:
@@ -190,8 +273,9 @@ class Context:
         self.variables[name] = value
         return value
 
-    async def _remote_sample(self, name: str, plan: HolePlan) -> str:
-        """One hole on a remote server: constraints as one regex, stop phrases as stop strings."""
+    async def _remote_sample(self, name: str, plan: HolePlan) -> tuple[str, str, str]:
+        """One hole on a remote server: constraints as one regex, stop phrases as stop strings.
+        -> (value, the text its grammar constrains, what ended it in words)."""
         if self.decoding.name == "beam":
             raise QueryError("beam decoding runs on local models only")
         if plan.min_tokens or plan.min_chars:
@@ -211,7 +295,18 @@ class Context:
         (c,) = await self.model.agenerate([self._text], **options)
         self._count([c])
         kept = {s.phrase for s in plan.stops if s.include}
-        return c.text + c.stop_reason if c.stop_reason in kept else c.text
+        value = c.text + c.stop_reason if c.stop_reason in kept else c.text
+        checked = c.text + c.stop_reason if c.stop_reason in {s.phrase for s in plan.stops} else c.text
+        if c.finish_reason == "length":
+            why = f"needs more than the {_tokens(options['max_tokens'])} that " + \
+                (f"{plan.cap} allows" if plan.max_tokens else f"max_len={self.decoding.max_len} (at most 256 on a "
+                 "remote server) allows")
+        elif isinstance(c.stop_reason, str):
+            stop = next((s for s in plan.stops if s.phrase == c.stop_reason), Stop(c.stop_reason, False))
+            why = f"was cut short by {_stop_name(name, stop)}"
+        else:
+            why = "was ended by the server"
+        return value, checked, why
 
     def _mask(self, plan: HolePlan):
         lark = plan.lark()
@@ -244,12 +339,18 @@ class Context:
                 guard["chars"] = len(text)  # the stop phrases count from here on
             return plan.stop_index(text, guard["chars"]) is not None
 
+        mask = self._mask(plan)
         try:
-            (c,) = await self.model.agenerate([ids], max_tokens=max_tokens, mask=self._mask(plan),
+            (c,) = await self.model.agenerate([ids], max_tokens=max_tokens, mask=mask,
                                               stop_fn=stop_fn if plan.stops else None,
                                               temperature=0.0 if greedy else self.decoding.temperature, seed=seed)
         except ValueError as e:
-            raise QueryError(f"while generating {name}: {e}") from e
+            if mask is None:
+                raise QueryError(f"while generating {name}: {e}") from e
+            # the mask left no token: the value took a path that its conditions together cannot finish
+            bounds = [b for b in (plan.floor, plan.cap) if b]
+            raise UnmetConstraint(name, "no token could continue its value under all its constraints "
+                                        f"({' and '.join(plan.conditions + bounds)}): {e}") from e
         self._count([c])
         self._sent(len(ids), c.cached_tokens)
         return plan.cut(c.text, guard["chars"]), c.token_ids
