@@ -1,0 +1,83 @@
+"""Isolation over HTTP: concurrent clients that fail, time out or disconnect never change another
+client's answer (a real uvicorn server on loopback, httpx clients)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+import kvql
+from kvql.server.app import create_app
+from conftest import reference_greedy
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer, llama):
+    model = kvql.Model(llama, tokenizer, name="tiny", cache_budget=4 << 20)
+    app = create_app(model, max_tokens_cap=256)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}", model
+    srv.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_failing_timed_out_and_disconnected_clients_leave_the_others_exact(server, llama, tokenizer):
+    url, model = server
+    prompts = [f"Question: what is the capital of France? Answer: {i}" for i in range(12)]
+    solo = [reference_greedy(llama, tokenizer.encode(p), 24, tokenizer.eos_token_id) for p in prompts]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async def good(p):
+                r = await client.post("/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0,
+                                                               "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"]
+
+            async def failing():  # fails after its three samples forked (llguidance builds it lazily)
+                r = await client.post("/v1/completions", json={"prompt": "hi", "n": 3, "max_tokens": 8,
+                                                               "structured_outputs": {"regex": "a{1000000}"}})
+                return r.status_code
+
+            async def impatient(i):  # gives up (closes its connection) mid-generation
+                try:
+                    async with httpx.AsyncClient(base_url=url, timeout=0.01 * (1 + i % 4)) as own:
+                        await own.post("/v1/completions", json={"prompt": prompts[i] + " and", "max_tokens": 200})
+                except httpx.TimeoutException:
+                    return "gone"
+                return "done"
+
+            async def later(delay, job):
+                await asyncio.sleep(delay)
+                return await job
+
+            # staggered, so failing groups fork ahead of good requests in some batches
+            jobs = [later(0.004 * i, good(p)) for i, p in enumerate(prompts)]
+            jobs += [later(0.003 * i, failing()) for i in range(16)]
+            jobs += [later(0.005 * i, impatient(i)) for i in range(6)]
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(main())
+    answers, failed = results[:12], results[12:28]
+    assert all(status == 400 for status in failed), failed
+    for i, (got, want) in enumerate(zip(answers, solo)):
+        assert got == want, f"answer {i} changed by a failing or disconnected neighbour"
+    for _ in range(500):
+        if model.engine.idle():
+            break
+        time.sleep(0.01)
+    model.check_integrity()
+    assert model.stats()["locked_nodes"] == 0
