@@ -9,13 +9,13 @@ from .backends.local import Model, StreamChunk
 from .backends.remote import RemoteModel
 from .completion import Completion, TokenLogprob
 from .lang.compiler import QuerySyntaxError
-from .query import (F, LMQLResult, Query, QueryError, ScoreResult, generate, generate_sync, get_model, query, run,
-                    run_sync, score, score_sync, set_default_model)
+from .query import (F, LMQLResult, Query, QueryError, ScoreResult, UnmetConstraint, generate, generate_sync, get_model,
+                    query, run, run_sync, score, score_sync, set_default_model)
 from .runtime.constraints import ConstraintError
 
 __all__ = ["model", "Model", "RemoteModel", "Completion", "TokenLogprob", "StreamChunk", "ModelLoadError", "query", "run",
            "run_sync", "F", "generate", "generate_sync", "score", "score_sync", "set_default_model", "get_model",
-           "Query", "LMQLResult", "ScoreResult", "QueryError", "QuerySyntaxError", "ConstraintError"]
+           "Query", "LMQLResult", "ScoreResult", "QueryError", "UnmetConstraint", "QuerySyntaxError", "ConstraintError"]
 
 
 def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype: torch.dtype | None = None,
