@@ -81,3 +81,36 @@ def test_failing_timed_out_and_disconnected_clients_leave_the_others_exact(serve
         time.sleep(0.01)
     model.check_integrity()
     assert model.stats()["locked_nodes"] == 0
+
+
+def _lark_chain(n: int) -> str:
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "a"\n'
+
+
+def _ref_chain(n: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    return {"$ref": "#/$defs/d0", "$defs": defs | {f"d{n}": {"type": "string", "maxLength": 3}}}
+
+
+def test_grammar_payloads_that_crashed_the_compiler_leave_the_server_up(server):
+    url, model = server
+    nested: dict = {"type": "string"}
+    for _ in range(600):
+        nested = {"type": "array", "items": nested}
+    payloads = [
+        ({"grammar": _lark_chain(3000)}, 200),          # segfaulted the process before
+        ({"json": _ref_chain(3000)}, 200),
+        ({"grammar": _lark_chain(30_000)}, 400),        # over the size bound
+        ({"json": nested}, 400),                        # over the depth bound
+        ({"regex": "(" * 5000 + "a" + ")" * 5000}, 400),
+        ({"grammar": "start: " + "(" * 5000 + '"a"' + ")" * 5000}, 400),
+    ]
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for constraint, status in payloads:
+            r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4,
+                                                     "structured_outputs": constraint})
+            assert r.status_code == status, (list(constraint), r.status_code, r.text[:300])
+            if status == 400:
+                assert "error" in r.json()
+            assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    model.check_integrity()
