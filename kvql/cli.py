@@ -111,8 +111,10 @@ def serve(args) -> None:
                     signal.signal(sig, handler)
 
     m = kvql.model(args.model, device=args.device, cache_budget=args.cache_budget)
-    app = create_app(m, api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap)
-    print(f"kvql serving {args.model} on http://{args.host}:{args.port}/v1", flush=True)
+    app = create_app(m, name=args.served_model_name, aliases=[args.model], api_key=args.api_key,
+                     salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
+                     max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap)
+    print(f"kvql serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
     Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                           timeout_graceful_shutdown=30)).run()
 
@@ -151,7 +153,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the API (default: --model, which stays accepted as an alias)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require Authorization: Bearer KEY on all but /health (repeatable: any of them)")
+    p.add_argument("--salt-per-key", action="store_true",
+                   help="each API key gets its own prefix-cache partition (tenants cannot probe each other)")
+    p.add_argument("--allowed-host", action="append", metavar="HOST",
+                   help="a host name accepted in the Host header besides IP addresses, localhost and --host "
+                        "(repeatable; '*': any)")
     p.add_argument("--cache-budget", default=None, help="KV cache size, e.g. 512MB or 2GiB")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-tokens-cap", type=int, default=4096)

@@ -25,9 +25,10 @@ def model_dir(tmp_path, llama, tokenizer):
     return tmp_path / "model"
 
 
-def start(model_dir, port):
+def start(model_dir, port, *options):
     proc = subprocess.Popen([sys.executable, "-m", "kvql.cli", "serve", "--model", str(model_dir), "--port",
-                             str(port), "--cache-budget", "4MB"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             str(port), "--cache-budget", "4MB", *options],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     for _ in range(600):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
@@ -43,7 +44,7 @@ def start(model_dir, port):
 CLIENT = """
 import json, sys, openai
 c = openai.OpenAI(base_url=sys.argv[1], api_key="x", max_retries=0)
-r = c.completions.create(model="m", prompt=sys.argv[2], max_tokens=6, temperature=0)
+r = c.completions.create(model=c.models.list().data[0].id, prompt=sys.argv[2], max_tokens=6, temperature=0)
 print(json.dumps({"text": r.choices[0].text, "cached": r.usage.prompt_tokens_details.cached_tokens,
                   "prompt": r.usage.prompt_tokens}))
 """
@@ -116,6 +117,33 @@ def test_remote_backend_on_kvql_serve_matches_the_local_backend(model_dir, llama
         with pytest.raises(kvql.QueryError, match="local model"):
             kvql.run_sync('"[X]" distribution X in ["a", "b"]', model=remote)
         local.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def test_serve_options_name_keys_salts_and_hosts(model_dir):
+    port = free_port()
+    proc = start(model_dir, port, "--served-model-name", "tiny", "--api-key", "k1", "--api-key", "k2",
+                 "--salt-per-key", "--allowed-host", "kvql.internal")
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def post(key, headers=None, **body):
+            return httpx.post(url + "/v1/completions", json={"max_tokens": 2, **body},
+                              headers={"Authorization": f"Bearer {key}", **(headers or {})}, timeout=60)
+
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer k2"}).json()["data"][0]["id"] == "tiny"
+        assert post("k1", prompt="x", model=str(model_dir)).status_code == 200  # the --model spec is an alias
+        r = post("k1", prompt="x", model="nope")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert post("k3", prompt="x").status_code == 401
+        assert post("k1", {"Host": "kvql.internal:8000"}, prompt="x").status_code == 200
+        assert post("k1", {"Host": "evil.example"}, prompt="x").status_code == 403
+        prompt = "Question: what is the capital of France? Answer:"
+        cached = [post(k, prompt=prompt).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                  for k in ("k1", "k2", "k1")]
+        assert cached[0] == cached[1] == 0 and cached[2] > 0  # each key its own cache partition
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

@@ -1,65 +1,88 @@
 """OpenAI-compatible HTTP server over one local `Model`: many client processes share its radix cache.
 
-Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
-(both with `stream: true` as server-sent events ending in `[DONE]`), `GET /metrics` (Prometheus).
-Security: with an API key every endpoint but `/health` needs `Authorization: Bearer KEY` (constant-time
-compare); request bodies over `max_body_bytes` get a 413; `max_tokens` is capped. The server only
-generates: it never runs query code sent to it.
+Endpoints: `GET /health` (the engine's integrity check), `GET /v1/models`, `POST /v1/completions`,
+`POST /v1/chat/completions` (both with `stream: true` as server-sent events ending in `[DONE]`),
+`GET /metrics` (Prometheus).
+
+Contracts:
+- Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: a bad request is a
+  4xx (see protocol.py), an unknown path 404, a wrong method 405, a model name not served 404
+  (`model_not_found`); only a fault of the server itself is a 500.
+- A stream that fails after its 200 was sent ends with an event `{"error": {...}}`, a chunk with
+  `finish_reason: "error"` for each unfinished sample, then `[DONE]`.
+- A client that disconnects cancels its request, streaming or not, queued or generating (polled every
+  `POLL_S` seconds until the response starts; then Starlette's streaming response watches).
+- `cache_salt` partitions the prefix cache: requests share cached tokens only with requests of the
+  same salt (none: the default partition). With `salt_per_key`, each API key gets its own partition.
+- Host, API key, Content-Type and body-size checks: guard.py. The server only generates: it never
+  runs query code sent to it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import hmac
+import hashlib
 import json
 import time
 import uuid
+from collections.abc import Iterable
 
+import jinja2
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from ..backends.local import Model
-from .protocol import ChatRequest, CompletionRequest, RequestError, constraint_options, message_text
+from .guard import Guard
+from .protocol import (ChatRequest, CompletionRequest, RequestError, constraint_options, error_response,
+                       message_text, parse_request)
+
+POLL_S = 0.1  # how often a non-streaming request checks that its client is still connected
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
-
-
-def create_app(model: Model, *, api_key: str | None = None, max_body_bytes: int = 1 << 20,
+def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] = (),
+               api_key: str | Iterable[str] | None = None, salt_per_key: bool = False,
+               allowed_hosts: Iterable[str] | None = None, max_body_bytes: int = 1 << 20,
                max_tokens_cap: int = 4096) -> FastAPI:
+    """The app serving `model` as `name` (default `model.name`); requests may also name it by an alias.
+
+    `api_key`: one key or several (each `Authorization: Bearer KEY`). `salt_per_key`: each key's
+    requests get their own cache partition. `allowed_hosts`: host names accepted in `Host` besides
+    IP addresses and `localhost` (`"*"`: any); see guard.py.
+    """
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    if not all(isinstance(k, str) and k for k in keys):
+        raise ValueError("API keys must be non-empty strings")
+    if salt_per_key and not keys:
+        raise ValueError("salt_per_key needs API keys")
+    name = name or model.name
+    served = {name, *aliases}
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         model.close()  # on shutdown: cancel what is still queued, stop the engine thread
 
-    app = FastAPI(title="kvql", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="kvql", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(Guard, api_keys=keys, allowed_hosts=list(allowed_hosts or ()), max_body_bytes=max_body_bytes)
     counters = {"requests": 0, "errors": 0}
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(401, "missing or wrong API key", kind="authentication_error")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_body_bytes:
-            return _error(413, f"request body over {max_body_bytes} bytes")
-        return await call_next(request)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request, exc: RequestValidationError):
-        counters["errors"] += 1
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())[1:])
-        return _error(400, f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc), where or None)
 
     @app.exception_handler(RequestError)
     async def bad(request, exc: RequestError):
         counters["errors"] += 1
-        return _error(exc.status, str(exc), exc.param)
+        return error_response(exc.status, str(exc), exc.param, exc.code, exc.kind)
+
+    @app.exception_handler(HTTPException)
+    async def no_route(request: Request, exc: HTTPException):
+        what = {404: f"no endpoint {request.url.path}",
+                405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        return error_response(exc.status_code, what, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def fault(request, exc: Exception):
+        counters["errors"] += 1
+        return error_response(500, "internal server error", kind="server_error")
 
     async def parse(request: Request, cls):
         raw = bytearray()
@@ -67,23 +90,30 @@ def create_app(model: Model, *, api_key: str | None = None, max_body_bytes: int 
             raw += chunk
             if len(raw) > max_body_bytes:
                 raise RequestError(f"request body over {max_body_bytes} bytes", status=413)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"malformed JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        try:
-            return cls.model_validate(body)
-        except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
+        req = parse_request(bytes(raw), cls)
+        if req.model is not None and req.model not in served:
+            raise RequestError(f"model {req.model!r} is not served here; this server serves {name!r}", "model",
+                               404, "model_not_found")
+        return req
 
-    def options(req, logprobs) -> dict:
+    def options(request: Request, req, logprobs) -> dict:
         max_tokens = req.max_completion_tokens or req.max_tokens or 16
         if max_tokens > max_tokens_cap:
             raise RequestError(f"max_tokens {max_tokens} is over this server's cap of {max_tokens_cap}", "max_tokens")
-        return dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, n=req.n, seed=req.seed,
+        opts = dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, n=req.n, seed=req.seed,
                     stop=req.stop, logprobs=logprobs, **constraint_options(req))
+        salt = cache_salt(request, req)
+        if salt is not None:
+            opts["cache_salt"] = salt
+        return opts
+
+    def cache_salt(request: Request, req) -> str | None:
+        key = request.scope.get("kvql.api_key") if salt_per_key else None
+        if key is None:
+            return req.cache_salt
+        # the key's own partition; a client salt subdivides it (a 64-hex prefix no client salt can forge)
+        own = hashlib.sha256(key.encode()).hexdigest()
+        return own if req.cache_salt is None else f"{own}:{req.cache_salt}"
 
     def usage(completions, n: int) -> dict:
         prompt = sum(c.prompt_tokens for c in completions[::n])
@@ -92,90 +122,93 @@ def create_app(model: Model, *, api_key: str | None = None, max_body_bytes: int 
         return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    async def run(prompts, opts):
+    async def run(request: Request, prompts, opts):
         counters["requests"] += 1
-        try:
-            return await model.agenerate(prompts, **opts)
-        except (ValueError, TypeError) as e:
-            raise RequestError(str(e)) from None
+        with _request_errors():
+            return await _unless_disconnected(request, model.agenerate(prompts, **opts))
 
-    def sse(events):
-        async def body():
-            async for event in events:
-                yield f"data: {json.dumps(event)}\n\n"
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    async def streamed(prompt, opts, make_chunk):
+    async def streamed(request: Request, prompt, opts, make_chunk):
         counters["requests"] += 1
         stream = model.stream(prompt, **opts)
-        try:
-            first = await anext(stream)  # errors in the request surface before the 200 is sent
-        except StopAsyncIteration:
-            first = None
-        except (ValueError, TypeError) as e:
-            raise RequestError(str(e)) from None
+        with _request_errors():  # errors in the request surface before the 200 is sent
+            first = await _unless_disconnected(request, anext(stream, None))
 
         async def events():
-            chunk = first
+            chunk, unfinished = first, set(range(opts["n"]))
             try:
                 while chunk is not None:
-                    yield make_chunk(chunk)
+                    if chunk.completion is not None:
+                        unfinished.discard(chunk.sample)
+                    yield make_chunk(chunk.sample, chunk.text, chunk.completion and chunk.completion.finish_reason)
                     chunk = await anext(stream, None)
+            except Exception as e:  # the 200 is sent: say so in the stream, not by ending it silently
+                counters["errors"] += 1
+                request_fault = isinstance(e, (ValueError, TypeError))
+                yield {"error": {"message": str(e) if request_fault else "internal server error",
+                                 "type": "invalid_request_error" if request_fault else "server_error",
+                                 "param": None, "code": None}}
+                for sample in sorted(unfinished):
+                    yield make_chunk(sample, "", "error")
             finally:
                 await stream.aclose()  # a client that went away cancels its request
-        return sse(events())
+        return _sse(events())
 
     @app.get("/health")
     async def health():
+        try:  # the cheap form (slot count); in a thread, as it waits for the current engine step
+            await asyncio.to_thread(model.check_integrity, full=False)
+        except AssertionError as e:
+            return JSONResponse({"status": "error", "detail": str(e) or "integrity check failed"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "kvql"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvql"}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
-        opts = options(req, req.logprobs)
+        opts = options(request, req, req.logprobs)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompts = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
             else [req.prompt]
         if req.stream:
             if len(prompts) != 1:
                 raise RequestError("stream: true takes one prompt", "prompt")
-            return await streamed(prompts[0], opts, lambda ch: {
-                "id": rid, "object": "text_completion", "created": created, "model": model.name,
-                "choices": [{"index": ch.sample, "text": ch.text, "logprobs": None,
-                             "finish_reason": ch.completion.finish_reason if ch.completion else None}]})
-        out = await run(prompts, opts)
+            return await streamed(request, prompts[0], opts, lambda sample, text, finish: {
+                "id": rid, "object": "text_completion", "created": created, "model": name,
+                "choices": [{"index": sample, "text": text, "logprobs": None, "finish_reason": finish}]})
+        out = await run(request, prompts, opts)
         texts = {i: p for i, p in enumerate(prompts) if isinstance(p, str)} if req.echo else {}
         choices = [{"index": i, "text": texts.get(c.index, "") + c.text, "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason, "logprobs": _logprobs(model, c) if req.logprobs is not None else None}
                    | ({"token_ids": c.token_ids} if req.return_token_ids else {}) for i, c in enumerate(out)]
-        return {"id": rid, "object": "text_completion", "created": created, "model": model.name,
+        return {"id": rid, "object": "text_completion", "created": created, "model": name,
                 "choices": choices, "usage": usage(out, req.n)}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await parse(request, ChatRequest)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
-                    for m in req.messages]
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m, i)}
+                    for i, m in enumerate(req.messages)]
         if not getattr(model.tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use /v1/completions")
-        ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
-        opts = options(req, req.top_logprobs if req.logprobs else None)
+        try:
+            ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+        except jinja2.TemplateError as e:  # templates refuse some message sequences (raise_exception)
+            raise RequestError(f"the model's chat template refused these messages: {e}", "messages") from None
+        opts = options(request, req, req.top_logprobs if req.logprobs else None)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return await streamed(list(ids), opts, lambda ch: {
-                "id": rid, "object": "chat.completion.chunk", "created": created, "model": model.name,
-                "choices": [{"index": ch.sample, "delta": {"role": "assistant", "content": ch.text},
-                             "finish_reason": ch.completion.finish_reason if ch.completion else None}]})
-        out = await run([list(ids)], opts)
+            return await streamed(request, list(ids), opts, lambda sample, text, finish: {
+                "id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                "choices": [{"index": sample, "delta": {"role": "assistant", "content": text},
+                             "finish_reason": finish}]})
+        out = await run(request, [list(ids)], opts)
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
                     "finish_reason": c.finish_reason, "logprobs": None} for i, c in enumerate(out)]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model.name,
+        return {"id": rid, "object": "chat.completion", "created": created, "model": name,
                 "choices": choices, "usage": usage(out, req.n)}
 
     @app.get("/metrics")
@@ -191,6 +224,7 @@ def create_app(model: Model, *, api_key: str | None = None, max_body_bytes: int 
             ("kvql_cache_hit_rate", "gauge", s["hit_rate"]),
             ("kvql_queue_depth", "gauge", s["waiting"]),
             ("kvql_running_requests", "gauge", s["running"]),
+            ("kvql_preemptions_total", "counter", s["preemptions"]),
             ("kvql_evicted_tokens_total", "counter", s["evictions"]),
             ("kvql_cache_bytes", "gauge", s["cache_bytes"]),
             ("kvql_cache_budget_bytes", "gauge", s["cache_budget_bytes"]),
@@ -198,10 +232,56 @@ def create_app(model: Model, *, api_key: str | None = None, max_body_bytes: int 
             ("kvql_free_slots", "gauge", s["free_slots"]),
             ("kvql_pool_slots", "gauge", s["pool_slots"]),
         ]
-        text = "".join(f"# TYPE {name} {kind}\n{name} {value}\n" for name, kind, value in lines)
+        text = "".join(f"# TYPE {metric} {kind}\n{metric} {value}\n" for metric, kind, value in lines)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+@contextlib.contextmanager
+def _request_errors():
+    """What the engine raises about a request's own options (a bad constraint, a prompt over the
+    context) -> a 400."""
+    try:
+        yield
+    except RequestError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise RequestError(str(e)) from None
+    except RecursionError:
+        raise RequestError("the constraint is nested too deeply") from None
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """Await `awaitable`; if the client disconnects first, cancel it (cancelling a generation cancels its
+    engine requests) and raise a 499 nobody will read. Until a response starts, nothing else notices."""
+    task = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():  # the client left, or this handler itself was cancelled
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise RequestError("the client disconnected", status=499)
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone away."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(POLL_S)
+
+
+def _sse(events) -> StreamingResponse:
+    async def body():
+        async for event in events:
+            yield f"data: {json.dumps(event)}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream")
 
 
 def _logprobs(model: Model, c) -> dict:

@@ -1,4 +1,10 @@
-"""OpenAI-compatible request bodies, and how their constraint fields map onto `Model.generate` options.
+"""OpenAI-compatible request and error bodies: raw bytes -> a validated request, or a `RequestError`.
+
+Every way a body can be wrong is a `RequestError` (answered 4xx with OpenAI's error shape), never an
+exception that would become a 500: malformed or non-UTF-8 JSON, `NaN` / `Infinity` (which Python's
+`json` accepts), JSON nested deeper than `MAX_DEPTH` (also inside a JSON schema sent as a string),
+lone surrogates (`"\\ud800"`, not encodable as UTF-8), wrong types (one short line naming the field,
+never a pydantic dump).
 
 Constraint fields accepted, named as vLLM and SGLang users know them:
 - vLLM: `structured_outputs: {"regex" | "choice" | "json" | "grammar": ...}`; chat `response_format`
@@ -11,22 +17,62 @@ some servers ignore silently.
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# Containers (objects, arrays) nested deeper than this are refused. Python's json parser and the
+# grammar compiler recurse; a limit far below theirs keeps them from failing (RecursionError) or
+# crashing. Real JSON schemas nest a few levels; a schema of ~30 nested objects fits.
+MAX_DEPTH = 64
+MAX_MESSAGE = 500  # characters of an error message (some echo the whole input)
 
 
 class RequestError(ValueError):
     """A bad request: answered with a 4xx and an OpenAI-style error body."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
+                 kind: str = "invalid_request_error"):
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.code, self.kind = param, status, code, kind
 
 
-class _Common(BaseModel):
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+    """OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`."""
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE] + "..."
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+
+class StructuredOutputs(_Strict):
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    json_: dict | str | None = Field(default=None, alias="json")
+    grammar: str | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Common(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -38,7 +84,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
-    structured_outputs: dict | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # vLLM's name: a cache partition
+    structured_outputs: StructuredOutputs | None = None
     regex: str | None = None
     json_schema: dict | str | None = None
 
@@ -50,64 +97,163 @@ class CompletionRequest(_Common):
     return_token_ids: bool = False  # vLLM's name: each choice also carries its generated token ids
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # other part types (image_url, ...) are refused by name below
 
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
-def message_text(m: ChatMessage) -> str:
+def parse_request(raw: bytes, cls: type[_Common]) -> _Common:
+    """The request `cls` in the body `raw`, or a `RequestError` saying what is wrong and where."""
+    body = parse_json(raw, "the request body")
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        raise _summary(e, body) from None
+
+
+def parse_json(text: str | bytes, what: str, param: str | None = None) -> Any:
+    """JSON text -> value, within the limits in this module's docstring."""
+    try:
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise RequestError(f"{what}: JSON nested deeper than {MAX_DEPTH} levels", param) from None
+    except RequestError as e:
+        raise RequestError(f"{what}: {e}", param) from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer over Python's 4300 digits
+        raise RequestError(f"malformed JSON in {what}: {e}", param) from None
+    _check_tree(value, param)
+    return value
+
+
+def _no_constant(name: str):
+    raise RequestError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise RequestError(f"{text} is out of range")
+    return value
+
+
+def _check_tree(value: Any, root: str | None) -> None:
+    """Refuse nesting over `MAX_DEPTH` and strings UTF-8 cannot encode (lone surrogates), naming the
+    field. Iterative: it must not recurse on what it is checking."""
+    stack = [(value, 1, root)]
+    while stack:
+        v, depth, where = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise RequestError(f"{where or 'the request'}: a string holds a lone surrogate "
+                                       "(invalid Unicode)", where) from None
+            continue
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth > MAX_DEPTH:
+            field = root or where.split(".")[0]  # not the whole path: it is as long as the nesting
+            raise RequestError(f"{field or 'the request body'}: JSON nested deeper than {MAX_DEPTH} levels", field)
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        for key, item in items:
+            path = f"{where}.{key}" if where else str(key)
+            if isinstance(key, str):
+                stack.append((key, depth, where))  # a key is checked like a string value
+            stack.append((item, depth + 1, path))
+
+
+def _summary(e: ValidationError, body: dict) -> RequestError:
+    """One short line for a pydantic error: the field's path in the body and what is wrong with it."""
+    errors = e.errors(include_url=False, include_input=False)
+    if not errors:
+        return RequestError("invalid request")
+    paths = [_body_path(body, err["loc"], err["type"]) for err in errors]
+    path = max(paths, key=len)  # the most specific: for a union, the member that got furthest in
+    # a value matching no member of a union gets one error per member: say them all, briefly
+    msgs = list(dict.fromkeys(re.sub(r"a valid dictionary( or instance of \w+)?", "an object", err["msg"])
+                              for err, p in zip(errors, paths) if p == path))
+    where = ".".join(map(str, path))
+    return RequestError(f"{where}: {'; or '.join(msgs[:4])}" if where else msgs[0], where or None)
+
+
+def _body_path(body: Any, loc: tuple, kind: str) -> tuple:
+    """`loc` with pydantic's union-member tags (e.g. `'list[int]'`) left out: the segments found in
+    the body, and a missing field's name."""
+    path, node = [], body
+    for i, seg in enumerate(loc):
+        if isinstance(node, dict) and seg in node:
+            node = node[seg]
+        elif isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node):
+            node = node[seg]
+        elif kind == "missing" and i == len(loc) - 1:
+            pass
+        else:
+            continue  # a union tag
+        path.append(seg)
+    return tuple(path)
+
+
+def message_text(m: ChatMessage, i: int) -> str:
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
     parts = []
-    for p in m.content:
-        if p.get("type") != "text":
-            raise RequestError(f"message content of type {p.get('type')!r} is not supported (text only)", "messages")
-        parts.append(p.get("text", ""))
+    for j, p in enumerate(m.content):
+        if p.type != "text" or p.text is None:
+            raise RequestError(f"messages.{i}.content.{j}: only text parts are supported "
+                               f"(type 'text' with a string 'text'), got type {p.type!r}", f"messages.{i}.content")
+        parts.append(p.text)
     return "".join(parts)
-
-
-_STRUCTURED = {"regex": "regex", "choice": "choices", "json": "json_schema", "grammar": "grammar"}
 
 
 def constraint_options(req: _Common) -> dict:
     """The one constraint of a request as `Model.generate` options (`{}` for none)."""
     found: dict = {}
-    if req.structured_outputs is not None:
-        unknown = set(req.structured_outputs) - set(_STRUCTURED)
-        if unknown:
-            raise RequestError(f"unknown structured_outputs field(s) {sorted(unknown)}; "
-                               f"supported: {sorted(_STRUCTURED)}", "structured_outputs")
-        for key, value in req.structured_outputs.items():
+    so = req.structured_outputs
+    if so is not None:
+        for key, value in (("regex", so.regex), ("choices", so.choice), ("grammar", so.grammar)):
             if value is not None:
-                found[_STRUCTURED[key]] = json.loads(value) if key == "json" and isinstance(value, str) else value
+                found[key] = value
+        if so.json_ is not None:
+            found["json_schema"] = _schema(so.json_, "structured_outputs.json")
     if req.regex is not None:
         found["regex"] = req.regex
     if req.json_schema is not None:
-        found["json_schema"] = json.loads(req.json_schema) if isinstance(req.json_schema, str) else req.json_schema
+        found["json_schema"] = _schema(req.json_schema, "json_schema")
     rf = getattr(req, "response_format", None)
-    if rf is not None:
-        kind = rf.get("type")
-        if kind == "json_schema":
-            schema = (rf.get("json_schema") or {}).get("schema")
-            if schema is None:
-                raise RequestError("response_format json_schema needs json_schema.schema", "response_format")
-            found["json_schema"] = schema
-        elif kind == "json_object":
-            found["json_schema"] = {"type": "object"}
-        elif kind != "text":
-            raise RequestError(f"unknown response_format type {kind!r}", "response_format")
+    if rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise RequestError("response_format of type json_schema needs json_schema.schema",
+                               "response_format.json_schema.schema")
+        found["json_schema"] = rf.json_schema.schema_
+    elif rf is not None and rf.type == "json_object":
+        found["json_schema"] = {"type": "object"}
     if len(found) > 1:
         raise RequestError(f"give one constraint, got {sorted(found)}")
-    if "choices" in found and (not isinstance(found["choices"], list) or not found["choices"]):
-        raise RequestError("structured_outputs.choice must be a non-empty list of strings", "structured_outputs")
     return found
+
+
+def _schema(value: dict | str, field: str) -> dict:
+    """A JSON schema given as an object or as its JSON text (then parsed within this module's limits)."""
+    if isinstance(value, str):
+        value = parse_json(value, field, field)
+    if not isinstance(value, dict):
+        raise RequestError(f"{field} must be a JSON schema object", field)
+    return value
