@@ -224,3 +224,23 @@ def test_misbehaving_requests_never_change_a_good_answer(make_model, llama, toke
     for kind, p, g in zip(kinds, prompts, groups):
         if kind in ("good", "salt") or (kind == "cancel" and not g.future.exception()):
             assert g.future.result()[0].token_ids == reference_greedy(llama, p, 6, tokenizer.eos_token_id)
+
+
+@pytest.mark.parametrize("options", [dict(top_p=1e-320, temperature=1.0), dict(temperature=1e-300),
+                                     dict(temperature=1e300, top_p=0.5)])
+def test_extreme_sampling_values_still_sample(make_model, options):
+    m = make_model()
+    (c,) = m.generate(["hello"], max_tokens=3, seed=0, **options)
+    assert len(c.token_ids) == 3 or c.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("options, message", [(dict(stop=[""]), "non-empty"),
+                                              (dict(temperature=float("nan")), "finite"),
+                                              (dict(top_p=float("nan")), "top_p"),
+                                              (dict(grammar="start: start"), "accepts no text at all"),
+                                              (dict(grammar='start: A\nA: /a+/ & /b+/'), "accepts no text at all")])
+def test_impossible_options_fail_in_plain_words(make_model, options, message):
+    m = make_model()
+    with pytest.raises(ValueError, match=message):
+        m.generate(["hello"], max_tokens=3, **options)
+    m.check_integrity()

@@ -105,6 +105,14 @@ def _on_big_stack(fn):
     return out["value"]
 
 
+def _plain_error(error: str, generated: int) -> str:
+    """llguidance's error text in the user's terms where it has a name for it."""
+    if error.startswith("NoExtensionBias"):
+        return ("it accepts no text at all (its conditions contradict each other)" if generated == 0 else
+                f"it allows no continuation of the {generated} tokens generated so far")
+    return error.rstrip()
+
+
 class Grammar:
     """A compiled constraint for one tokenizer; immutable and shareable between requests.
 
@@ -232,6 +240,6 @@ class _Mask:
             if self._matcher.is_error():
                 error = self._matcher.get_error()
                 self._matcher, self._consumed = self._initial.deep_copy(), []  # errors are permanent
-                raise ValueError(f"grammar error after {len(ids)} generated tokens: {error}")
+                raise ValueError(f"grammar error after {len(ids)} generated tokens: {_plain_error(error, len(ids))}")
         allowed = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:self._vocab_size]
         return torch.from_numpy(allowed.view(np.bool_))

@@ -19,10 +19,14 @@ def _apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy, as in vLLM: `logits / t` overflows to inf for tiny `t`."""
+
+
 def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None]:
     """Pick the next token for `req` from its float32 `logits` row `[vocab]`.
 
-    Greedy when temperature is 0 (ties go to the lowest id, as in `torch.argmax`); otherwise
+    Greedy when temperature is below `GREEDY_BELOW` (ties go to the lowest id, as in `torch.argmax`); otherwise
     temperature, then nucleus (top-p) filtering, then a draw from the request's own seeded generator.
     Logprobs are those of the raw model distribution (before mask and temperature), or of the masked
     one with `masked_logprobs`.
@@ -33,14 +37,16 @@ def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None
         allowed = p.mask(list(req.output_ids))
         if allowed is not None:
             logits = _apply_mask(logits, allowed)
-    if p.temperature == 0:
+    if p.temperature < GREEDY_BELOW:
         token = int(torch.argmax(logits))
     else:
         probs = torch.softmax(logits / p.temperature, dim=-1)
         if p.top_p < 1:
             sorted_probs, order = torch.sort(probs, descending=True)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            # keep the smallest prefix whose mass reaches top_p, and always the most likely token
+            # (a top_p below float32's resolution would otherwise drop every token)
             drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= p.top_p
+            drop[0] = False
             sorted_probs[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         token = int(torch.multinomial(probs.cpu(), 1, generator=req.generator))
