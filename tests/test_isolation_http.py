@@ -114,3 +114,15 @@ def test_grammar_payloads_that_crashed_the_compiler_leave_the_server_up(server):
                 assert "error" in r.json()
             assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     model.check_integrity()
+
+
+def test_remote_backend_sends_cache_salt(server):
+    url, model = server
+    remote = kvql.model(url + "/v1")
+    prompt = "Once upon a time there was a little robot who liked to count"
+    (a,) = remote.generate([prompt], max_tokens=4, cache_salt="remote-a")
+    (b,) = remote.generate([prompt], max_tokens=4, cache_salt="remote-b")
+    (a2,) = remote.generate([prompt], max_tokens=4, cache_salt="remote-a")
+    assert a.cached_tokens == 0 and b.cached_tokens == 0 and a2.cached_tokens > 0
+    assert a.text == b.text == a2.text
+    model.check_integrity()

@@ -259,6 +259,12 @@ def test_stream_failing_midway_sends_an_error_event_and_finish_reason(chat_token
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.APIError, match="internal server error"):
             list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, stream=True))
+        remote = kvql.model(url + "/v1")  # kvql's own remote backend raises too, after the first chunk
+
+        async def consume():
+            return [chunk async for chunk in remote.stream("Once upon a time", max_tokens=20)]
+        with pytest.raises(ValueError, match="internal server error"):
+            asyncio.run(consume())
         assert wait_idle(model)
         model.check_integrity()
 

@@ -61,3 +61,12 @@ def test_a_constraint_vllm_cannot_express_is_refused_before_sending(vllm):
         vllm.generate(["x"], max_tokens=4, grammar='start: "a"')
     with pytest.raises(ValueError, match="cannot run on a remote server"):
         vllm.generate(["x"], max_tokens=4, mask=lambda ids: None)
+
+
+def test_cache_salt_partitions_vllms_prefix_cache_too(vllm):
+    prompt = "Answer each question with one word. " * 12 + "Q: What do bees make?\nA:"  # > 2 blocks of 32
+    (a,) = vllm.generate([prompt], max_tokens=4, cache_salt="vllm-tenant-a")
+    (b,) = vllm.generate([prompt], max_tokens=4, cache_salt="vllm-tenant-b")
+    (a2,) = vllm.generate([prompt], max_tokens=4, cache_salt="vllm-tenant-a")
+    assert a.cached_tokens == 0 and b.cached_tokens == 0 and a2.cached_tokens >= 32
+    assert a.text == b.text == a2.text
