@@ -230,3 +230,24 @@ def test_oversize_and_overdeep_constraints_are_refused_before_compiling(tokenize
         Grammar.json_schema(tokenizer, text)
     with pytest.raises(TypeError, match="must be a string"):
         Grammar.regex(tokenizer, 5)
+
+
+def test_a_crash_in_the_compiler_refuses_the_constraint_and_spares_the_process(tokenizer, monkeypatch):
+    import llguidance
+    from kvql.engine import grammar_sandbox
+    text = llguidance.LLMatcher.grammar_from_lark(_lark_chain(3000))
+    # a 1 MiB stack in the sandbox: this chain overflows it there, a real SIGSEGV in the child
+    monkeypatch.setattr(grammar_sandbox, "STACK_BYTES", 1 << 20)
+    with pytest.raises(ValueError, match="crashed llguidance's grammar compiler"):
+        grammar_sandbox.check(tokenizer, text)
+    monkeypatch.undo()
+    assert grammar_sandbox.check(tokenizer, text) is None  # a new child, with the big stack
+    assert Grammar.regex(tokenizer, "[a-z]+").mask_fn()([]).any()
+
+
+def test_a_compile_over_the_time_limit_is_refused(tokenizer):
+    import llguidance
+    from kvql.engine import grammar_sandbox
+    with pytest.raises(ValueError, match="took longer than 0.001 s"):
+        grammar_sandbox.check(tokenizer, llguidance.LLMatcher.grammar_from_regex("(a{1000}){1000}"), timeout=0.001)
+    assert Grammar.regex(tokenizer, "[a-z]+").mask_fn()([]).any()

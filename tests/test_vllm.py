@@ -64,9 +64,10 @@ def test_a_constraint_vllm_cannot_express_is_refused_before_sending(vllm):
 
 
 def test_cache_salt_partitions_vllms_prefix_cache_too(vllm):
-    prompt = "Answer each question with one word. " * 12 + "Q: What do bees make?\nA:"  # > 2 blocks of 32
+    # vLLM's CPU backend caches whole 128-token blocks: ~297 tokens hold two
+    prompt = "Answer each question with one word. " * 41 + "Q: What do bees make?\nA:"
     (a,) = vllm.generate([prompt], max_tokens=4, cache_salt="vllm-tenant-a")
     (b,) = vllm.generate([prompt], max_tokens=4, cache_salt="vllm-tenant-b")
     (a2,) = vllm.generate([prompt], max_tokens=4, cache_salt="vllm-tenant-a")
-    assert a.cached_tokens == 0 and b.cached_tokens == 0 and a2.cached_tokens >= 32
+    assert a.cached_tokens == 0 and b.cached_tokens == 0 and a2.cached_tokens >= 128
     assert a.text == b.text == a2.text

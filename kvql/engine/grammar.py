@@ -29,7 +29,10 @@ llguidance's compiler recurses natively along chains of rules or `$ref`s (3,000 
 overflow an 8 MiB thread stack and kill the process), so compilation runs on a thread whose stack
 (`COMPILE_STACK`) holds the deepest chain that fits in `MAX_BYTES` several times over
 (measured: 70,000 chained Lark rules, 1 MB of text, compile in a 512 MiB stack; 30,000 `$ref`s in
-256 MiB). The stack is virtual memory, committed only as far as it is used.
+256 MiB). The stack is virtual memory, committed only as far as it is used. And every grammar is
+compiled, and its first mask computed, in a sandbox process before it is compiled here
+(`grammar_sandbox`): a crash or hang there that the bounds did not foresee refuses that constraint
+with a ValueError, and this process never runs the grammar that caused it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import llguidance
 import llguidance.hf
 import numpy as np
 import torch
+
+from . import grammar_sandbox
 
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)  # errors without parser-state dumps
 MAX_BYTES = 256 * 1024
@@ -122,12 +127,16 @@ class Grammar:
     """
 
     def __init__(self, tokenizer, build, what: str):
-        """`build()` returns llguidance's grammar text; it runs, with the compile, on a big stack."""
+        """`build()` returns llguidance's grammar text. It is compiled in the sandbox process first,
+        then here, on a big stack."""
         self._ll = _ll_tokenizer(tokenizer)
-        self._initial = _on_big_stack(
-            lambda: llguidance.LLMatcher(self._ll, build(), log_level=0, limits=_LIMITS))
-        if self._initial.is_error():
-            raise ValueError(f"invalid {what}: {self._initial.get_error().rstrip()}")
+        text = _on_big_stack(build)
+        error = grammar_sandbox.check(tokenizer, text)
+        if error is None:
+            self._initial = _on_big_stack(lambda: llguidance.LLMatcher(self._ll, text, log_level=0, limits=_LIMITS))
+            error = self._initial.get_error() if self._initial.is_error() else None
+        if error is not None:
+            raise ValueError(f"invalid {what}: {_plain_error(error, 0)}")
         self.vocab_size: int = self._ll.vocab_size
 
     @classmethod
