@@ -244,3 +244,28 @@ def test_impossible_options_fail_in_plain_words(make_model, options, message):
     with pytest.raises(ValueError, match=message):
         m.generate(["hello"], max_tokens=3, **options)
     m.check_integrity()
+
+
+def test_constraints_compile_off_the_event_loop(make_model, monkeypatch):
+    from kvql.engine.grammar import Grammar
+    threads = []
+    original = Grammar.regex.__func__
+
+    def spy(cls, tokenizer, pattern):
+        import threading
+        threads.append(threading.current_thread())
+        return original(cls, tokenizer, pattern)
+
+    monkeypatch.setattr(Grammar, "regex", classmethod(spy))
+    m = make_model()
+
+    async def main():
+        import threading
+        loop_thread = threading.current_thread()
+        (c,) = await m.agenerate(["hello"], max_tokens=3, regex="[a-z ]+")
+        chunks = [ch async for ch in m.stream("hello", max_tokens=3, regex="[a-z ]+")]
+        return loop_thread, c, chunks
+
+    loop_thread, c, chunks = asyncio.run(main())
+    assert len(threads) == 2 and loop_thread not in threads  # a slow compile never holds up the loop
+    assert c.text and chunks

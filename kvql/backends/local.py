@@ -112,12 +112,13 @@ class Model:
             raise ValueError(f"cache_budget too small: prompt {i} needs {need} tokens of KV "
                              f"({need * per} bytes) but the budget holds {slots} tokens ({slots * per} bytes)")
 
-    def _submit(self, prompts, on_update=None, *, max_tokens: int = 16, stop: str | list[str] | None = None,
-                temperature: float = 0.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
-                logprobs: int | None = None, mask: MaskFn | None = None, regex: str | None = None,
-                choices: list[str] | None = None, json_schema: dict | str | None = None, grammar: str | None = None,
-                stop_fn: StopFn | None = None, masked_logprobs: bool = False,
-                ignore_eos: bool = False, cache_salt: str | None = None) -> list[RequestGroup]:
+    def _prepare(self, prompts, *, max_tokens: int = 16, stop: str | list[str] | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
+                 logprobs: int | None = None, mask: MaskFn | None = None, regex: str | None = None,
+                 choices: list[str] | None = None, json_schema: dict | str | None = None, grammar: str | None = None,
+                 stop_fn: StopFn | None = None, masked_logprobs: bool = False,
+                 ignore_eos: bool = False, cache_salt: str | None = None):
+        """Check every option and compile the constraint; nothing is queued yet. -> (ids, params, salt)."""
         constraints = {k: v for k, v in (("mask", mask), ("regex", regex), ("choices", choices),
                                          ("json_schema", json_schema), ("grammar", grammar)) if v is not None}
         if len(constraints) > 1:
@@ -137,8 +138,25 @@ class Model:
         all_ids = self._prompt_ids(prompts)
         for i, ids in enumerate(all_ids):
             self._check_fits(ids, params, i)
+        return all_ids, params, cache_salt
+
+    def _enqueue(self, prepared, on_update=None) -> list[RequestGroup]:
+        all_ids, params, cache_salt = prepared
         return [self.engine.submit(ids, params, index=i, on_update=on_update, cache_salt=cache_salt)
                 for i, ids in enumerate(all_ids)]
+
+    def _submit(self, prompts, on_update=None, **options) -> list[RequestGroup]:
+        return self._enqueue(self._prepare(prompts, **options), on_update)
+
+    async def _asubmit(self, prompts, on_update=None, **options) -> list[RequestGroup]:
+        """`_submit` for asyncio: a constraint to compile (ms, at worst the sandbox's time limit) is
+        compiled on a worker thread, so it never holds up the event loop that serves other requests;
+        nothing is queued if the caller is cancelled meanwhile."""
+        if any(options.get(k) is not None for k in ("regex", "choices", "json_schema", "grammar")):
+            prepared = await asyncio.to_thread(self._prepare, prompts, **options)
+        else:
+            prepared = self._prepare(prompts, **options)
+        return self._enqueue(prepared, on_update)
 
     # -- public API ------------------------------------------------------------------------------
     # Options of generate / agenerate / stream (unknown ones raise TypeError):
@@ -164,7 +182,7 @@ class Model:
 
     async def agenerate(self, prompts, **options) -> list[Completion]:
         """`generate` for asyncio; cancelling the awaiting task cancels the requests."""
-        groups = self._submit(prompts, **options)
+        groups = await self._asubmit(prompts, **options)
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(g.future) for g in groups))
         except BaseException:
@@ -184,7 +202,7 @@ class Model:
         def on_update(sample, text, token, completion):
             loop.call_soon_threadsafe(queue.put_nowait, StreamChunk(sample, text, token, completion))
 
-        (group,) = self._submit(prompt, on_update, **options)
+        (group,) = await self._asubmit(prompt, on_update, **options)
         group.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
         try:
             while (chunk := await queue.get()) is not None:
