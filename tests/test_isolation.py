@@ -269,3 +269,22 @@ def test_constraints_compile_off_the_event_loop(make_model, monkeypatch):
     loop_thread, c, chunks = asyncio.run(main())
     assert len(threads) == 2 and loop_thread not in threads  # a slow compile never holds up the loop
     assert c.text and chunks
+
+
+def test_a_callback_raising_system_exit_fails_only_its_request(make_model, llama, tokenizer):
+    prompts = random_prompts(seed=36, count=3, vocab=len(tokenizer))
+    m = make_model()  # the background engine thread must survive it
+
+    def leave(ids):
+        raise SystemExit("bye")
+
+    async def main():
+        return await asyncio.gather(m.agenerate([prompts[0]], max_tokens=8, mask=leave),
+                                    m.agenerate(prompts[1:], max_tokens=8), return_exceptions=True)
+
+    bad, good = asyncio.run(main())
+    assert isinstance(bad, RuntimeError) and isinstance(bad.__cause__, SystemExit)
+    for p, c in zip(prompts[1:], good):
+        assert c.token_ids == reference_greedy(llama, p, 8, tokenizer.eos_token_id)
+    assert m.generate(["hello"], max_tokens=2)[0].token_ids  # the engine thread is alive
+    m.check_integrity()

@@ -212,8 +212,11 @@ class Engine:
             for sib, tok, lp in forks:
                 if not group.closed:
                     self._append(sib, tok, lp)
-        except Exception as e:
+        except BaseException as e:  # even SystemExit from a callback must not end the engine thread
             e.add_note(f"kvql: request {req.rid} failed while sampling:\n{traceback.format_exc(limit=3)}")
+            if not isinstance(e, Exception):  # asyncio and thread pools treat those as "stop the program"
+                wrapped = RuntimeError(f"a callback of request {req.rid} raised {e!r}")
+                wrapped.__cause__, e = e, wrapped
             self._fail(group, e, keep=True)
 
     def _append(self, req: Request, token: int, logprob) -> None:
