@@ -1,162 +1,113 @@
-"""Compile LMQL query source into a Python coroutine function over a runtime context.
+"""Compile LMQL query source into Python: a module that defines the query as a coroutine function.
 
-Accepted forms (LMQL's):
-- modern: an optional decoder clause on the first line (`argmax`, `sample(n=2, temperature=0.8)`,
-  `beam(n=3)`), then Python statements and prompt statements with inline `where` / `distribution`;
-- standalone: `decoder` / indented body / `from "model"` / `where ...` / `distribution VAR in [...]`
-  (clause keywords case-insensitive).
+The layout of clauses (prologue, decoder, body, from, where, distribution) is read by `clauses.py`.
+A prompt statement is a statement of the query body itself (not of a `def` or `class` inside it)
+made only of string literals, optionally followed by `where COND` and `distribution VAR in VALUES`.
+It is rewritten, on its own first line so that line numbers stay those of the query, into calls on
+the runtime context `__ctx`: `text`, `role`, `hole`, `nested`, `distribution`. Everything else is
+ordinary Python, run as is (the body becomes the body of an `async def`, so `await` and `return`
+work; a `return` inside a nested `def` returns from that function only).
 
-A prompt statement is a line made only of string literals, optionally followed by `where COND` and
-`distribution VAR in VALUES`. It is rewritten, on its own first line so that line numbers stay those
-of the query, into calls on the runtime context `__ctx`: `text`, `role`, `hole`, `nested`,
-`distribution`. Everything else is ordinary Python, run as is (the body becomes the body of an
-`async def`, so `await` and `return` work).
+The compiled module (run in the query's defining scope) defines:
+- `__kvql_query__(__ctx, __args)`: the body, with the inputs `__args` bound as locals;
+- `__kvql_decoder__(__args)`: the decoder clause's keyword arguments, evaluated (`argmax(n=n)`);
+- `__kvql_model__(__args)`: the `from` clause's model, evaluated (`from lmql.model(...)`), or None;
+and runs the prologue (Python lines before the decoder clause) at its top level, as LMQL does.
 """
 
 from __future__ import annotations
 
 import ast
-import io
 import linecache
 import re
-import textwrap
 import threading
 import tokenize
 from dataclasses import dataclass, field
 
-from ..runtime.constraints import BUILDERS
+from ..runtime.constraints import BUILDERS, Var
+from .clauses import DECODERS, Body, split_clauses
 from .prompt_string import Expr, Hole, PromptSyntaxError, Role, Text, parse_prompt
+from .source import QuerySyntaxError, Span, logical_lines, tokens
 
-DECODERS = ("argmax", "sample", "beam")
-_DECODER_LINE = re.compile(r"^(argmax|sample|beam)\s*(\(.*\))?\s*:?\s*$", re.I | re.S)
-_CLAUSE = re.compile(r"^(from|where|distribution)\b(?!\s*[=.(\[])(.*)$", re.I | re.S)
+__all__ = ["compile_query", "CompiledQuery", "Decoder", "QuerySyntaxError", "DECODERS"]
 _counter = iter(range(1, 1 << 62))
-
-
-class QuerySyntaxError(SyntaxError):
-    """An error in query source; `lineno` / `offset` are 1-based line and column in the query."""
-
-    def __init__(self, message: str, line: int, column: int, source: str = ""):
-        text = source.splitlines()[line - 1] if source and 0 < line <= len(source.splitlines()) else ""
-        super().__init__(f"{message} (query line {line}, column {column})", ("<query>", line, column, text))
-        self.msg_only = message
 
 
 @dataclass
 class Decoder:
     name: str = "argmax"
-    kwargs: dict = field(default_factory=dict)
+    kwargs: dict = field(default_factory=dict)  # the arguments that are literals (checked at definition)
+    dynamic: list = field(default_factory=list)  # names of arguments that are expressions (`n=n`)
 
 
 @dataclass
 class CompiledQuery:
-    code: object                # code object of a module defining `__kvql_query__(__ctx, __args)`
+    code: object                # code object of the module (see the module docstring)
     params: list[str]
     decoder: Decoder | None
-    model: str | None
+    model: str | None           # the `from` clause, when it is a string literal
     holes: list[str]
-    returns: bool               # the body has a `return`
+    returns: bool               # the body has a `return` (of its own, not of a nested def)
     source: str
+    model_source: str | None = None  # the `from` clause's expression, when it is not a literal
 
 
 def _strip_marker(source: str) -> str:
-    source = textwrap.dedent(source)
     lines = source.split("\n")
     while lines and not lines[0].strip():
         lines.pop(0)
     if lines and lines[0].strip() == "lmql":  # docstrings written '''lmql ...'''
         lines.pop(0)
-    return textwrap.dedent("\n".join(lines))
+    indent = min((len(x) - len(x.lstrip()) for x in lines if x.strip()), default=0)
+    return "\n".join(x[indent:] if x.strip() else "" for x in lines)
 
 
-def _parse_decoder(line: str, lineno: int, source: str) -> Decoder:
-    m = _DECODER_LINE.match(line.strip())
-    name, args = m.group(1).lower(), m.group(2)
-    kwargs = {}
-    if args:
+def _decoder(layout, source: str) -> tuple[Decoder | None, dict]:
+    """The decoder clause, and the source of each of its keyword arguments."""
+    if layout.decoder is None:
+        return None, {}
+    sources, kwargs, dynamic = {}, {}, []
+    if layout.decoder_args is not None:
+        span = layout.decoder_args
         try:
-            call = ast.parse(f"f{args}", mode="eval").body
-            kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-            if call.args:
-                raise ValueError("decoder arguments must be keywords, e.g. sample(n=2)")
-        except (SyntaxError, ValueError) as e:
-            raise QuerySyntaxError(f"invalid decoder clause {line.strip()!r}: {e}", lineno, 1, source) from None
-    return Decoder(name, kwargs)
+            call = ast.parse(f"f{span.text}", mode="eval").body
+        except SyntaxError as e:
+            raise span.error(f"invalid decoder clause: {e.msg}", 1, max((e.offset or 2) - 2, 0), source) from None
+        if call.args:
+            raise span.error("decoder arguments must be keywords, e.g. sample(n=2)", 1, 0, source)
+        for k in call.keywords:
+            if k.arg is None:
+                raise span.error("decoder arguments must be keywords, e.g. sample(n=2)", 1, 0, source)
+            sources[k.arg] = ast.unparse(k.value)
+            try:
+                kwargs[k.arg] = ast.literal_eval(k.value)
+            except ValueError:
+                dynamic.append(k.arg)
+    return Decoder(layout.decoder, kwargs, dynamic), sources
 
 
-def split_clauses(source: str):
-    """-> (decoder, body, body_first_line, body_indent, model, where, distribution) for either form."""
-    lines = source.split("\n")
-    i = 0
-    while i < len(lines) and (not lines[i].strip() or lines[i].lstrip().startswith("#")):
-        i += 1
-    decoder = None
-    if i < len(lines) and _DECODER_LINE.match(lines[i].strip()):
-        decoder = _parse_decoder(lines[i], i + 1, source)
-        i += 1
-    start = i
-    model = where = distribution = None
-    end = len(lines)
-    j = start
-    while j < len(lines):
-        line = lines[j]
-        m = _CLAUSE.match(line) if line[:1] not in (" ", "\t") else None
-        if m and not (m.group(1).lower() == "from" and re.match(r"\s*[\w.]+\s+import\b", m.group(2))):
-            end = min(end, j)
-            kind = m.group(1).lower()
-            k = j + 1
-            while k < len(lines) and (not lines[k].strip() or lines[k][:1] in (" ", "\t")):
-                k += 1
-            text = (m.group(2) + "\n" + "\n".join(lines[j + 1:k])).strip()
-            if kind == "from":
-                try:
-                    model = ast.literal_eval(text)
-                except (ValueError, SyntaxError):
-                    raise QuerySyntaxError(f"'from' needs a model name in quotes, got {text!r}", j + 1, 1,
-                                           source) from None
-            elif kind == "where":
-                where = _Span(m.group(2) + "\n" + "\n".join(lines[j + 1:k]), j + 1, m.start(2), 0)
-            else:
-                distribution = (text, j + 1)
-            j = k
-            continue
-        j += 1
-    body_lines = lines[start:end]
-    body = textwrap.dedent("\n".join(body_lines))
-    indent = 0
-    for raw, ded in zip(body_lines, body.split("\n")):
-        if raw.strip():
-            indent = len(raw) - len(ded)
-            break
-    return decoder, body, start + 1, indent, model, where, distribution
+def _expression(span: Span, what: str, source: str) -> ast.expr:
+    """The Python expression in `span` (which may continue over lines), parsed; errors point into the query."""
+    span = span.strip()
+    if not span.text:
+        raise span.error(f"the {what} clause is empty", 1, 0, source)
+    try:
+        return ast.parse(f"({span.text}\n)", mode="eval").body
+    except SyntaxError as e:
+        row, col = e.lineno or 1, (e.offset or 1) - 1 - ((e.lineno or 1) == 1)
+        lines = span.text.split("\n")
+        if row > len(lines):
+            row, col = len(lines), len(lines[-1])
+        raise span.error(f"invalid {what} clause: {e.msg}", row, max(col, 0), source) from None
 
 
-# -- where clauses -------------------------------------------------------------------------------
-@dataclass
-class _Span:
-    """A piece of query text (a where clause) and where it lies: its first character at 1-based
-    `line`, 0-based `col` of the query; its later lines start `indent` columns into theirs."""
-
-    text: str
-    line: int
-    col: int
-    indent: int
-
-    def at(self, line: int, col: int) -> tuple[int, int]:
-        """(query line, 1-based query column) of 1-based `line`, 0-based character `col` in the text."""
-        return self.line + line - 1, (self.col if line == 1 else self.indent) + col + 1
-
-    def node_at(self, node: ast.AST) -> tuple[int, int]:
-        """Position of an AST node parsed from the text (its col_offset counts UTF-8 bytes)."""
-        line = self.text.split("\n")[node.lineno - 1]
-        return self.at(node.lineno, len(line.encode()[:node.col_offset].decode(errors="ignore")))
-
-    def lstrip(self) -> "_Span":
-        """The same text without leading whitespace (which `ast.parse(..., mode="eval")` refuses)."""
-        lead = self.text[:len(self.text) - len(self.text.lstrip())]
-        rows = lead.split("\n")
-        line, col = self.line + len(rows) - 1, (self.col if len(rows) == 1 else self.indent) + len(rows[-1])
-        return _Span(self.text[len(lead):], line, col, self.indent)
+def _distribution(span: Span, source: str) -> tuple[str, str]:
+    """`VAR in VALUES` -> (VAR, VALUES as one line of Python)."""
+    node = _expression(span, "distribution", source)
+    if not (isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and len(node.ops) == 1
+            and isinstance(node.ops[0], ast.In)):
+        raise span.strip().error("expected 'distribution VAR in [values]'", 1, 0, source)
+    return node.left.id, ast.unparse(node.comparators[0])
 
 
 class _NodeError(ValueError):
@@ -194,8 +145,9 @@ class _WhereRewriter(ast.NodeTransformer):
         return self.generic_visit(node)
 
     def visit_BoolOp(self, node):
-        fn = "AND" if isinstance(node.op, ast.And) else "OR"
-        return ast.Call(self._c(fn), [self.visit(v) for v in node.values], [])
+        if isinstance(node.op, ast.And):
+            return _conjunction([self.visit(v) for v in node.values])
+        return ast.Call(self._c("OR"), [self.visit(v) for v in node.values], [])
 
     def visit_UnaryOp(self, node):
         if isinstance(node.op, ast.Not):
@@ -204,6 +156,13 @@ class _WhereRewriter(ast.NodeTransformer):
 
     def visit_Compare(self, node):
         names = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
+        if isinstance(node.ops[0], (ast.Is, ast.IsNot)) and len(node.ops) == 1 and isinstance(node.left, ast.Call) \
+                and isinstance(node.left.func, ast.Name) and node.left.func.id == "type" and len(node.left.args) == 1 \
+                and isinstance(node.left.args[0], ast.Name) and node.left.args[0].id in self.holes:
+            # `type(X) is T` (LMQL's type constraint): Python's `is` cannot be overloaded, so it becomes a call
+            if isinstance(node.ops[0], ast.IsNot):
+                raise _NodeError("'type(X) is not T' is not supported; write 'type(X) is T'", node)
+            return ast.Call(self._c("TYPE"), [self.visit(node.left.args[0]), self.visit(node.comparators[0])], [])
         left, parts = self.visit(node.left), []
         for op, right in zip(node.ops, node.comparators):
             right = self.visit(right)
@@ -218,11 +177,11 @@ class _WhereRewriter(ast.NodeTransformer):
         return parts[0] if len(parts) == 1 else ast.Call(self._c("AND"), parts, [])
 
 
-def _where_code(span: _Span, holes: set[str], source: str) -> str:
-    """Python source building the IR of the where clause in `span`; errors point into the query."""
-    span = _Span(span.text.rstrip(), span.line, span.col, span.indent).lstrip()
+def _where_ir(span: Span, holes: set[str], source: str) -> ast.expr:
+    """An expression building the IR of the where clause in `span`; errors point into the query."""
+    span = span.strip()
     try:
-        for _ in _tokens(span.text):
+        for _ in tokens(span.text):
             pass
     except tokenize.TokenError as e:
         (row, col) = e.args[1]
@@ -254,51 +213,54 @@ def _where_code(span: _Span, holes: set[str], source: str) -> str:
                         and isinstance(node.args[1], ast.Constant) and node.args[1].value == "":
                     raise _NodeError(f'{fn}({ast.unparse(node.args[0])}, ""): the stop phrase is empty',
                                      node.args[1])
-        out = _WhereRewriter(holes).visit(tree)
+        _check_hole_uses(tree.body, holes)
+        return _WhereRewriter(holes).visit(tree).body
     except _NodeError as e:
         raise QuerySyntaxError(str(e), *span.node_at(e.node), source) from None
-    return ast.unparse(ast.fix_missing_locations(out))
+
+
+_VAR_METHODS = {n for n in dir(Var) if not n.startswith("_")}
+_ORDER = (ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Eq, ast.NotEq, ast.In, ast.NotIn)
+
+
+def _check_hole_uses(tree: ast.expr, holes: set[str]) -> None:
+    """Refuse, at its node, a generated variable used where the constraint IR cannot follow it
+    (`X.startswith(..)`, `X[0]`, `f(X)`, `X + 1`, ...): the condition would otherwise be evaluated as
+    plain Python on a placeholder and silently mean something else."""
+    def allowed(parent, grandparent) -> bool:
+        if isinstance(parent, ast.Compare):
+            return all(isinstance(op, _ORDER) for op in parent.ops)
+        if isinstance(parent, ast.Attribute):  # the IR's methods of a variable: X.startswith("a")
+            return parent.attr in _VAR_METHODS and isinstance(grandparent, ast.Call) and grandparent.func is parent
+        if isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name):
+            return parent.func.id in BUILDERS or parent.func.id == "len" or \
+                parent.func.id == "type" and isinstance(grandparent, ast.Compare)
+        return False
+
+    def walk(node, parent, grandparent):
+        if isinstance(node, ast.Name) and node.id in holes and not allowed(parent, grandparent):
+            shown = ast.unparse(parent if parent is not None else node)
+            raise _NodeError(f"cannot enforce '{shown}': a generated variable ({node.id}) can only appear in "
+                             "comparisons, 'in', len(), type(V) is T, V.startswith() and the constraint functions "
+                             f"{', '.join(sorted(BUILDERS))}", parent if parent is not None else node)
+        for child in ast.iter_child_nodes(node):
+            walk(child, node, parent)
+
+    walk(tree, None, None)
+
+
+def _conjunction(items: list[ast.expr]) -> ast.expr:
+    """`__C.AND(*items)`, flat: conjunctions among the items are spliced in (the runtime reads a
+    hole's conditions as the top-level conjuncts of its constraint)."""
+    flat = []
+    for item in items:
+        is_and = isinstance(item, ast.Call) and isinstance(item.func, ast.Attribute) and item.func.attr == "AND" \
+            and isinstance(item.func.value, ast.Name) and item.func.value.id == "__C"
+        flat += item.args if is_and else [item]
+    return flat[0] if len(flat) == 1 else ast.Call(_WhereRewriter._c("AND"), flat, [])
 
 
 # -- prompt statements ---------------------------------------------------------------------------
-_PAIRS = {")": "(", "]": "[", "}": "{"}
-
-
-def _tokens(text: str):
-    """Python's tokens of `text`; a bracket that is never closed, or closes nothing or the wrong
-    one, raises TokenError(message, (row, col)) at that bracket, as Python's own parser reports it
-    (tokenize alone would say "EOF in multi-line statement" at the end of the text)."""
-    opened: list = []
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-            if tok.type == tokenize.OP and tok.string in "([{":
-                opened.append(tok)
-            elif tok.type == tokenize.OP and tok.string in _PAIRS:
-                if not opened:
-                    raise tokenize.TokenError(f"unmatched {tok.string!r}", tok.start)
-                if opened[-1].string != _PAIRS[tok.string]:
-                    raise tokenize.TokenError(f"closing parenthesis {tok.string!r} does not match opening "
-                                              f"parenthesis {opened[-1].string!r}", tok.start)
-                opened.pop()
-            yield tok
-    except tokenize.TokenError as e:
-        if opened and "statement" in e.args[0]:
-            raise tokenize.TokenError(f"{opened[-1].string!r} was never closed", opened[-1].start) from None
-        raise
-
-
-def _logical_lines(body: str):
-    """Yield lists of significant tokens, one list per logical line."""
-    line: list = []
-    for tok in _tokens(body):
-        if tok.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
-            if line:
-                yield line
-            line = []
-        elif tok.type not in (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT):
-            line.append(tok)
-
-
 # one escape sequence (or character) of a string literal's body
 _UNIT = re.compile(r"\\(?:\n|N\{[^}]*\}|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[0-7]{1,3}|.)|.", re.S)
 
@@ -340,24 +302,41 @@ class _Statement:
     last: int
     indent: str
     parts: list
-    where: _Span | None
+    where: Span | None
     distribution: tuple[str, str] | None  # (VAR, values source)
 
 
-def _find_statements(body: str, source: str, line0: int, col0: int) -> list[_Statement]:
+def _starts_scope(toks) -> bool:
+    """A `def`, `async def` or `class` line: the block below it is not the query's own."""
+    return toks[0].string in ("def", "class") or (toks[0].string == "async" and len(toks) > 1
+                                                  and toks[1].string == "def")
+
+
+def _find_statements(body: Body, source: str) -> list[_Statement]:
+    """The prompt statements of the query body: lines of its own made of string literals (and
+    their `where` / `distribution`); the bodies of functions and classes defined in it are skipped."""
+    text = body.text
     offsets = [0]
-    for line in body.split("\n"):
+    for line in text.split("\n"):
         offsets.append(offsets[-1] + len(line) + 1)
 
     def text_between(a, b):
-        return body[offsets[a[0] - 1] + a[1]:offsets[b[0] - 1] + b[1]]
+        return text[offsets[a[0] - 1] + a[1]:offsets[b[0] - 1] + b[1]]
 
     def error(message, row, col):  # row, col: 1-based line, 0-based column of the body
-        return QuerySyntaxError(message, row + line0 - 1, col + col0 + 1, source)
+        return QuerySyntaxError(message, *body.at(row, col), source)
+
+    def span(start, end):
+        line, col = body.at(*start)
+        return Span(text_between(start, end), line, col - 1, body.col)
 
     out = []
+    nested_at = None  # block depth of the def / class whose body is being skipped
     try:
-        for toks in _logical_lines(body):
+        for depth, toks in logical_lines(text):
+            if nested_at is not None and depth > nested_at:
+                continue
+            nested_at = depth if _starts_scope(toks) else None
             k = 0
             while k < len(toks) and toks[k].type == tokenize.STRING:
                 k += 1
@@ -379,16 +358,10 @@ def _find_statements(body: str, source: str, line0: int, col0: int) -> list[_Sta
                 dist_at = next((i for i, t in enumerate(rest) if t.type == tokenize.NAME
                                 and t.string == "distribution"), len(rest))
                 if rest[0].string == "where":
-                    end = rest[dist_at].start if dist_at < len(rest) else rest[-1].end
-                    row, col = rest[0].end
-                    where = _Span(text_between(rest[0].end, end), row + line0 - 1, col + col0, col0)
+                    where = span(rest[0].end, rest[dist_at].start if dist_at < len(rest) else rest[-1].end)
                 if dist_at < len(rest):
-                    dsrc = text_between(rest[dist_at].end, rest[-1].end).strip()
-                    m = re.match(r"([A-Za-z_]\w*)\s+in\s+(.+)$", dsrc, re.S)
-                    if not m:
-                        raise error("expected 'distribution VAR in [values]'", *rest[dist_at].start)
-                    distribution = (m.group(1), m.group(2))
-            line_text = body.split("\n")[toks[0].start[0] - 1]
+                    distribution = _distribution(span(rest[dist_at].end, rest[-1].end), source)
+            line_text = text.split("\n")[toks[0].start[0] - 1]
             out.append(_Statement(toks[0].start[0], toks[-1].end[0],
                                   line_text[:len(line_text) - len(line_text.lstrip())], parts, where,
                                   distribution))
@@ -399,32 +372,48 @@ def _find_statements(body: str, source: str, line0: int, col0: int) -> list[_Sta
     return out
 
 
-def _hole_call(h: Hole, dist: tuple[str, str] | None) -> str:
+def _one_line(src: str) -> str:
+    """A Python expression's source on one line (prompt statements must keep their line count)."""
+    return ast.unparse(ast.parse(f"({src})", mode="eval").body)
+
+
+def _is_regex(type_source: str) -> bool:
+    """`[V: r'[0-9]+']`: a string literal as a hole's tactic is a regex it must match (LMQL's)."""
+    t = ast.parse(f"({type_source})", mode="eval").body
+    return isinstance(t, ast.Constant) and isinstance(t.value, str)
+
+
+def _hole_call(h: Hole, dist: tuple[str, str] | None, constraint: str) -> str:
     if dist and dist[0] == h.name:
         return f"{h.name} = await __ctx.distribution({h.name!r}, {dist[1]})"
-    post = "[" + ", ".join(h.decorators) + "]"
-    if h.type_source:
-        t = ast.parse(h.type_source, mode="eval").body
+    post = "[" + ", ".join(_one_line(d) for d in h.decorators) + "]"
+    if h.type_source and not _is_regex(h.type_source):
+        t = ast.parse(f"({h.type_source})", mode="eval").body
         if isinstance(t, ast.Call):
             args = ", ".join([ast.unparse(a) for a in t.args])
             kwargs = ", ".join(f"{k.arg!r}: {ast.unparse(k.value)}" for k in t.keywords)
             return (f"{h.name} = await __ctx.nested({h.name!r}, {ast.unparse(t.func)}, ({args}{',' if args else ''}), "
-                    f"{{{kwargs}}}, post={post})")
-        return f"{h.name} = await __ctx.hole({h.name!r}, __c, type={h.type_source}, post={post})"
-    return f"{h.name} = await __ctx.hole({h.name!r}, __c, post={post})"
+                    f"{{{kwargs}}}, post={post}, constraint={constraint})")
+        return f"{h.name} = await __ctx.hole({h.name!r}, {constraint}, type={ast.unparse(t)}, post={post})"
+    return f"{h.name} = await __ctx.hole({h.name!r}, {constraint}, post={post})"
 
 
-def _statement_code(st: _Statement, where_code: str) -> str:
-    calls = [f"__c = {where_code}"]
+def _statement_code(st: _Statement, where: ast.expr | None) -> str:
+    """The statement as one line of calls on `__ctx`; `where` is the IR expression of its constraint."""
+    calls = [f"__c = {ast.unparse(where) if where is not None else None}"]
     for p in st.parts:
         if isinstance(p, Text):
             calls.append(f"await __ctx.text({p.text!r})")
         elif isinstance(p, Expr):
-            calls.append(f"await __ctx.text(__ctx.fmt(({p.source}), {p.conversion!r}, {p.spec!r}))")
+            calls.append(f"await __ctx.text(__ctx.fmt(({_one_line(p.source)}), {p.conversion!r}, {p.spec!r}))")
         elif isinstance(p, Role):
             calls.append(f"await __ctx.role({p.role!r})")
+        elif p.type_source and _is_regex(p.type_source):
+            regex = ast.parse(f"__C.REGEX(__C.Var({p.name!r}), {_one_line(p.type_source)})", mode="eval").body
+            own = ast.unparse(_conjunction(([where] if where is not None else []) + [regex]))
+            calls.append(_hole_call(p, st.distribution, own))
         else:
-            calls.append(_hole_call(p, st.distribution))
+            calls.append(_hole_call(p, st.distribution, "__c"))
     return st.indent + "; ".join(calls)
 
 
@@ -432,75 +421,105 @@ _lock = threading.Lock()
 
 
 def compile_query(source: str, params: list[str] | None = None, name: str = "query") -> CompiledQuery:
-    """Compile query `source` into a module defining `__kvql_query__(__ctx, __args)`, with `params`
-    bound as locals. Serialized: CPython 3.11's `ast` module is not safe to use from several threads
-    at once (its recursion-depth counter is shared, gh-106905)."""
+    """Compile query `source` into a module (see the module docstring), with `params` bound as
+    locals. Serialized: CPython 3.11's `ast` module is not safe to use from several threads at once
+    (its recursion-depth counter is shared, gh-106905)."""
     with _lock:
         return _compile(source, params, name)
 
 
+def _function(name: str, params: list[str], body: list[ast.stmt], line: int, is_async: bool = False):
+    """`[async] def name(__args)` (or `(__ctx, __args)`) binding `params` from `__args`, then `body`;
+    the added lines are placed on query line `line`."""
+    binds = ast.parse("\n".join((["context = __ctx"] if is_async else []) + [f"{p} = __args[{p!r}]" for p in params]))
+    for node in ast.walk(binds):
+        if hasattr(node, "lineno"):
+            node.lineno = node.end_lineno = line
+    args = ast.arguments(posonlyargs=[], args=[ast.arg(a) for a in (["__ctx"] if is_async else []) + ["__args"]],
+                         kwonlyargs=[], kw_defaults=[], defaults=[])
+    cls = ast.AsyncFunctionDef if is_async else ast.FunctionDef
+    return cls(name=name, args=args, body=binds.body + (body or [ast.Pass()]), decorator_list=[], returns=None,
+               type_params=[], lineno=line, col_offset=0)
+
+
+def _parse_at(text: str, line: int, source: str, col: int = 0) -> list[ast.stmt]:
+    """Statements of `text`, which starts on query line `line` (at column `col` for errors)."""
+    try:
+        tree = ast.parse(text, filename="<query>")
+    except SyntaxError as e:
+        raise QuerySyntaxError(e.msg, (e.lineno or 1) + line - 1, (e.offset or 1) + col, source) from None
+    ast.increment_lineno(tree, line - 1)
+    return tree.body
+
+
 def _compile(source: str, params: list[str] | None, name: str) -> CompiledQuery:
     source = _strip_marker(source)
-    decoder, body, line0, col0, model, where, distribution = split_clauses(source)
-    statements = _find_statements(body, source, line0, col0)
+    layout = split_clauses(source)
+    body = layout.body
+    decoder, decoder_args = _decoder(layout, source)
+    statements = _find_statements(body, source)
     holes = [p.name for st in statements for p in st.parts if isinstance(p, Hole)]
-    if distribution is not None:
-        text, dline = distribution
-        m = re.match(r"([A-Za-z_]\w*)\s+in\s+(.+)$", text, re.S)
-        if not m:
-            raise QuerySyntaxError("expected 'distribution VAR in [values]'", dline, 1, source)
-        if m.group(1) not in holes:
-            raise QuerySyntaxError(f"distribution over {m.group(1)}, which no prompt generates", dline, 1, source)
+    if layout.distribution is not None:
+        var, values = _distribution(layout.distribution, source)
+        at = layout.distribution.strip()
+        if var not in holes:
+            raise at.error(f"distribution over {var}, which no prompt generates", 1, 0, source)
         for st in statements:
-            if m.group(1) in [p.name for p in st.parts if isinstance(p, Hole)]:
-                st.distribution = st.distribution or (m.group(1), m.group(2))
+            if var in [p.name for p in st.parts if isinstance(p, Hole)]:
+                st.distribution = st.distribution or (var, values)
     for st in statements:
         if st.distribution and st.distribution[0] not in [p.name for p in st.parts if isinstance(p, Hole)]:
             raise QuerySyntaxError(f"distribution over {st.distribution[0]}, which this prompt does not generate",
-                                   st.first + line0 - 1, 1, source)
-    global_where = _where_code(where, set(holes), source) if where else "None"
+                                   body.at(st.first, 0)[0], 1, source)
 
-    lines = body.split("\n")
+    lines = body.text.split("\n")
     for st in reversed(statements):
+        # the global where clause applies to every statement, next to the statement's own (flattened)
         own = {p.name for p in st.parts if isinstance(p, Hole)}
-        code = _where_code(st.where, own, source) if st.where else "None"
-        if where and st.where:
-            code = f"__C.AND({global_where}, {code})"
-        elif where:
-            code = global_where
-        lines[st.first - 1:st.last] = [_statement_code(st, code)] + [""] * (st.last - st.first)
-    transformed = "\n".join(lines)
-    try:
-        module = ast.parse(transformed, filename="<query>")
-    except SyntaxError as e:
-        raise QuerySyntaxError(e.msg, (e.lineno or 1) + line0 - 1, (e.offset or 1) + col0, source) from None
-    returns = any(isinstance(n, ast.Return) for n in _walk_own(module.body))
+        items = ([_where_ir(layout.where, set(holes), source)] if layout.where else []) + \
+                ([_where_ir(st.where, own, source)] if st.where else [])
+        lines[st.first - 1:st.last] = [_statement_code(st, _conjunction(items) if items else None)] + \
+            [""] * (st.last - st.first)
+    query_body = _parse_at("\n".join(lines), body.line, source, body.col)
+    returns = any(isinstance(n, ast.Return) for n in _walk_own(query_body))
+
     params = list(params or [])
-    prologue = ast.parse("\n".join(["context = __ctx"] + [f"{p} = __args[{p!r}]" for p in params]))
-    fn = ast.AsyncFunctionDef(
-        name="__kvql_query__",
-        args=ast.arguments(posonlyargs=[], args=[ast.arg("__ctx"), ast.arg("__args")], kwonlyargs=[],
-                           kw_defaults=[], defaults=[]),
-        body=prologue.body + (module.body or [ast.Pass()]), decorator_list=[], returns=None, type_params=[])
-    module = ast.Module(body=[fn], type_ignores=[])
-    ast.increment_lineno(module, line0 - 1)
-    for node in ast.walk(prologue):
-        if hasattr(node, "lineno"):
-            node.lineno = node.end_lineno = line0
+    model = model_source = None
+    model_expr = ast.Constant(None)
+    if layout.model is not None:
+        model_expr = _expression(layout.model, "from", source)
+        if isinstance(model_expr, ast.Constant) and isinstance(model_expr.value, str):
+            model = model_expr.value
+        else:
+            model_source = ast.unparse(model_expr)
+    model_line = layout.model.strip().line if layout.model is not None else body.line
+    dec_line = layout.decoder_args.line if layout.decoder_args is not None else body.line
+    decoder_dict = ast.parse("{" + ", ".join(f"{k!r}: ({v})" for k, v in decoder_args.items()) + "}", mode="eval").body
+    prologue = _parse_at(layout.prologue.text, 1, source) if layout.prologue is not None else []
+    module = ast.Module(body=prologue + [
+        _function("__kvql_query__", params, query_body, body.line, is_async=True),
+        _function("__kvql_decoder__", params, [ast.Return(decoder_dict)], dec_line),
+        _function("__kvql_model__", params, [ast.Return(model_expr)], model_line),
+    ], type_ignores=[])
+    for node in ast.walk(decoder_dict):  # generated nodes: on the line of the clause they come from
+        if isinstance(node, ast.expr):
+            node.lineno = node.end_lineno = dec_line
     ast.fix_missing_locations(module)
+    for node in ast.walk(module):
+        if "lineno" in node._attributes and (node.end_lineno or 0) < node.lineno:
+            node.end_lineno, node.end_col_offset = node.lineno, node.col_offset
     filename = f"<kvql query {name} #{next(_counter)}>"
     # tracebacks through the query show its own lines
     linecache.cache[filename] = (len(source), None, [ln + "\n" for ln in source.split("\n")], filename)
     code = compile(module, filename, "exec")
-    return CompiledQuery(code, params, decoder, model, holes, returns, source)
+    return CompiledQuery(code, params, decoder, model, holes, returns, source, model_source)
 
 
 def _walk_own(stmts):
     """Nodes of these statements, not descending into nested function or class definitions."""
-    stack = list(stmts)
+    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+    stack = [s for s in stmts if not isinstance(s, scopes)]
     while stack:
         node = stack.pop()
         yield node
-        for child in ast.iter_child_nodes(node):
-            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
-                stack.append(child)
+        stack += [c for c in ast.iter_child_nodes(node) if not isinstance(c, scopes)]
