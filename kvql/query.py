@@ -21,7 +21,7 @@ from .backends.remote import RemoteModel
 from .lang.compiler import CompiledQuery, Decoder, compile_query
 from .lang.prompt_string import Expr, Hole, parse_prompt
 from .runtime import constraints
-from .runtime.context import DEFAULT_MAX_LEN, Context, Decoding, QueryError, UnmetConstraint
+from .runtime.context import DECODER_OPTIONS, Context, Decoding, QueryError, UnmetConstraint, decoding
 from .runtime.result import LMQLResult
 from .runtime.scoring import score_continuations
 
@@ -64,7 +64,7 @@ def _run_sync(make_coro):
         return pool.submit(asyncio.run, make_coro()).result()
 
 
-_DECODER_KEYS = {"n", "temperature", "max_len", "seed"}
+_DECODER_KEYS = DECODER_OPTIONS  # LMQL's decoder options (see kvql.runtime.context.decoding)
 
 
 class Query:
@@ -107,16 +107,7 @@ class Query:
         dec = compiled.decoder or Decoder()
         name = overrides.pop("decoder", None) or self.decoder or dec.name
         opts = {**dec.kwargs, **self.decoder_kwargs, **overrides}
-        unknown = set(opts) - _DECODER_KEYS
-        if unknown:
-            raise TypeError(f"unknown decoder options {sorted(unknown)}; known: {sorted(_DECODER_KEYS)}")
-        if name not in ("argmax", "sample", "beam"):
-            raise ValueError(f"unknown decoder {name!r}; use argmax, sample or beam")
-        n = int(opts.get("n", 1))
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        return Decoding(name, n, float(opts.get("temperature", 1.0)), int(opts.get("max_len", DEFAULT_MAX_LEN)),
-                        opts.get("seed"))
+        return decoding(name, opts)
 
     async def _execute(self, ctx: Context, args: tuple, kwargs: dict):
         """Run the body once in `ctx` (used for every run, and for nested queries)."""
@@ -134,7 +125,7 @@ class Query:
         compiled = self._compile(tuple(self.signature.parameters) if self.signature else tuple(sorted(inputs)))
         decoding = self._decoding(compiled, overrides)
         m = get_model(model or self.model or compiled.model)
-        n = 1 if decoding.name == "argmax" else decoding.n
+        n = decoding.runs
         contexts = [Context(m, decoding, k) for k in range(n)]
         results = await asyncio.gather(*(self._execute(ctx, (), inputs) for ctx in contexts))
         self.last_traces = [ctx.trace() for ctx in contexts]  # one per run; see kvql.runtime.trace

@@ -113,7 +113,8 @@ class Model:
                              f"({need * per} bytes) but the budget holds {slots} tokens ({slots * per} bytes)")
 
     def _prepare(self, prompts, *, max_tokens: int = 16, stop: str | list[str] | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, n: int = 1, seed: int | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, n: int = 1, seed: int | None = None,
                  logprobs: int | None = None, mask: MaskFn | None = None, regex: str | None = None,
                  choices: list[str] | None = None, json_schema: dict | str | None = None, grammar: str | None = None,
                  stop_fn: StopFn | None = None, masked_logprobs: bool = False,
@@ -129,7 +130,9 @@ class Model:
                         "grammar": Grammar.lark}[kind]
             mask = compile_(self.tokenizer, value).mask_fn()
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), n=n,
+        params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                                top_k=top_k, repetition_penalty=float(repetition_penalty),
+                                frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty), n=n,
                                 seed=seed, stop=stop, logprobs=logprobs, mask=mask, stop_fn=stop_fn,
                                 masked_logprobs=masked_logprobs, ignore_eos=ignore_eos)
         params.validate()
@@ -160,7 +163,8 @@ class Model:
 
     # -- public API ------------------------------------------------------------------------------
     # Options of generate / agenerate / stream (unknown ones raise TypeError):
-    #   max_tokens=16, stop=None, temperature=0.0, top_p=1.0, n=1, seed=None, logprobs=None (top-k per token),
+    #   max_tokens=16, stop=None, temperature=0.0, top_p=1.0, top_k=0 (0: no limit), repetition_penalty=1.0,
+    #   frequency_penalty=0.0, presence_penalty=0.0, n=1, seed=None, logprobs=None (top-k per token),
     #   at most one constraint: mask (fn of generated ids -> bool tensor), regex, choices, json_schema, grammar
     #   (Lark, llguidance dialect), compiled by kvql.engine.grammar; and for the query runtime: stop_fn,
     #   masked_logprobs, ignore_eos; cache_salt (a string: requests share cached prefixes only with requests

@@ -29,6 +29,10 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0                   # sample among the k most likely tokens only; 0: all
+    repetition_penalty: float = 1.0  # >1 discourages tokens already in prompt or output (CTRL / HF semantics)
+    frequency_penalty: float = 0.0   # subtracted per earlier occurrence in the output (OpenAI / vLLM semantics)
+    presence_penalty: float = 0.0    # subtracted once if the token occurred in the output
     n: int = 1
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -49,6 +53,13 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:  # NaN fails this too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: no limit), got {self.top_k!r}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: none), got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if self.mask is not None and not callable(self.mask):

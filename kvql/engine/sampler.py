@@ -19,6 +19,24 @@ def _apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+def _penalize(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """Repetition penalty over prompt and output ids (a positive logit divided by it, a negative one
+    multiplied, as in CTRL and transformers); frequency and presence penalties over output ids (as
+    in OpenAI's API and vLLM)."""
+    p = req.params
+    logits = logits.clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.tokens)), dtype=torch.long, device=logits.device)
+        seen = seen[seen < logits.numel()]
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
+        ids = torch.tensor(req.output_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(ids, minlength=logits.numel())[:logits.numel()].to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy, as in vLLM: `logits / t` overflows to inf for tiny `t`."""
 
@@ -26,13 +44,17 @@ GREEDY_BELOW = 1e-5
 def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None]:
     """Pick the next token for `req` from its float32 `logits` row `[vocab]`.
 
-    Greedy when temperature is below `GREEDY_BELOW` (ties go to the lowest id, as in `torch.argmax`); otherwise
-    temperature, then nucleus (top-p) filtering, then a draw from the request's own seeded generator.
-    Logprobs are those of the raw model distribution (before mask and temperature), or of the masked
-    one with `masked_logprobs`.
+    Penalties first (repetition, frequency, presence; at their defaults the logits are untouched, so
+    greedy output stays exact), then the mask. Greedy when temperature is below `GREEDY_BELOW` (ties
+    go to the lowest id, as in `torch.argmax`); otherwise temperature, then top-k, then nucleus
+    (top-p) filtering, then a draw from the request's own seeded generator.
+    Logprobs are those of the raw model distribution (before penalties, mask and temperature), or of
+    the masked (and penalized) one with `masked_logprobs`.
     """
     p = req.params
     raw = logits
+    if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+        logits = _penalize(logits, req)
     if p.mask is not None:
         allowed = p.mask(list(req.output_ids))
         if allowed is not None:
@@ -40,7 +62,11 @@ def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None
     if p.temperature < GREEDY_BELOW:
         token = int(torch.argmax(logits))
     else:
-        probs = torch.softmax(logits / p.temperature, dim=-1)
+        scaled = logits / p.temperature
+        if 0 < p.top_k < scaled.numel():
+            kth = torch.topk(scaled, p.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))  # ties with the k-th stay in
+        probs = torch.softmax(scaled, dim=-1)
         if p.top_p < 1:
             sorted_probs, order = torch.sort(probs, descending=True)
             # keep the smallest prefix whose mass reaches top_p, and always the most likely token

@@ -10,7 +10,13 @@ A hole's `HolePlan` splits the constraints on it into what the engine can enforc
   compiled to a token mask by llguidance;
 - stop phrases (`STOPS_AT` keeps the phrase in the value, `STOPS_BEFORE` drops it), each firing only
   once the other length conditions on the hole hold;
-- token-count bounds (`len(TOKENS(V)) < n` etc.).
+- token-count bounds (`len(TOKENS(V)) < n` etc.);
+- a type (`type(V) is Person`, a dataclass): the value is JSON under the schema of its fields, parsed
+  into an instance (see `type_schema` / `from_json`).
+
+An `or` whose alternatives are all stop phrases and token bounds ends the value at the first one met
+(LMQL's `STOPS_AT(V, ".") or len(TOKENS(V)) > 5`); a condition kvql cannot enforce raises
+ConstraintError naming it, it is never dropped.
 
 The plan also says whether a value meets the grammar (`HolePlan.check`, on the text itself,
 whatever the tokenization) and whether any value can (`HolePlan.satisfiable`), so that the runtime
@@ -19,9 +25,12 @@ never returns a value that breaks its where clause and explains a clause that ca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import math
 import operator
+import typing
 from dataclasses import dataclass, field
 
 import llguidance
@@ -131,6 +140,13 @@ def REGEX(var, pattern: str) -> Atom:
     return Atom("regex", _var(var, "REGEX"), pattern)
 
 
+def TYPE(var, t) -> Atom:
+    """`type(V) is t`: V is JSON under `type_schema(t)`, parsed into a `t` (see `from_json`)."""
+    name = _var(var, "type")
+    type_schema(t)  # an unsupported type fails here, at the where clause
+    return Atom("type", name, t)
+
+
 def TOKENS(var) -> Tokens:
     return Tokens(Var(_var(var, "TOKENS")))
 
@@ -154,7 +170,8 @@ def _keep(items):
 
 
 def AND(*items):
-    kept = _keep(items)
+    # flat: a global where with `and` next to an inline where is one conjunction (plan_for reads its items)
+    kept = tuple(j for i in _keep(items) for j in (i.items if isinstance(i, And) else (i,)))
     return kept[0] if len(kept) == 1 else And(kept) if kept else True
 
 
@@ -204,6 +221,49 @@ def IN(a, b, negate: bool = False):
 BUILDERS = {"STOPS_AT": STOPS_AT, "STOPS_BEFORE": STOPS_BEFORE, "INT": INT, "REGEX": REGEX, "TOKENS": TOKENS}
 
 
+# -- types: dataclasses as JSON ------------------------------------------------------------------
+_SCALARS = {str: {"type": "string"}, int: {"type": "integer"}, float: {"type": "number"}, bool: {"type": "boolean"}}
+
+
+def _name(t) -> str:
+    return getattr(t, "__name__", None) or repr(t)
+
+
+def type_schema(t) -> dict:
+    """The JSON schema of `t`: str, int, float, bool, list[...] of these, or a dataclass of them
+    (every field required, in declaration order, no other keys); ConstraintError otherwise."""
+    if t in _SCALARS:
+        return dict(_SCALARS[t])
+    if typing.get_origin(t) is list and len(typing.get_args(t)) == 1:
+        return {"type": "array", "items": type_schema(typing.get_args(t)[0])}
+    if isinstance(t, type) and dataclasses.is_dataclass(t):
+        try:
+            hints = typing.get_type_hints(t)  # resolves string annotations (from __future__ import annotations)
+        except Exception as e:
+            raise ConstraintError(f"cannot read the field types of {_name(t)}: {e}") from None
+        fields = [f.name for f in dataclasses.fields(t)]
+        props = {}
+        for f in fields:
+            try:
+                props[f] = type_schema(hints[f])
+            except ConstraintError as e:
+                raise ConstraintError(f"{_name(t)}.{f}: {e}") from None
+        return {"type": "object", "properties": props, "required": fields, "additionalProperties": False}
+    raise ConstraintError(f"type {_name(t)} is not supported: a type constraint takes str, int, float, bool, "
+                          "list[...] or a dataclass of these")
+
+
+def from_json(t, data):
+    """`data` (parsed JSON valid under `type_schema(t)`) as a `t`: dataclasses built field by field."""
+    if isinstance(t, type) and dataclasses.is_dataclass(t):
+        hints = typing.get_type_hints(t)
+        return t(**{f.name: from_json(hints[f.name], data[f.name]) for f in dataclasses.fields(t)})
+    if typing.get_origin(t) is list:
+        (item,) = typing.get_args(t)
+        return [from_json(item, d) for d in data]
+    return float(data) if t is float else data
+
+
 def describe(node) -> str:
     """A condition as a where clause would write it (for error messages)."""
     if isinstance(node, (And, Or)):
@@ -223,6 +283,7 @@ def describe(node) -> str:
         "contains": lambda: f"{arg!r} in {v}",
         "startswith": lambda: f"{v}.startswith({arg!r})",
         "len": lambda: f"len({'TOKENS(' + v + ')' if arg[0] == 'tokens' else v}) {arg[1]} {arg[2]}",
+        "type": lambda: f"type({v}) is {_name(arg)}",
     }[node.kind]()
 
 
@@ -301,7 +362,13 @@ def _regexable(node: Node) -> bool:
         return all(_regexable(i) for i in node.items)
     if isinstance(node, Not):
         return _regexable(node.item)
-    return node.kind not in ("stops_at", "stops_before") and not (node.kind == "len" and node.arg[0] == "tokens")
+    return node.kind not in ("stops_at", "stops_before", "type") and not (node.kind == "len" and node.arg[0] == "tokens")
+
+
+def _ending(node) -> bool:
+    """A stop phrase or a token bound: the alternatives of an `or` that ends a value."""
+    return isinstance(node, Atom) and (node.kind in ("stops_at", "stops_before") or
+                                       (node.kind == "len" and node.arg[0] == "tokens"))
 
 
 @dataclass
@@ -326,11 +393,20 @@ class HolePlan:
     min_chars: int = 0
     choices: frozenset[str] | None = None  # every value the terms admit is one of these (None: not finite)
     as_int: bool = False  # a top-level INT(V): the program sees an int, as in LMQL
+    as_float: bool = False  # [V: float]: the program sees a float
+    value_type: object = None  # `type(V) is T`: JSON under type_schema(T), the program sees a T
 
     def require(self, regex: str, condition: str) -> None:
         self.terms.append(_slashed(regex))
         self.plain.append(regex)
         self.conditions.append(condition)
+
+    def cap_tokens(self, cap: int, condition: str) -> None:
+        """At most `cap` tokens (the tightest of all caps wins)."""
+        if cap < 1:
+            raise ConstraintError(f"{condition} leaves no room for a token")
+        if self.max_tokens is None or cap < self.max_tokens:
+            self.max_tokens, self.cap = cap, condition
 
     def describe(self) -> str:
         """The value's conditions, as written in the where clause."""
@@ -362,6 +438,8 @@ class HolePlan:
 
     def regex(self) -> str | None:
         """The value's constraint as one plain regex (what OpenAI-compatible servers accept), or None."""
+        if self.value_type is not None:
+            raise ConstraintError(f"{self.conditions[0]} needs kvql's local engine (JSON schema grammar)")
         if not self.terms:
             return None
         if len(self.plain) != 1 or self.plain[0] is None:
@@ -371,6 +449,10 @@ class HolePlan:
 
     def lark(self) -> str | None:
         """The Lark grammar of the value, or None if it is unconstrained."""
+        if self.value_type is not None:  # plan_for allows no other term next to it
+            schema = {**type_schema(self.value_type),
+                      "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+            return f"start: %json {json.dumps(schema)}"
         return f"start: VALUE\nVALUE: {' & '.join(self.terms)}" if self.terms else None
 
     def stop_index(self, text: str, guard_chars: int | None) -> tuple[int, Stop] | None:
@@ -418,21 +500,19 @@ def plan_for(constraint, name: str) -> HolePlan:
                                   "kvql constrains each variable on its own")
         if isinstance(c, Atom) and c.kind in ("stops_at", "stops_before"):
             plan.stops.append(Stop(c.arg, c.kind == "stops_at"))
-        elif isinstance(c, Or) and all(isinstance(i, Atom) and i.kind in ("stops_at", "stops_before")
-                                       for i in c.items):
-            plan.stops += [Stop(i.arg, i.kind == "stops_at") for i in c.items]
+        elif isinstance(c, Or) and all(_ending(i) for i in _alternatives(c)):
+            _plan_or(plan, c, name)
         elif isinstance(c, Atom) and c.kind == "len" and c.arg[0] == "tokens":
             _, op, n = c.arg
             if op in ("<", "<=", "=="):
-                cap = n - 1 if op == "<" else n
-                if cap < 1:
-                    raise ConstraintError(f"len(TOKENS({name})) {op} {n} leaves no room for a token")
-                if plan.max_tokens is None or cap < plan.max_tokens:
-                    plan.max_tokens, plan.cap = cap, describe(c)
+                plan.cap_tokens(n - 1 if op == "<" else n, describe(c))
             if op in (">", ">=", "==") and (n + 1 if op == ">" else n) > plan.min_tokens:
                 plan.min_tokens, plan.floor = n + 1 if op == ">" else n, describe(c)
             if op == "!=":
-                raise ConstraintError(f"len(TOKENS({name})) != n is not supported")
+                raise ConstraintError(f"cannot enforce {describe(c)}: len(TOKENS({name})) != n is not supported")
+        elif isinstance(c, Atom) and c.kind == "type":
+            plan.value_type = c.arg
+            plan.conditions.append(describe(c))
         elif _regexable(c):
             plan.as_int = plan.as_int or (isinstance(c, Atom) and c.kind == "int")
             if isinstance(c, Atom) and c.kind == "len" and c.arg[1] in (">", ">="):
@@ -444,11 +524,48 @@ def plan_for(constraint, name: str) -> HolePlan:
             if finite is not None:
                 plan.choices = finite if plan.choices is None else plan.choices & finite
         else:
-            raise ConstraintError(f"cannot enforce this condition on {name}: STOPS_AT, STOPS_BEFORE and "
-                                  "len(TOKENS()) combine with the rest only through a top-level 'and'")
+            raise ConstraintError(f"cannot enforce {describe(c)}: STOPS_AT, STOPS_BEFORE, len(TOKENS()) and "
+                                  "type() combine with other conditions only through a top-level 'and' (an 'or' "
+                                  "may join stop phrases and token bounds)")
+    if plan.value_type is not None and plan.terms:
+        raise ConstraintError(f"cannot enforce {plan.describe()} together: a type constraint combines only "
+                              "with token bounds and stop phrases")
     if plan.max_tokens is not None and plan.min_tokens > plan.max_tokens:
         raise ConstraintError(f"the token bounds on {name} contradict each other: {plan.floor} and {plan.cap}")
     return plan
+
+
+def _alternatives(node: Or) -> list:
+    """The alternatives of an `or`, nested ones flattened."""
+    return [a for i in node.items for a in (_alternatives(i) if isinstance(i, Or) else [i])]
+
+
+def _plan_or(plan: HolePlan, node: Or, name: str) -> None:
+    """An `or` of stop phrases and token bounds.
+
+    Only token bounds: a length condition, as LMQL evaluates it (`len(TOKENS(V)) < 20 or
+    len(TOKENS(V)) < 30` allows 29 tokens). With a stop phrase: the value ends at the first
+    alternative met -- a stop phrase appears (each on its own, as LMQL's STOPS_AT in an `or`), or the
+    token count reaches a bound (`> n` at n+1 tokens, `< n` at n-1, `<=` / `>=` / `==` at n)."""
+    items, text = _alternatives(node), describe(node)
+    bounds = [i.arg[1:] for i in items if i.kind == "len"]
+    stops = [Stop(i.arg, i.kind == "stops_at") for i in items if i.kind != "len"]
+    if any(op == "!=" for op, _ in bounds):
+        raise ConstraintError(f"cannot enforce {text}: len(TOKENS({name})) != n is not supported")
+    if stops:
+        plan.stops += stops
+        ends = [n - 1 if op == "<" else n + 1 if op == ">" else n for op, n in bounds]
+        if ends:
+            plan.cap_tokens(min(ends), text)
+    elif all(op in ("<", "<=") for op, _ in bounds):
+        plan.cap_tokens(max(n - 1 if op == "<" else n for op, n in bounds), text)
+    elif all(op in (">", ">=") for op, _ in bounds):
+        floor = min(n + 1 if op == ">" else n for op, n in bounds)
+        if floor > plan.min_tokens:
+            plan.min_tokens, plan.floor = floor, text
+    else:
+        raise ConstraintError(f"cannot enforce {text}: an 'or' of token bounds must bound the length from one "
+                              "side (all < / <=, or all > / >=)")
 
 
 # -- checking values against a plan's grammar ----------------------------------------------------

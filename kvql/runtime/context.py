@@ -12,7 +12,10 @@ once, top to bottom; Python side effects happen once per run and are never repla
 from __future__ import annotations
 
 import asyncio
+import builtins
+import dataclasses
 import functools
+import json
 import math
 import random
 import time
@@ -21,13 +24,23 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.grammar import Grammar
+from ..engine.request import SamplingParams
 from .chat import role_wrapper
-from .constraints import INT_REGEX, HolePlan, Stop, fewest_tokens, longest_token, plan_for
+from .constraints import (INT_REGEX, And, Atom, ConstraintError, HolePlan, Node, Stop, fewest_tokens, from_json,
+                          longest_token, plan_for)
 from .result import LMQLResult
 from .scoring import score_continuations
 from .trace import Trace, TraceHole, TraceToken
 
 DEFAULT_MAX_LEN = 2048
+FLOAT_REGEX = r" ?-?[0-9]+(\.[0-9]+)?"
+
+
+def _and(constraint, atom: Atom):
+    """`constraint and atom`, flat (plan_for reads the top-level conjuncts)."""
+    if not isinstance(constraint, Node):
+        return atom
+    return And((constraint.items if isinstance(constraint, And) else (constraint,)) + (atom,))
 
 
 @functools.lru_cache(maxsize=256)
@@ -59,9 +72,27 @@ def _stop_name(name: str, stop: Stop) -> str:
     return f"{'STOPS_AT' if stop.include else 'STOPS_BEFORE'}({name}, {stop.phrase!r})"
 
 
+DECODERS = ("argmax", "sample", "beam", "beam_search", "beam_sample", "best_k", "var", "beam_var")
+SAMPLING_OPTIONS = ("top_k", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+IGNORED_OPTIONS = ("chunksize", "verbose", "cache", "openai_chunksize", "openai_nonstop", "chunk_timeout",
+                   "max_tokens_hint", "batch_size")
+"""LMQL options about OpenAI requests and LMQL's own caches and logging: accepted, no effect (kvql
+caches every prefix in its engine and requests tokens one at a time)."""
+BEAM_OPTIONS = ("num_beams", "k", "b", "subdecoder", "budget", "kappa", "beta", "gamma", "max_heap_size",
+                "top_k_continuations", "alpha", "prune", "inject_stop", "return_first")
+"""Options of LMQL's beam-family decoders: `num_beams` / `k` / `b` set the width; the tuning knobs of
+best_k / beam_var / var (LMQL's experimental decoders) are accepted and have no effect."""
+DECODER_OPTIONS = frozenset({"n", "temperature", "max_len", "seed", *SAMPLING_OPTIONS, *IGNORED_OPTIONS,
+                             *BEAM_OPTIONS})
+
+
 @dataclass
 class Decoding:
-    """Decoder settings of a run: `argmax`, `sample` or `beam`, with LMQL's keyword arguments."""
+    """Decoder settings of a run, with LMQL's keyword arguments (see `decoding`).
+
+    `name` is LMQL's decoder; every beam-family decoder (beam, beam_sample, best_k, var, beam_var)
+    runs kvql's per-hole beam search of `width` beams (`sampled`: candidates are drawn, not the top
+    ones) and gives `n` results."""
 
     name: str = "argmax"
     n: int = 1
@@ -69,11 +100,47 @@ class Decoding:
     max_len: int = DEFAULT_MAX_LEN
     seed: int | None = None
     shared: dict = field(default_factory=dict)  # beam searches shared by the n runs of one call
+    sampling: dict = field(default_factory=dict)  # top_k, top_p and the penalties, for the engine
+    width: int = 1
+    sampled: bool = False
+
+    @property
+    def beam(self) -> bool:
+        return self.name not in ("argmax", "sample")
+
+    @property
+    def runs(self) -> int:
+        """How many runs (results) one call makes."""
+        return 1 if self.name == "argmax" else self.n
+
+
+def decoding(name: str, opts: dict) -> Decoding:
+    """Validate LMQL decoder `name` and its options; TypeError for an unknown option, ValueError for a
+    bad value or an unknown decoder."""
+    unknown = set(opts) - DECODER_OPTIONS
+    if unknown:
+        raise TypeError(f"unknown decoder options {sorted(unknown)}; known: {sorted(DECODER_OPTIONS)}")
+    if name not in DECODERS:
+        raise ValueError(f"unknown decoder {name!r}; use one of {', '.join(DECODERS)}")
+    if name == "var" and opts.get("subdecoder", "sample") not in ("sample", "beam"):
+        raise ValueError(f"var(subdecoder={opts['subdecoder']!r}) is not supported; use 'sample' or 'beam'")
+    width = {"best_k": opts.get("k", 4), "var": opts.get("b", 2)}.get(name, opts.get("num_beams", opts.get("n", 1)))
+    default_n = width if name not in ("argmax", "sample") else 1
+    n, width = int(opts.get("n", default_n)), int(width)
+    if n < 1 or width < 1:
+        raise ValueError(f"n and the beam width must be >= 1, got n={n}, width={width}")
+    sampling = {k: opts[k] for k in SAMPLING_OPTIONS if opts.get(k) is not None}
+    temperature = float(opts.get("temperature", 1.0))
+    probe = SamplingParams(max_tokens=1, temperature=temperature, **sampling)  # the engine's own checks
+    probe.validate()
+    sampled = name == "beam_sample" or (name == "var" and opts.get("subdecoder", "sample") == "sample")
+    return Decoding(name, n, temperature, int(opts.get("max_len", DEFAULT_MAX_LEN)), opts.get("seed"),
+                    sampling=sampling, width=width, sampled=sampled)
 
 
 class Context:
     def __init__(self, model, decoding: Decoding, run_index: int = 0, *, ids: list[int] | None = None,
-                 text: str = "", role: str | None = None, roles_seen: bool = False):
+                 text: str = "", shown: str | None = None, role: str | None = None, roles_seen: bool = False):
         self.model = model
         # a remote model (no local tokenizer): the prompt is kept as text and sent as text
         self.remote = not hasattr(model, "engine")
@@ -82,8 +149,9 @@ class Context:
         self.run_index = run_index
         self.ids = list(ids) if ids is not None else [] if self.remote else \
             self.tokenizer("", add_special_tokens=True).input_ids
-        self._text = text
-        self._pending: list[str] = []
+        self._text = text  # what the model sees (role tags rendered by its chat template)
+        self._pending: list[str] = []  # model text not tokenized yet
+        self._shown = text if shown is None else shown  # the prompt as LMQL shows it (<lmql:user/> tags)
         self._role, self._roles_seen = role, roles_seen
         self._holes = 0
         self.variables: dict = {}
@@ -98,10 +166,12 @@ class Context:
     # -- prompt ----------------------------------------------------------------------------------
     @property
     def prompt(self) -> str:
-        return self._text + "".join(self._pending)
+        """The prompt so far as LMQL shows it: chat roles as `<lmql:ROLE/>` tags, not the template."""
+        return self._shown
 
     async def text(self, s: str) -> None:
         self._pending.append(s)
+        self._shown += s
 
     @staticmethod
     def fmt(value, conversion: str = "", spec: str = "") -> str:
@@ -113,15 +183,17 @@ class Context:
         if self.remote:
             raise QueryError("{:role} tags need the model's chat template; on a remote server use /v1/chat "
                              "directly or a local model")
+        # the model sees its chat template's markup, the prompt shows LMQL's tag
         if self._role is not None:
-            await self.text(role_wrapper(self.tokenizer, self._role, first=False)[1])
+            self._pending.append(role_wrapper(self.tokenizer, self._role, first=False)[1])
         before, _ = role_wrapper(self.tokenizer, role, first=not self._roles_seen)
         self._role, self._roles_seen = role, True
-        await self.text(before)
+        self._pending.append(before)
+        self._shown += f"<lmql:{role}/>"
 
     async def close_role(self) -> None:
         if self._role is not None:
-            await self.text(role_wrapper(self.tokenizer, self._role, first=False)[1])
+            self._pending.append(role_wrapper(self.tokenizer, self._role, first=False)[1])
             self._role = None
 
     def _flush(self) -> list[int]:
@@ -147,6 +219,7 @@ class Context:
     def _append_value(self, value: str, token_ids: list[int] | None, hole: str | None = None) -> None:
         self._flush()
         self._text += value
+        self._shown += value
         if self.remote:
             return
         if token_ids is not None and self.tokenizer.decode(token_ids) == value:
@@ -164,10 +237,14 @@ class Context:
         from ..query import Query  # the nested-query type lives one layer up
 
         if isinstance(type, Query):
-            return await self.nested(name, type, (), {}, post)
-        if type not in (None, int, str):
-            raise QueryError(f"[{name}: {getattr(type, '__name__', type)}]: a hole's type must be int, str or a "
-                             "query")
+            return await self.nested(name, type, (), {}, post, constraint)
+        if type is float:
+            constraint = _and(constraint, Atom("regex", name, FLOAT_REGEX))
+        elif isinstance(type, builtins.type) and dataclasses.is_dataclass(type):
+            constraint = _and(constraint, Atom("type", name, type))  # [P: Person] is `where type(P) is Person`
+        elif type not in (None, int, str):
+            raise QueryError(f"[{name}: {getattr(type, '__name__', type)}]: a hole's type must be int, float, str, "
+                             "a dataclass or a query")
         try:
             plan = plan_for(constraint, name)
         except ValueError as e:
@@ -175,6 +252,7 @@ class Context:
         if type is int:
             plan.require(INT_REGEX, f"[{name}: int]")
             plan.as_int = True
+        plan.as_float = type is float
         if not plan.satisfiable():
             which = "its constraint can never hold" if len(plan.conditions) == 1 else \
                 "its constraints cannot all hold"
@@ -201,7 +279,7 @@ class Context:
         else:
             bound = f"the model's {self.model.context_length}-token context leaves after the {len(ids)}-token prompt"
         self._check_room(name, plan, max_tokens, bound)
-        if self.decoding.name == "beam":
+        if self.decoding.beam:
             value, tokens = await self._beam(name, plan, ids, max_tokens)
         else:
             value, tokens = await self._sample(name, plan, ids, max_tokens)
@@ -261,23 +339,36 @@ class Context:
         return "was ended by the model"
 
     def _finish_hole(self, name, plan, value, tokens, post):
-        if plan.as_int:
+        text = value
+        if plan.as_int or plan.as_float:
             try:
-                value = int(value.strip())
+                value = (int if plan.as_int else float)(value.strip())
             except ValueError:
-                raise QueryError(f"{name} should be an integer but the model produced {value!r}") from None
+                kind = "an integer" if plan.as_int else "a number"
+                raise QueryError(f"{name} should be {kind} but the model produced {value!r}") from None
+        elif plan.value_type is not None:  # the grammar made it JSON under the type's schema
+            try:
+                value = from_json(plan.value_type, json.loads(value))
+            except (ValueError, TypeError, KeyError) as e:
+                raise QueryError(f"{name}: cannot read {value!r} as a {plan.describe()}: {e}") from None
         for fn in reversed(post):  # [@f @g X] is f(g(X)), as Python applies stacked decorators
             value = fn(value)
-        changed = plan.as_int or bool(post)
-        self._append_value(str(value), None if changed else tokens, name)
+        changed = plan.as_int or plan.as_float or bool(post)
+        # a typed value stays in the prompt as the JSON the model wrote
+        shown = text if plan.value_type is not None and not post else str(value)
+        self._append_value(shown, None if changed else tokens, name)
         self.variables[name] = value
         return value
 
     async def _remote_sample(self, name: str, plan: HolePlan) -> tuple[str, str, str]:
         """One hole on a remote server: constraints as one regex, stop phrases as stop strings.
         -> (value, the text its grammar constrains, what ended it in words)."""
-        if self.decoding.name == "beam":
-            raise QueryError("beam decoding runs on local models only")
+        if self.decoding.beam:
+            raise QueryError(f"the {self.decoding.name} decoder runs on local models only")
+        local_only = sorted(set(self.decoding.sampling) - {"top_p"})
+        if local_only:
+            raise QueryError(f"decoder options {local_only} need a local model (kvql's remote client sends top_p "
+                             "only)")
         if plan.min_tokens or plan.min_chars:
             raise QueryError(f"{name}: lower length bounds and guarded stop phrases need a local model")
         try:
@@ -289,6 +380,8 @@ class Context:
         options = dict(max_tokens=plan.max_tokens or min(self.decoding.max_len, 256),
                        temperature=0.0 if greedy else self.decoding.temperature,
                        stop=[s.phrase for s in plan.stops] or None, regex=regex)
+        if not greedy and "top_p" in self.decoding.sampling:
+            options["top_p"] = self.decoding.sampling["top_p"]
         if not greedy and self.decoding.seed is not None:
             options["seed"] = hash((self.decoding.seed, self.run_index, self._holes)) & 0x7FFFFFFF
         self._holes += 1
@@ -343,7 +436,8 @@ class Context:
         try:
             (c,) = await self.model.agenerate([ids], max_tokens=max_tokens, mask=mask,
                                               stop_fn=stop_fn if plan.stops else None,
-                                              temperature=0.0 if greedy else self.decoding.temperature, seed=seed)
+                                              temperature=0.0 if greedy else self.decoding.temperature, seed=seed,
+                                              **self.decoding.sampling)
         except ValueError as e:
             if mask is None:
                 raise QueryError(f"while generating {name}: {e}") from e
@@ -370,23 +464,34 @@ class Context:
         return value, tokens
 
     async def _beam_search(self, plan, ids, max_tokens):
-        """Beam search over one hole: -> [(value, token ids, log-probability)], best first."""
-        width = self.decoding.n
+        """Beam search over one hole: -> [(value, token ids, log-probability)], best first.
+
+        Each step extends every beam by its `width` most likely tokens, or (`sampled`, LMQL's
+        beam_sample) by `width` tokens drawn at the decoder's temperature, and keeps the `width` best
+        sequences by log-probability (of the masked distribution)."""
+        width, dec = self.decoding.width, self.decoding
         base = self._mask(plan)
         eos = self.model.engine.eos_ids
         active, done = [([], 0.0)], []
-        for _ in range(max_tokens):
+        base_seed = dec.seed if dec.seed is not None else random.getrandbits(32)
+        for step in range(max_tokens):
             def mask_for(prefix):
                 return (lambda out: base(prefix + out)) if base else None
+            if dec.sampled:  # seeded per (call, hole, step, beam): every run of the call shares this search
+                options = [dict(n=width, logprobs=0, temperature=dec.temperature, **dec.sampling,
+                                seed=hash((base_seed, tuple(ids), step, i)) & 0x7FFFFFFF) for i in range(len(active))]
+            else:
+                options = [dict(logprobs=width, **{k: v for k, v in dec.sampling.items() if "penalty" in k})] * len(active)
             results = await asyncio.gather(*(
-                self.model.agenerate([ids + g], max_tokens=1, logprobs=width, masked_logprobs=True,
-                                     mask=mask_for(g), ignore_eos=True) for g, _ in active))
+                self.model.agenerate([ids + g], max_tokens=1, masked_logprobs=True, mask=mask_for(g), ignore_eos=True,
+                                     **opt) for (g, _), opt in zip(active, options)))
             if not done and len(active) == 1 and not active[0][0]:  # the first step sent the prompt itself
                 self._sent(len(ids), results[0][0].cached_tokens)
             candidates = []
-            for (g, score), (c,) in zip(active, results):
-                self._count([c])
-                for tok, lp in c.logprobs[0].top.items():
+            for (g, score), cs in zip(active, results):
+                self._count(cs[:1])  # the samples of one request share its prompt
+                top = {c.logprobs[0].token_id: c.logprobs[0].logprob for c in cs} if dec.sampled else cs[0].logprobs[0].top
+                for tok, lp in top.items():
                     if lp == -math.inf:
                         continue
                     new, s = g + [tok], score + lp
@@ -411,18 +516,28 @@ class Context:
         return done[:width]
 
     # -- nested queries and distributions --------------------------------------------------------
-    async def nested(self, name: str, query, args: tuple, kwargs: dict, post=()):
+    async def nested(self, name: str, query, args: tuple, kwargs: dict, post=(), constraint=None):
         """Run `query` inside this prompt; its own prompt text is removed afterwards and its return
-        value (or, without a return, the text it added) is inserted instead."""
+        value (or, without a return, the text it added) is inserted instead. The statement's `where`
+        conditions on the hole are checked on that value (see `_check_nested`)."""
+        try:
+            plan = plan_for(constraint, name)
+        except ConstraintError as e:
+            raise QueryError(f"constraint on {name}: {e}") from None
+        if plan.stops:  # the nested query decides where its own values end
+            raise QueryError(f"cannot enforce {_stop_name(name, plan.stops[0])} on [{name}: "
+                             f"{getattr(query, 'name', 'query')}]: a nested query's value is what it returns; put "
+                             "stop phrases on the holes inside it")
         ids = self._flush() if not self.remote else None
-        child = Context(self.model, self.decoding, self.run_index, ids=ids, text=self._text, role=self._role,
-                        roles_seen=self._roles_seen)
+        child = Context(self.model, self.decoding, self.run_index, ids=ids, text=self._text, shown=self._shown,
+                        role=self._role, roles_seen=self._roles_seen)
         value = await query._execute(child, args, kwargs)
         if ids is not None:
             self._served[:len(ids)] = child._served[:len(ids)]
             self._hole_log += child._hole_log
         if isinstance(value, LMQLResult):
-            value = value.prompt[len(self._text):]
+            value = value.prompt[len(self._shown):]
+        self._check_nested(name, plan, value)
         for fn in reversed(post):
             value = fn(value)
         self.cached_tokens += child.cached_tokens
@@ -430,6 +545,31 @@ class Context:
         self.variables[name] = value
         await self.text(str(value))
         return value
+
+    def _check_nested(self, name: str, plan: HolePlan, value) -> None:
+        """Raise UnmetConstraint unless a nested query's value meets the where conditions on its hole:
+        the grammar conditions on its text, token bounds on its tokens (this model's tokenization),
+        a type constraint on its type. (LMQL constrains the text while the nested query generates it;
+        kvql checks the value it returns, and never returns one that breaks the clause.)"""
+        if plan.value_type is not None:
+            if not isinstance(value, plan.value_type):
+                raise UnmetConstraint(name, f"the nested query returned {value!r}, not a "
+                                            f"{getattr(plan.value_type, '__name__', plan.value_type)}", str(value))
+            return
+        text = str(value)
+        if plan.terms and plan.check(text) != "complete":
+            raise UnmetConstraint(name, f"the nested query's value {text!r} does not satisfy {plan.describe()}", text)
+        if plan.max_tokens is None and not plan.min_tokens:
+            return
+        if self.remote:
+            raise QueryError(f"{plan.cap or plan.floor} on a nested query's hole counts tokens: it needs a local model")
+        n = len(self.tokenizer.encode(text, add_special_tokens=False))
+        if plan.max_tokens is not None and n > plan.max_tokens:
+            raise UnmetConstraint(name, f"the nested query's value {text!r} has {_tokens(n)}; {plan.cap} allows "
+                                        f"{plan.max_tokens}", text)
+        if n < plan.min_tokens:
+            raise UnmetConstraint(name, f"the nested query's value {text!r} has {_tokens(n)}; {plan.floor} needs "
+                                        f"{plan.min_tokens}", text)
 
     async def distribution(self, name: str, values):
         """Score every value as the continuation of the prompt; the most likely becomes the hole's value."""
@@ -466,5 +606,5 @@ class Context:
     def result(self) -> LMQLResult:
         self._flush()
         name, values = self.dist_clause or (None, None)
-        return LMQLResult(self._text, dict(self.variables), name, values, self.cached_tokens, self.computed_tokens,
+        return LMQLResult(self._shown, dict(self.variables), name, values, self.cached_tokens, self.computed_tokens,
                           self.trace())
