@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import builtins
 import concurrent.futures
+import dis
 import functools
 import inspect
-import math
 import textwrap
-from dataclasses import dataclass
+import types
 
 from .backends.local import Model
 from .backends.remote import RemoteModel
@@ -23,7 +24,12 @@ from .lang.prompt_string import Expr, Hole, parse_prompt
 from .runtime import constraints
 from .runtime.context import DECODER_OPTIONS, Context, Decoding, QueryError, UnmetConstraint, decoding
 from .runtime.result import LMQLResult
-from .runtime.scoring import score_continuations
+from . import certificate as certificates
+from . import output
+from .generations import generate, generate_sync, score, score_sync
+from .runtime.scoring import ScoringResult
+
+ScoreResult = ScoringResult  # kvql's earlier name
 
 DEFAULT_MODEL = "smollm2-135m"
 _models: dict[str, Model] = {}
@@ -67,13 +73,30 @@ def _run_sync(make_coro):
 _DECODER_KEYS = DECODER_OPTIONS  # LMQL's decoder options (see kvql.runtime.context.decoding)
 
 
+class UnresolvedVariable(TypeError, NameError):
+    """A query reads names that are neither its inputs nor defined in its scope; raised when it is called,
+    before it runs. A TypeError, as in LMQL, and a NameError, as Python would raise at the first use."""
+
+    def __init__(self, names: list[str]):
+        if len(names) == 1:
+            super().__init__(f"Failed to resolve variable '{names[0]}' in LMQL query.")
+        else:
+            super().__init__("Failed to resolve variables in LMQL query: " + ", ".join(f"'{v}'" for v in names))
+        self.name, self.names = names[0], names
+
+
 class Query:
     """A compiled query. Call it like the function it was defined as (sync or async), or use
     `run` (async), `run_sync` and `map`."""
 
     def __init__(self, source: str, *, name: str = "query", signature: inspect.Signature | None = None,
-                 scope=None, is_async: bool = False, model=None, decoder: str | None = None, **decoder_kwargs):
+                 scope=None, is_async: bool = False, model=None, decoder: str | None = None, output_writer=None,
+                 certificate=False, **decoder_kwargs):
+        output.check(output_writer)
+        certificates.check(certificate)
         self.name = name
+        self.output_writer = output_writer
+        self.certificate = certificate
         self.signature = signature
         self._scope = scope or (lambda: {})
         self.is_async = is_async
@@ -82,6 +105,7 @@ class Query:
         self.decoder_kwargs = decoder_kwargs
         self.source = source
         self._compiled: dict[tuple, CompiledQuery] = {}
+        self._free: dict[tuple, list[str]] = {}
         first = self._compile(tuple(signature.parameters) if signature else ())
         self.output_variables = first.holes
         self._decoding(first, {})  # bad decoder options fail at definition, not at the first call
@@ -91,45 +115,98 @@ class Query:
             self._compiled[params] = compile_query(self.source, list(params), self.name)
         return self._compiled[params]
 
-    def _bind(self, args, kwargs) -> dict:
-        if self.signature is None:
-            if args:
-                raise TypeError(f"query {self.name} takes its inputs as keyword arguments")
-            return dict(kwargs)
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"query {self.name}: {e}") from None
-        bound.apply_defaults()
-        return dict(bound.arguments)
+    def _compiled_for(self, inputs: dict) -> CompiledQuery:
+        """The query compiled with its parameters, or, when it has none, with these inputs as locals."""
+        params = tuple(self.signature.parameters) if self.signature else ()
+        return self._compile(params or tuple(sorted(inputs)))
 
-    def _decoding(self, compiled: CompiledQuery, overrides: dict) -> Decoding:
+    def _free_names(self, params: tuple) -> list[str]:
+        """Names the query compiled with `params` reads from outside (neither assigned in it nor Python
+        builtins), in order of first use."""
+        if params not in self._free:
+            names = _global_names(self._compile(params).code)
+            self._free[params] = [n for n in names if not n.startswith("__") and not hasattr(builtins, n)]
+        return self._free[params]
+
+    def _bind(self, args, kwargs) -> dict:
+        """The inputs of one call, by LMQL's rules: a query with parameters binds them like a Python
+        function; one without (a query string, or a `def` with none) takes keyword arguments, and
+        positional ones in order of first use of the names it reads that its scope does not define.
+        Every other name it reads must resolve in its scope: if not, TypeError now, at the call."""
+        params = tuple(self.signature.parameters) if self.signature else ()
+        scope = self._scope()
+        if params:
+            try:
+                bound = self.signature.bind(*args, **kwargs)
+            except TypeError as e:
+                raise TypeError(f"query {self.name}: {e}") from None
+            bound.apply_defaults()
+            inputs = dict(bound.arguments)
+        else:
+            if args:
+                names = [n for n in self._free_names(()) if n not in scope and n not in kwargs]
+                if len(args) != len(names):
+                    raise TypeError(f"query {self.name} reads {len(names)} undefined name(s) {names}, given "
+                                    f"{len(args)} positional argument(s); pass its inputs as keywords")
+                kwargs = {**dict(zip(names, args)), **kwargs}
+            inputs = dict(kwargs)
+        missing = sorted({n for n in self._free_names(params or tuple(sorted(inputs)))
+                          if n not in inputs and n not in scope})
+        if missing:
+            raise UnresolvedVariable(missing)
+        return inputs
+
+    def __get__(self, obj, objtype=None):
+        """A query defined in a class body is a method: `obj.q(...)` passes `obj` as `self`."""
+        return self if obj is None else types.MethodType(self, obj)
+
+    def _decoding(self, compiled: CompiledQuery, overrides: dict, clause_kwargs: dict | None = None) -> Decoding:
+        """`clause_kwargs`: the decoder clause's arguments evaluated for this run (default: its literal ones)."""
         dec = compiled.decoder or Decoder()
         name = overrides.pop("decoder", None) or self.decoder or dec.name
-        opts = {**dec.kwargs, **self.decoder_kwargs, **overrides}
+        opts = {**(dec.kwargs if clause_kwargs is None else clause_kwargs), **self.decoder_kwargs, **overrides}
         return decoding(name, opts)
 
-    async def _execute(self, ctx: Context, args: tuple, kwargs: dict):
-        """Run the body once in `ctx` (used for every run, and for nested queries)."""
-        inputs = self._bind(args, kwargs)
-        compiled = self._compile(tuple(self.signature.parameters) if self.signature else tuple(sorted(inputs)))
+    def _module(self, compiled: CompiledQuery) -> dict:
+        """The namespace of the compiled query's module, run in the query's scope (its prologue runs here)."""
         scope = {**self._scope(), "__C": constraints}
         exec(compiled.code, scope)
-        value = await scope["__kvql_query__"](ctx, inputs)
+        return scope
+
+    async def _execute(self, ctx: Context, args: tuple, kwargs: dict, module: dict | None = None):
+        """Run the body once in `ctx` (used for every run, and for nested queries); `module`: the
+        namespace `_module` made for this call, shared by its runs."""
+        inputs = self._bind(args, kwargs)
+        compiled = self._compiled_for(inputs)
+        module = module if module is not None else self._module(compiled)
+        value = await module["__kvql_query__"](ctx, inputs)
         await ctx.close_role()
         return value if compiled.returns else ctx.result()
 
-    async def run(self, *args, model=None, **kwargs):
+    async def run(self, *args, model=None, output_writer=None, certificate=None, **kwargs):
+        """Run the query (once, or once per sample); `output_writer=` (see kvql.output) and
+        `certificate=` (see kvql.certificate) override those given at definition."""
+        output_writer = output_writer if output_writer is not None else self.output_writer
+        certificate = certificate if certificate is not None else self.certificate
+        output.check(output_writer)
+        certificates.check(certificate)
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in _DECODER_KEYS or k == "decoder"}
         inputs = self._bind(args, kwargs)
-        compiled = self._compile(tuple(self.signature.parameters) if self.signature else tuple(sorted(inputs)))
-        decoding = self._decoding(compiled, overrides)
-        m = get_model(model or self.model or compiled.model)
+        compiled = self._compiled_for(inputs)
+        module = self._module(compiled)
+        decoding = self._decoding(compiled, overrides, module["__kvql_decoder__"](inputs))
+        m = get_model(model or self.model or module["__kvql_model__"](inputs))  # `from` is evaluated only if used
         n = decoding.runs
         contexts = [Context(m, decoding, k) for k in range(n)]
-        results = await asyncio.gather(*(self._execute(ctx, (), inputs) for ctx in contexts))
+        results = await asyncio.gather(*(self._execute(ctx, (), inputs, module) for ctx in contexts))
         self.last_traces = [ctx.trace() for ctx in contexts]  # one per run; see kvql.runtime.trace
-        return list(results) if n > 1 else results[0]
+        for ctx in contexts:
+            await output.report(output_writer, ctx.prompt, ctx.variables, len(ctx.ids))
+        results = list(results)
+        if certificate:
+            cert = certificates.make(self.name, m, decoding, self.last_traces, results)
+            results = certificates.deliver(certificate, cert, results)
+        return results if n > 1 else results[0]
 
     @property
     def last_trace(self):
@@ -215,22 +292,30 @@ def _raw_docstring(fn) -> str | None:
     return body[len(quote):-len(quote)]
 
 
-def query(fn=None, *, model=None, decoder: str | None = None, is_async: bool | None = None, **decoder_kwargs):
-    """`@query` / `@query(model=..., decoder=..., n=..., temperature=..., max_len=...)` on a function whose
-    docstring is the query, or `query("source")` (async by default, as in LMQL)."""
+def query(fn=None, *, model=None, decoder: str | None = None, is_async: bool | None = None,
+          input_variables: list[str] | None = None, **options):
+    """`@query` / `@query(model=..., decoder=..., n=..., temperature=..., max_len=..., output_writer=...,
+    certificate=...)` on a function (or method) whose docstring is the query, or `query("source")`
+    (async by default, as in LMQL; `input_variables=["a", "b"]` gives it positional parameters)."""
+    if isinstance(fn, Query):
+        return fn
     if isinstance(fn, str):
         frame = inspect.currentframe().f_back
-        return Query(fn, name="query", scope=_frame_scope(frame), is_async=True if is_async is None else is_async,
-                     model=model, decoder=decoder, **decoder_kwargs)
+        signature = None if input_variables is None else inspect.Signature(
+            [inspect.Parameter(v, inspect.Parameter.POSITIONAL_OR_KEYWORD) for v in input_variables])
+        return Query(fn, name="query", signature=signature, scope=_frame_scope(frame),
+                     is_async=True if is_async is None else is_async, model=model, decoder=decoder, **options)
+    if input_variables is not None:
+        raise TypeError("input_variables is for query strings; a decorated function's parameters are its inputs")
     if fn is None:
-        return functools.partial(query, model=model, decoder=decoder, is_async=is_async, **decoder_kwargs)
+        return functools.partial(query, model=model, decoder=decoder, is_async=is_async, **options)
     frame = inspect.currentframe().f_back
     source = _raw_docstring(fn)
     if not source:
         raise ValueError(f"@query function {fn.__name__} has no docstring with the query")
     q = Query(source, name=fn.__name__, signature=inspect.signature(fn), scope=_function_scope(fn, frame),
               is_async=inspect.iscoroutinefunction(fn) if is_async is None else is_async,
-              model=model, decoder=decoder, **decoder_kwargs)
+              model=model, decoder=decoder, **options)
     functools.update_wrapper(q, fn)
     return q
 
@@ -246,10 +331,10 @@ def run_sync(source: str, *args, **inputs):
     return Query(source, scope=_frame_scope(frame)).run_sync(*args, **inputs)
 
 
-def F(template: str, constraints: str | None = None, model=None, **decoder_kwargs):
+def F(template: str, constraints: str | None = None, model=None, is_async: bool = False, **decoder_kwargs):
     """A one-statement query as a function: `F("Summarize {text}: [S]", "len(TOKENS(S)) < 20")(text=...)`.
     Inputs are the names interpolated in the template, positional in order of appearance; it returns
-    the value of the one hole, or a dict when there are several."""
+    the value of the one hole, or a dict when there are several (sync unless `is_async=True`)."""
     parts = parse_prompt(template)
     names = list(dict.fromkeys(p.source for p in parts if isinstance(p, Expr) and p.source.isidentifier()))
     holes = [p.name for p in parts if isinstance(p, Hole)]
@@ -261,49 +346,40 @@ def F(template: str, constraints: str | None = None, model=None, **decoder_kwarg
     frame = inspect.currentframe().f_back
     params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
     return Query(source, name="F", signature=inspect.Signature(params), scope=_frame_scope(frame),
-                 model=model, **decoder_kwargs)
+                 is_async=is_async, model=model, **decoder_kwargs)
 
 
-async def generate(prompt: str, max_tokens: int = 32, model=None, temperature: float = 0.0, **kwargs) -> str:
-    """Complete `prompt` (LMQL's `lmql.generate`): the generated text."""
-    (c,) = await get_model(model).agenerate([prompt], max_tokens=max_tokens, temperature=temperature, **kwargs)
-    return c.text
+def main(query_fct, *args, **kwargs):
+    """LMQL's `lmql.main`: call `query_fct` (a query, or any async function) and wait for its result."""
+    result = query_fct(*args, **kwargs)
+    if not inspect.isawaitable(result):
+        return result
+
+    async def wait():
+        return await result
+    return _run_sync(wait)
 
 
-def generate_sync(prompt: str, max_tokens: int = 32, model=None, **kwargs) -> str:
-    return _run_sync(lambda: generate(prompt, max_tokens, model, **kwargs))
+def _global_names(module_code) -> list[str]:
+    """Global names read by the functions of a compiled query module (and the code nested in them), in
+    order of first use, less those the module or its functions assign."""
+    defined = {i.argval for i in dis.get_instructions(module_code) if i.opname in ("STORE_NAME", "DELETE_NAME")}
+    loads = []
+
+    def walk(code):
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                for ins in dis.get_instructions(const):
+                    if ins.opname == "LOAD_GLOBAL":
+                        loads.append(ins.argval)
+                    elif ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                        defined.add(ins.argval)
+                walk(const)
+
+    walk(module_code)
+    return [n for n in dict.fromkeys(loads) if n not in defined]
 
 
-@dataclass
-class ScoreResult:
-    """Log-probabilities of `values` as continuations of `prompt` (LMQL's `lmql.score`)."""
-
-    prompt: str
-    values: list
-    logprobs: list[float]
-
-    def probs(self) -> list[float]:
-        top = max(self.logprobs)
-        z = sum(math.exp(lp - top) for lp in self.logprobs)
-        return [math.exp(lp - top) / z for lp in self.logprobs]
-
-    def argmax(self):
-        return self.values[self.logprobs.index(max(self.logprobs))]
-
-
-async def score(prompt: str, values, model=None) -> ScoreResult:
-    m = get_model(model)
-    if isinstance(m, RemoteModel):
-        raise ValueError("score() reads the model's logits: it needs a local model")
-    values = list(values)
-    ids = m.tokenizer(prompt, add_special_tokens=True).input_ids
-    logps, _ = await score_continuations(m, ids, [str(v) for v in values])
-    return ScoreResult(prompt, values, logps)
-
-
-def score_sync(prompt: str, values, model=None) -> ScoreResult:
-    return _run_sync(lambda: score(prompt, values, model))
-
-
-__all__ = ["query", "run", "run_sync", "F", "generate", "generate_sync", "score", "score_sync", "Query",
-           "set_default_model", "get_model", "LMQLResult", "QueryError", "UnmetConstraint"]
+__all__ = ["query", "run", "run_sync", "F", "main", "generate", "generate_sync", "score", "score_sync", "Query",
+           "ScoringResult", "ScoreResult", "set_default_model", "get_model", "LMQLResult", "QueryError",
+           "UnmetConstraint"]

@@ -6,6 +6,8 @@ Specs:
   `$KVQL_CACHE_DIR` (default `~/.cache/kvql`); later loads read that copy.
 - a local model directory (`config.json`, safetensors weights, tokenizer files), optionally written
   `"local:PATH"` as in LMQL.
+- `"random"` (`random_model(seed)`): LMQL's test model; here a tiny Llama with random weights, seeded,
+  built in code, with the SmolLM2 tokenizer (from the embedded model's directory).
 """
 
 from __future__ import annotations
@@ -98,3 +100,23 @@ def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load model {spec!r} from {str(path)!r}: {e}") from e
     return model, tokenizer
+
+
+def random_model(seed: int = 0, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """`(model, tokenizer)` for LMQL's `"random"` model: a 2-layer Llama with random weights drawn from
+    `seed` (the same seed gives the same model, hence the same greedy output), SmolLM2's tokenizer,
+    and a 2,048-token context (LMQL's default max_len). Its text is gibberish; it exists for tests and
+    for trying the API without loading a real model. The global torch RNG is left untouched."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve("smollm2-135m"))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         initializer_range=0.2,  # peaked logits: greedy ties are rare
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        model = LlamaForCausalLM(config)
+    device = torch.device(device)
+    return model.to(device=device, dtype=dtype or torch.float32).eval(), tokenizer

@@ -14,6 +14,7 @@ from ..engine.engine import Engine
 from ..engine.grammar import Grammar
 from ..engine.kv_pool import KVPool
 from ..engine.request import MaskFn, RequestGroup, SamplingParams, StopFn
+from ..llm import LLM
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -53,9 +54,17 @@ class StreamChunk:
     completion: Completion | None  # set on the sample's last chunk
 
 
-class Model:
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class Model(LLM):
     """A causal LM behind kvql's engine. Thread-safe: calls from many threads or tasks share batches
-    and the cache."""
+    and the cache. LMQL's model methods (`generate_sync`, `score`, `score_sync`) come from `LLM`."""
 
     def __init__(self, hf_model, tokenizer, *, name: str = "model", cache_budget: int | str | None = None,
                  max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True):
@@ -171,7 +180,21 @@ class Model:
     #   of the same salt, so tenants cannot probe each other's prompts through cached_tokens or timing).
     def generate(self, prompts, **options) -> list[Completion]:
         """Complete each prompt (a string or token ids); returns `len(prompts) * n` completions,
-        prompt by prompt, samples in order. Raises the first request's error after all finished."""
+        prompt by prompt, samples in order. Raises the first request's error after all finished.
+
+        Called inside a running event loop (an `async def`, a notebook) it returns a
+        `kvql.generations.PendingGeneration` instead, so that LMQL's `await m.generate(prompt, ...)`
+        works too: awaited, it is LMQL's generate (a str, or list[str] for n > 1; see
+        `kvql.generations.generate`); used as a sequence, it is this method's list of completions,
+        computed on first use (blocking that thread until they are done)."""
+        if _in_event_loop():
+            from ..generations import PendingGeneration  # the LMQL layer sits above the backends
+
+            return PendingGeneration(self, prompts, options)
+        return self.complete(prompts, **options)
+
+    def complete(self, prompts, **options) -> list[Completion]:
+        """`generate`, always synchronous: the list of completions, also inside an event loop."""
         groups = self._submit(prompts, **options)
         if not self.engine.background:
             self.engine.run_until_idle()
@@ -229,6 +252,10 @@ class Model:
 
     def close(self) -> None:
         self.engine.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.engine._closed
 
     def __repr__(self) -> str:
         return f"kvql.Model({self.name!r}, device={self.device}, cache_slots={self.engine.pool.num_slots})"

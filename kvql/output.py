@@ -1,0 +1,91 @@
+"""Output writers (LMQL's `output_writer=`): `lmql.printing`, `lmql.stream("VAR")`, `lmql.silent`,
+`lmql.headless`, or any object with LMQL's `add_interpreter_head_state(...)` method.
+
+kvql calls a writer once per finished run of a query (once per sample), with the final prompt and
+variables; `is_valid` and `is_final` are always True then (kvql only returns values that satisfy
+their where clause). LMQL calls it on every decoding step; kvql does not stream through writers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ProgramState:
+    """The variables of a run, as LMQL passes them to writers (`program_variables.variable_values`)."""
+
+    variable_values: dict = field(default_factory=dict)
+
+
+class BaseOutputWriter:
+    """Writes nothing. `allows_input=False` (`lmql.headless`) also refuses `input()`."""
+
+    def __init__(self, allows_input: bool = True):
+        self.allows_input = allows_input
+
+    async def input(self, *args) -> str:
+        if not self.allows_input:
+            raise RuntimeError("the output writer (lmql.headless) does not allow user input")
+        return input(*args)
+
+    async def add_interpreter_head_state(self, variable, head, prompt, where, trace, is_valid, is_final, mask,
+                                         num_tokens, program_variables) -> None:
+        pass
+
+    def add_compiler_output(self, code) -> None:
+        pass
+
+
+class PrintingOutputWriter(BaseOutputWriter):
+    """Prints each run's final prompt (`lmql.printing`)."""
+
+    async def add_interpreter_head_state(self, variable, head, prompt, where, trace, is_valid, is_final, mask,
+                                         num_tokens, program_variables) -> None:
+        print(f"{prompt}\n\n valid={is_valid}, final={is_final}", flush=True)
+
+
+class StreamingOutputWriter(BaseOutputWriter):
+    """Prints the value of `variable` (a name, or a list of names, one per line) as it grows;
+    without a variable, the prompt. `lmql.stream("ANSWER")` makes one."""
+
+    def __init__(self, variable: str | list[str] | None = None):
+        super().__init__()
+        self.variable = variable
+        self.last_value = ""
+
+    async def add_interpreter_head_state(self, variable, head, prompt, where, trace, is_valid, is_final, mask,
+                                         num_tokens, program_variables) -> None:
+        if self.variable is None:
+            print(prompt, flush=True)
+            return
+        names = self.variable if isinstance(self.variable, list) else [self.variable]
+        value = "\n".join(str(program_variables.variable_values.get(v, "")).strip() for v in names)
+        new = value[len(self.last_value):] if value.startswith(self.last_value) else value
+        print(new, end="", flush=True)
+        self.last_value = value
+
+
+silent = BaseOutputWriter()
+headless = BaseOutputWriter(allows_input=False)
+printing = PrintingOutputWriter()
+stream = StreamingOutputWriter
+
+
+def check(writer) -> None:
+    """Refuse, before a query runs, an `output_writer=` that is not one."""
+    if writer is not None and not callable(getattr(writer, "add_interpreter_head_state", None)):
+        raise TypeError(f"output_writer must have an add_interpreter_head_state method (e.g. lmql.printing, "
+                        f"lmql.stream('VAR')), got {writer!r}")
+
+
+async def report(writer, prompt: str, variables: dict, num_tokens: int) -> None:
+    """Hand one finished run to `writer` (its method may be sync or async)."""
+    if writer is None:
+        return
+    last = next(reversed(variables), None) if variables else None
+    out = writer.add_interpreter_head_state(last, 0, prompt, None, None, True, True, None, num_tokens,
+                                            ProgramState(dict(variables)))
+    if inspect.isawaitable(out):
+        await out
