@@ -14,9 +14,9 @@ A hole's `HolePlan` splits the constraints on it into what the engine can enforc
 - a type (`type(V) is Person`, a dataclass): the value is JSON under the schema of its fields, parsed
   into an instance (see `type_schema` / `from_json`).
 
-An `or` whose alternatives are all stop phrases and token bounds ends the value at the first one met
-(LMQL's `STOPS_AT(V, ".") or len(TOKENS(V)) > 5`); a condition kvql cannot enforce raises
-ConstraintError naming it, it is never dropped.
+An `or` may join stop phrases and token bounds (LMQL's `STOPS_AT(V, "a") or STOPS_AT(V, "b")`,
+`len(TOKENS(V)) > 20 or STOPS_AT(V, "The")`), see `_plan_or`; any other condition that kvql cannot
+enforce raises ConstraintError naming it, it is never dropped.
 
 The plan also says whether a value meets the grammar (`HolePlan.check`, on the text itself,
 whatever the tokenization) and whether any value can (`HolePlan.satisfiable`), so that the runtime
@@ -541,12 +541,15 @@ def _alternatives(node: Or) -> list:
 
 
 def _plan_or(plan: HolePlan, node: Or, name: str) -> None:
-    """An `or` of stop phrases and token bounds.
+    """An `or` of stop phrases and token bounds, with LMQL's semantics (lmql/ops/ops.py, v0.7.3):
 
-    Only token bounds: a length condition, as LMQL evaluates it (`len(TOKENS(V)) < 20 or
-    len(TOKENS(V)) < 30` allows 29 tokens). With a stop phrase: the value ends at the first
-    alternative met -- a stop phrase appears (each on its own, as LMQL's STOPS_AT in an `or`), or the
-    token count reaches a bound (`> n` at n+1 tokens, `< n` at n-1, `<=` / `>=` / `==` at n)."""
+    - each stop phrase ends the value wherever it appears, whatever the other alternatives say
+      (`len(TOKENS(V)) > 20 or STOPS_AT(V, "The")` ends at the first "The"); only conditions
+      `and`-ed with the `or` hold it back;
+    - as a condition, STOPS_AT is always true, so an `or` with a stop phrase admits every value: its
+      token bounds neither cap the value nor hold back the end of sequence;
+    - only token bounds: a length condition (`len(TOKENS(V)) < 20 or len(TOKENS(V)) < 30` allows
+      29 tokens)."""
     items, text = _alternatives(node), describe(node)
     bounds = [i.arg[1:] for i in items if i.kind == "len"]
     stops = [Stop(i.arg, i.kind == "stops_at") for i in items if i.kind != "len"]
@@ -554,9 +557,6 @@ def _plan_or(plan: HolePlan, node: Or, name: str) -> None:
         raise ConstraintError(f"cannot enforce {text}: len(TOKENS({name})) != n is not supported")
     if stops:
         plan.stops += stops
-        ends = [n - 1 if op == "<" else n + 1 if op == ">" else n for op, n in bounds]
-        if ends:
-            plan.cap_tokens(min(ends), text)
     elif all(op in ("<", "<=") for op, _ in bounds):
         plan.cap_tokens(max(n - 1 if op == "<" else n for op, n in bounds), text)
     elif all(op in (">", ">=") for op, _ in bounds):
