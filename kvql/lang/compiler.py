@@ -239,10 +239,12 @@ def _check_hole_uses(tree: ast.expr, holes: set[str]) -> None:
 
     def walk(node, parent, grandparent):
         if isinstance(node, ast.Name) and node.id in holes and not allowed(parent, grandparent):
-            shown = ast.unparse(parent if parent is not None else node)
-            raise _NodeError(f"cannot enforce '{shown}': a generated variable ({node.id}) can only appear in "
-                             "comparisons, 'in', len(), type(V) is T, V.startswith() and the constraint functions "
-                             f"{', '.join(sorted(BUILDERS))}", parent if parent is not None else node)
+            shown = parent if parent is not None else node
+            if isinstance(parent, ast.Attribute) and isinstance(grandparent, ast.Call) and grandparent.func is parent:
+                shown = grandparent  # the whole method call, X.upper()
+            raise _NodeError(f"cannot enforce '{ast.unparse(shown)}': a generated variable ({node.id}) can only "
+                             "appear in comparisons, 'in', len(), type(V) is T, V.startswith() and the constraint "
+                             f"functions {', '.join(sorted(BUILDERS))}", shown)
         for child in ast.iter_child_nodes(node):
             walk(child, node, parent)
 

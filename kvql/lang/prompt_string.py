@@ -3,8 +3,9 @@
 Syntax (LMQL's):
 - `{expr}` interpolates a Python expression (with optional `!r`/`!s`/`!a` and `:format_spec`);
 - `{{` / `}}` and `[[` / `]]` are literal braces and brackets;
-- `[VAR]` is a hole the model fills; `[VAR: type]` a typed hole (`int`, or a nested query, possibly
-  called: `[A: other_query(x)]`); `[@fn VAR]` post-processes the value with `fn` (several allowed);
+- `[VAR]` is a hole the model fills; `[VAR: tactic]` a typed hole (`int`, a regex as a string literal
+  `[D: r'[0-9]+']`, or a nested query, possibly called: `[A: other_query(x)]`); `[@fn VAR]`
+  post-processes the value with `fn` (several allowed; any Python expression, `[@prefix('A: ') X]`);
 - `{:system}`, `{:user}`, `{:assistant}` start a chat message of that role.
 """
 
@@ -14,8 +15,10 @@ import ast
 import re
 from dataclasses import dataclass, field
 
+from .clauses import DECODERS
+
 ROLES = ("system", "user", "assistant")
-_HOLE = re.compile(r"\s*((?:@[^\s\]]+\s+)*)([A-Za-z_]\w*)\s*(?::\s*(.+?))?\s*$", re.S)
+_NAME = re.compile(r"[A-Za-z_]\w*")
 
 
 class PromptSyntaxError(ValueError):
@@ -51,9 +54,10 @@ class Role:
     role: str
 
 
-def _scan_expr(s: str, i: int) -> int:
-    """Index of the `}` closing the interpolation whose body starts at `i` (strings and nesting aware)."""
-    start, depth, quote = i - 1, 0, None
+def _scan(s: str, i: int, stop) -> int:
+    """Index of the first character at or after `i` for which `stop(c)` holds outside quotes and
+    brackets (len(s) if none). A bracket closing one not opened here raises PromptSyntaxError."""
+    depth, quote = 0, None
     while i < len(s):
         c = s[i]
         if quote:
@@ -62,6 +66,8 @@ def _scan_expr(s: str, i: int) -> int:
             elif s.startswith(quote, i):
                 i += len(quote) - 1
                 quote = None
+        elif depth == 0 and stop(c):
+            return i
         elif c in "\"'":
             quote = s[i:i + 3] if s[i:i + 3] in ('"""', "'''") else c
             i += len(quote) - 1
@@ -69,20 +75,77 @@ def _scan_expr(s: str, i: int) -> int:
             depth += 1
         elif c in ")]}":
             if depth == 0:
-                if c == "}":
-                    return i
-                raise PromptSyntaxError(f"unbalanced {c!r} in interpolation", i)
+                raise PromptSyntaxError(f"unbalanced {c!r}", i)
             depth -= 1
         i += 1
-    raise PromptSyntaxError("'{' is never closed (write '{{' for a literal brace)", start)
+    return len(s)
 
 
-def _check_python(source: str, offset: int, what: str) -> None:
-    """Raise PromptSyntaxError, at its offset in the prompt string, if `source` (which starts at
-    `offset`) is not a Python expression; the compiled query wraps it in parentheses, and so does this."""
+def _scan_expr(s: str, i: int) -> int:
+    """Index of the `}` closing the interpolation whose body starts at `i` (strings and nesting aware)."""
+    try:
+        end = _scan(s, i, lambda c: c == "}")
+    except PromptSyntaxError as e:
+        raise PromptSyntaxError(f"{e} in interpolation", e.offset) from None
+    if end == len(s):
+        raise PromptSyntaxError("'{' is never closed (write '{{' for a literal brace)", i - 1)
+    return end
+
+
+def _parse_hole(s: str, start: int, end: int) -> Hole:
+    """The hole `s[start:end]` (between its brackets): `[@dec ... NAME]` or `[@dec ... NAME: tactic]`."""
+    body, i, decorators = s[start:end], 0, []
+
+    def skip_space(i):
+        while i < len(body) and body[i].isspace():
+            i += 1
+        return i
+
+    def invalid():
+        return PromptSyntaxError(f"invalid hole [{body}]: expected [NAME], [NAME: type] or [@fn NAME] "
+                                 "(write '[[' for a literal bracket)", start - 1)
+
+    i = skip_space(i)
+    while body.startswith("@", i):  # a decorator is a Python expression, up to a space outside brackets
+        stop = _scan(body, i + 1, str.isspace)
+        decorators.append(_check_python(body[i + 1:stop], start + i + 1, "decorator"))
+        i = skip_space(stop)
+    m = _NAME.match(body, i)
+    if not m:
+        raise invalid()
+    rest = skip_space(m.end())
+    if rest < len(body) and body[rest] == "(" or rest > m.end() and _NAME.match(body, rest):
+        if m.group(0) in DECODERS:
+            raise PromptSyntaxError(f"[{body}]: a decoder for one variable is not supported by kvql; set the "
+                                    "decoder of the whole query", start - 1)
+        raise invalid()
+    if rest == len(body):
+        return Hole(m.group(0), None, decorators, start - 1)
+    if body[rest] != ":":
+        raise invalid()
+    tactic = body[rest + 1:].strip()
+    if not tactic:
+        raise invalid()
+    at = start + rest + 1 + len(body[rest + 1:]) - len(body[rest + 1:].lstrip())
+    return Hole(m.group(0), _check_python(tactic, at, "hole type"), decorators, start - 1)
+
+
+def _check_python(source: str, offset: int, what: str) -> str:
+    """`source` (which starts at `offset` of the prompt string) as a Python expression, or
+    PromptSyntaxError at its offset; the compiled query wraps it in parentheses, and so does this.
+    A newline inside one of its string literals came from a `\\n` escape of the prompt string
+    itself (`[X: q(s='a\\nb')]`): it is escaped again, as the writer meant."""
     try:
         ast.parse(f"({source})", mode="eval")
+        return source
     except SyntaxError as e:
+        escaped = source.replace("\n", "\\n")
+        if escaped != source:
+            try:
+                ast.parse(f"({escaped})", mode="eval")
+                return escaped
+            except SyntaxError:
+                pass
         at = offset + max((e.offset or 1) - 2, 0) if (e.lineno or 1) == 1 else offset
         raise PromptSyntaxError(f"invalid {what} {source!r}: {e.msg}", min(at, offset + len(source))) from None
 
@@ -115,7 +178,7 @@ def _split_expr(body: str, offset: int) -> Expr:
         i += 1
     end = conv_at if conv_at is not None else spec_at if spec_at is not None else len(body)
     source = body[:end].strip()
-    _check_python(source, offset + len(body[:end]) - len(body[:end].lstrip()), "expression")
+    source = _check_python(source, offset + len(body[:end]) - len(body[:end].lstrip()), "expression")
     return Expr(source, body[conv_at + 1] if conv_at is not None else "",
                 body[spec_at + 1:] if spec_at is not None else "")
 
@@ -150,23 +213,15 @@ def parse_prompt(s: str) -> list[Text | Expr | Hole | Role]:
                 parts.append(_split_expr(body, i + 1))
             i = end + 1
         elif c == "[":
-            end = s.find("]", i + 1)
-            depth = s.count("[", i + 1, end if end >= 0 else len(s))
-            while end >= 0 and depth:  # nested brackets inside a hole's type, e.g. q(x[0])
-                end, depth = s.find("]", end + 1), depth - 1
-            if end < 0:
+            try:
+                end = _scan(s, i + 1, lambda ch: ch == "]")
+            except PromptSyntaxError:
+                end = len(s)
+            if end == len(s):
                 raise PromptSyntaxError("'[' is never closed (write '[[' for a literal bracket)", i)
-            m = _HOLE.match(s[i + 1:end])
-            if not m:
-                raise PromptSyntaxError(f"invalid hole [{s[i + 1:end]}]: expected [NAME], [NAME: type] or "
-                                        "[@fn NAME] (write '[[' for a literal bracket)", i)
-            for d in re.finditer(r"@(\S+)", m.group(1)):
-                _check_python(d.group(1), i + 1 + m.start(1) + d.start(1), "post-processor")
-            if m.group(3):
-                _check_python(m.group(3), i + 1 + m.start(3), "hole type")
+            hole = _parse_hole(s, i + 1, end)
             flush()
-            decorators = [d[1:] for d in m.group(1).split()]
-            parts.append(Hole(m.group(2), m.group(3), decorators, i))
+            parts.append(hole)
             i = end + 1
         elif c in "}]":
             raise PromptSyntaxError(f"single {c!r} (write {c * 2!r} for a literal one)", i)
