@@ -75,9 +75,9 @@ def _stop_name(name: str, stop: Stop) -> str:
 DECODERS = ("argmax", "sample", "beam", "beam_search", "beam_sample", "best_k", "var", "beam_var")
 SAMPLING_OPTIONS = ("top_k", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 IGNORED_OPTIONS = ("chunksize", "verbose", "cache", "openai_chunksize", "openai_nonstop", "chunk_timeout",
-                   "max_tokens_hint", "batch_size")
-"""LMQL options about OpenAI requests and LMQL's own caches and logging: accepted, no effect (kvql
-caches every prefix in its engine and requests tokens one at a time)."""
+                   "distribution_batch_size")
+"""LMQL options about OpenAI requests, LMQL's own caches, logging and batching: accepted, no effect
+(kvql caches every prefix in its engine, batches every request, and asks for tokens one at a time)."""
 BEAM_OPTIONS = ("num_beams", "k", "b", "subdecoder", "budget", "kappa", "beta", "gamma", "max_heap_size",
                 "top_k_continuations", "alpha", "prune", "inject_stop", "return_first")
 """Options of LMQL's beam-family decoders: `num_beams` / `k` / `b` set the width; the tuning knobs of
