@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import decorators
+from .runtime import decorators
 from .backends.loader import ModelLoadError, load_hf, random_model
 from .backends.local import Model, StreamChunk
 from .backends.remote import RemoteModel

@@ -436,3 +436,65 @@ def test_result_index_zero_is_the_result_itself_with_a_deprecation_warning(rnd):
         warnings.simplefilter("ignore", DeprecationWarning)
         with pytest.raises(IndexError):
             r[1]
+
+
+# -- variable decorators -------------------------------------------------------------------------
+def test_pre_decorator_supplies_the_value_and_the_model_is_not_asked(rnd):
+    @lmql.decorators.pre
+    def fixed(variable):
+        return "Fixed Value" if variable.name == "RESPONSE" else variable
+
+    before = rnd.stats()["generated_tokens"]
+    r = lmql.run_sync("'Say this:[@fixed RESPONSE]' where len(TOKENS(RESPONSE)) < 10")
+    assert r.variables["RESPONSE"] == "Fixed Value" and r.prompt == "Say this:Fixed Value"
+    assert rnd.stats()["generated_tokens"] == before
+
+
+def test_pre_decorator_returning_the_variable_lets_the_model_generate(rnd):
+    seen = []
+
+    @lmql.decorators.pre
+    def watch(variable, context):
+        seen.append(variable.name)
+        return variable
+
+    r = lmql.run_sync("'Say this:[@watch RESPONSE]' where len(TOKENS(RESPONSE)) < 4")
+    assert seen == ["RESPONSE"] and r.variables["RESPONSE"] == lmql.run_sync(
+        "'Say this:[RESPONSE]' where len(TOKENS(RESPONSE)) < 4").variables["RESPONSE"]
+
+
+def test_streaming_decorator_sees_the_value_grow_token_by_token(rnd):
+    seen = []
+
+    @lmql.decorators.streaming
+    def watch(value, context):
+        seen.append(value)
+
+    r = lmql.run_sync("'Say this:[@watch RESPONSE]' where len(TOKENS(RESPONSE)) < 4")
+    value = r.variables["RESPONSE"]
+    assert seen[0] == "" and seen[-1] == value and len(seen) == 2 + 3
+    assert all(value.startswith(s) for s in seen) and seen == sorted(seen, key=len)
+
+
+def test_post_decorator_with_prompt_value_sets_value_and_prompt_text_apart(rnd):
+    def aslist(value, prompt_value, context):
+        return value.split(), prompt_value
+
+    r = lmql.run_sync("'Items:[@aslist ITEMS]' where len(TOKENS(ITEMS)) < 4")
+    generated = r.prompt[len("Items:"):]
+    assert generated and r.variables["ITEMS"] == generated.split()
+
+
+def test_decorators_run_pre_in_order_and_post_in_reverse(rnd):
+    calls = []
+
+    def a(value):
+        calls.append("post a")
+        return value
+
+    def b(value):
+        calls.append("post b")
+        return value
+
+    lmql.run_sync("'X:[@a @b X]' where len(TOKENS(X)) < 3")
+    assert calls == ["post b", "post a"]
