@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import io
 import json
-import math
 import warnings
 
 import numpy as np
