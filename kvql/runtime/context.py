@@ -28,6 +28,7 @@ from ..engine.request import SamplingParams
 from .chat import role_wrapper
 from .constraints import (INT_REGEX, And, Atom, ConstraintError, HolePlan, Node, Stop, fewest_tokens, from_json,
                           longest_token, plan_for)
+from .decorators import Chain
 from .result import LMQLResult
 from .scoring import score_continuations
 from .trace import Trace, TraceHole, TraceToken
@@ -236,6 +237,12 @@ class Context:
     async def hole(self, name: str, constraint=None, type=None, post=()):
         from ..query import Query  # the nested-query type lives one layer up
 
+        fixed = Chain(post).pre(name, self)
+        if fixed is not None:  # a pre-stage decorator supplied the value: the model is not asked
+            value, shown = fixed
+            self._append_value(shown, None, name)
+            self.variables[name] = value
+            return value
         if isinstance(type, Query):
             return await self.nested(name, type, (), {}, post, constraint)
         if type is float:
@@ -340,6 +347,9 @@ class Context:
 
     def _finish_hole(self, name, plan, value, tokens, post):
         text = value
+        chain = Chain(post)
+        if chain.streams:
+            self._stream(chain, text, tokens)
         if plan.as_int or plan.as_float:
             try:
                 value = (int if plan.as_int else float)(value.strip())
@@ -351,14 +361,22 @@ class Context:
                 value = from_json(plan.value_type, json.loads(value))
             except (ValueError, TypeError, KeyError) as e:
                 raise QueryError(f"{name}: cannot read {value!r} as a {plan.describe()}: {e}") from None
-        for fn in reversed(post):  # [@f @g X] is f(g(X)), as Python applies stacked decorators
-            value = fn(value)
-        changed = plan.as_int or plan.as_float or bool(post)
         # a typed value stays in the prompt as the JSON the model wrote
-        shown = text if plan.value_type is not None and not post else str(value)
+        shown = text if plan.value_type is not None else str(value)
+        if chain:  # [@f @g X] is f(g(X)), as Python applies stacked decorators
+            value, shown = chain.post(value, shown, self)
+        changed = plan.as_int or plan.as_float or shown != text
         self._append_value(shown, None if changed else tokens, name)
         self.variables[name] = value
         return value
+
+    def _stream(self, chain: Chain, text: str, tokens: list[int] | None) -> None:
+        """Streaming decorators see the hole's text grow: "", each token's prefix, then the final text
+        (after the hole is generated: kvql does not call user code inside the engine's loop)."""
+        chain.stream("", self)
+        for i in range(1, len(tokens or ()) + 1):
+            chain.stream(self.tokenizer.decode(tokens[:i], skip_special_tokens=True), self)
+        chain.stream(text, self)
 
     async def _remote_sample(self, name: str, plan: HolePlan) -> tuple[str, str, str]:
         """One hole on a remote server: constraints as one regex, stop phrases as stop strings.
@@ -538,12 +556,11 @@ class Context:
         if isinstance(value, LMQLResult):
             value = value.prompt[len(self._shown):]
         self._check_nested(name, plan, value)
-        for fn in reversed(post):
-            value = fn(value)
+        value, shown = Chain(post).post(value, str(value), self)
         self.cached_tokens += child.cached_tokens
         self.computed_tokens += child.computed_tokens
         self.variables[name] = value
-        await self.text(str(value))
+        await self.text(shown)
         return value
 
     def _check_nested(self, name: str, plan: HolePlan, value) -> None:
