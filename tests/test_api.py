@@ -202,7 +202,7 @@ def test_bad_prompts_raise_clear_errors(m):
     with pytest.raises(ValueError, match="more than the model's context"):
         m.generate([[1] * 510], max_tokens=8)
     with pytest.raises(TypeError, match="unexpected keyword"):
-        m.generate(["hi"], max_tokens=2, frequency_penalty=1.0)
+        m.generate(["hi"], max_tokens=2, frequency_penalty_typo=1.0)
     assert m.generate(["hi"], max_tokens=2)[0].token_ids  # the engine keeps serving
 
 
