@@ -294,3 +294,14 @@ def test_a_generated_variable_used_where_constraints_cannot_follow_it_is_an_erro
         lmql.query('"A: [X]" where X[0] == "a"')
     with pytest.raises(kvql.QuerySyntaxError, match=r"cannot enforce 'X.upper\(\)'"):
         lmql.query('"A: [X]" where X.upper() == "A"')
+
+
+def test_a_helper_with_a_docstring_before_the_decoder_clause_is_part_of_the_prologue(m):
+    r = lmql.run_sync('def helper():\n'
+                      '    "A docstring, not a prompt."\n'
+                      '    return 7\n'
+                      'argmax\n'
+                      '    "N={helper()}[X]"\n'
+                      'where\n'
+                      '    len(TOKENS(X)) < 2\n')
+    assert r.prompt.startswith("N=7")

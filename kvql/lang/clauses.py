@@ -52,6 +52,12 @@ class Layout:
     distribution: Span | None
 
 
+def starts_scope(toks) -> bool:
+    """A `def`, `async def` or `class` line: the block below it is plain Python, not the query's own."""
+    return toks[0].string in ("def", "class") or (toks[0].string == "async" and len(toks) > 1
+                                                  and toks[1].string == "def")
+
+
 def _closing(toks, k: int) -> int:
     """Index of the bracket closing the one at `toks[k]` (brackets balance within a logical line)."""
     depth = 0
@@ -118,17 +124,24 @@ def split_clauses(source: str) -> Layout:
     """The clauses of `source` (see the module docstring); token errors raise QuerySyntaxError."""
     lines = source.split("\n")
     try:
-        logical = [toks for _, toks in logical_lines(source)]
+        with_depth = list(logical_lines(source))
     except tokenize.TokenError as e:
         raise QuerySyntaxError(e.args[0], e.args[1][0], e.args[1][1] + 1, source) from None
     except IndentationError as e:
         raise QuerySyntaxError(e.msg, e.lineno or 1, max(e.offset or 1, 1), source) from None
 
+    logical = [toks for _, toks in with_depth]
     first = decoder_end = None  # index of the decoder's logical line, and of its first token after it
-    for n, toks in enumerate(logical):
+    nested_at = None  # block depth of a def / class of the prologue, whose lines are skipped
+    for n, (depth, toks) in enumerate(with_depth):
+        if nested_at is not None and depth > nested_at:
+            continue
+        nested_at = depth if starts_scope(toks) else None
+        if toks[0].type == tokenize.STRING:  # a prompt statement: the body has begun
+            break
         if toks[0].start[1] != 0:
             continue
-        if toks[0].type == tokenize.STRING or _opens_clause(toks, 0, True, True):
+        if _opens_clause(toks, 0, True, True):
             break
         decoder_end = _decoder_end(toks)
         if decoder_end is not None:

@@ -25,7 +25,7 @@ import tokenize
 from dataclasses import dataclass, field
 
 from ..runtime.constraints import BUILDERS, Var
-from .clauses import DECODERS, Body, split_clauses
+from .clauses import DECODERS, Body, split_clauses, starts_scope
 from .prompt_string import Expr, Hole, PromptSyntaxError, Role, Text, parse_prompt
 from .source import QuerySyntaxError, Span, logical_lines, tokens
 
@@ -308,12 +308,6 @@ class _Statement:
     distribution: tuple[str, str] | None  # (VAR, values source)
 
 
-def _starts_scope(toks) -> bool:
-    """A `def`, `async def` or `class` line: the block below it is not the query's own."""
-    return toks[0].string in ("def", "class") or (toks[0].string == "async" and len(toks) > 1
-                                                  and toks[1].string == "def")
-
-
 def _find_statements(body: Body, source: str) -> list[_Statement]:
     """The prompt statements of the query body: lines of its own made of string literals (and
     their `where` / `distribution`); the bodies of functions and classes defined in it are skipped."""
@@ -338,7 +332,7 @@ def _find_statements(body: Body, source: str) -> list[_Statement]:
         for depth, toks in logical_lines(text):
             if nested_at is not None and depth > nested_at:
                 continue
-            nested_at = depth if _starts_scope(toks) else None
+            nested_at = depth if starts_scope(toks) else None
             k = 0
             while k < len(toks) and toks[k].type == tokenize.STRING:
                 k += 1
