@@ -305,3 +305,9 @@ def test_a_helper_with_a_docstring_before_the_decoder_clause_is_part_of_the_prol
                       'where\n'
                       '    len(TOKENS(X)) < 2\n')
     assert r.prompt.startswith("N=7")
+
+
+def test_a_clause_given_twice_is_an_error_at_the_second(m):
+    with pytest.raises(kvql.QuerySyntaxError, match="a second 'where' clause") as info:
+        lmql.query('argmax\n    "Q: [X]"\nwhere len(TOKENS(X)) < 3\nwhere X in ["a"]\n')
+    assert info.value.lineno == 4

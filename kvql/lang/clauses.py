@@ -111,6 +111,8 @@ def _indent(line: str) -> int:
 
 
 def _body(lines: list[str], start: tuple[int, int], end: tuple[int, int]) -> Body:
+    if start >= end:  # a decoder clause and nothing after it
+        return Body("", min(start[0], len(lines)), 0, 0)
     rows = _text(lines, start, end).split("\n")
     rest = rows if start[1] == 0 else rows[1:]
     d = min((_indent(r) for r in rest if r.strip()), default=0)
@@ -174,8 +176,6 @@ def split_clauses(source: str) -> Layout:
             elif depth == 0 and tok.type == tokenize.NAME and \
                     _opens_clause(toks, i, not found, not (n == 0 and start[1])):
                 kw = tok.string.lower()
-                if found and found[-1][0] == kw:
-                    continue
                 if any(k == kw for k, _ in found):
                     raise QuerySyntaxError(f"a second '{kw}' clause", tok.start[0], tok.start[1] + 1, source)
                 found.append((kw, tok))
