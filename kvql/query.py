@@ -190,7 +190,11 @@ class Query:
         certificate = certificate if certificate is not None else self.certificate
         output.check(output_writer)
         certificates.check(certificate)
-        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in _DECODER_KEYS or k == "decoder"}
+        # LMQL's rule: a keyword the query reads (a parameter, or a name its code uses) is an input,
+        # even when a decoder option has that name (`argmax(n=n)` called with n=2)
+        reads = set(self.signature.parameters) if self.signature else set(self._free_names(()))
+        overrides = {k: kwargs.pop(k) for k in list(kwargs)
+                     if (k in _DECODER_KEYS or k == "decoder") and k not in reads}
         inputs = self._bind(args, kwargs)
         compiled = self._compiled_for(inputs)
         module = self._module(compiled)

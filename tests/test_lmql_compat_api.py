@@ -497,3 +497,34 @@ def test_decorators_run_pre_in_order_and_post_in_reverse(rnd):
 
     lmql.run_sync("'X:[@a @b X]' where len(TOKENS(X)) < 3")
     assert calls == ["post b", "post a"]
+
+
+def test_a_keyword_the_query_reads_is_an_input_even_when_a_decoder_option_has_its_name(tiny):
+    q = lmql.query('''
+sample(n=n)
+    "Pick {n}:[X]" where X in ["a", "b"]
+''', is_async=False)
+    rs = q(n=2, model=tiny, seed=0)
+    assert isinstance(rs, list) and len(rs) == 2 and all(r.prompt.startswith("Pick 2:") for r in rs)
+
+
+def test_a_query_method_as_a_hole_type_runs_nested_with_self(tiny):
+    class Helper:
+        label = "Q"
+
+        @lmql.query(model=tiny)
+        def step(self):
+            '''lmql
+            "{self.label}:[Y]" where Y in [" one", " two"]
+            return Y.strip()
+            '''
+
+        @lmql.query(model=tiny)
+        def main(self):
+            '''lmql
+            "Start [A: self.step] and [B: self.step()]"
+            return A, B
+            '''
+
+    a, b = Helper().main()
+    assert a in ("one", "two") and b in ("one", "two")

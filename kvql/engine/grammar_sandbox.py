@@ -65,6 +65,11 @@ class _Child:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:  # a broken pipe to a dead child
+                pass
 
 
 _lock = threading.Lock()
@@ -89,6 +94,8 @@ def check(tokenizer, grammar: str, timeout: float | None = None) -> str | None:
     key, vocab = _tokenizer_json(tokenizer)
     with _lock:
         if _child is None or _child.proc.poll() is not None:
+            if _child is not None:
+                _child.close()
             _child = _Child()
         child = _child
         message = {"tokenizer": key, "vocab": None if key in child.tokenizers else vocab,
@@ -97,6 +104,7 @@ def check(tokenizer, grammar: str, timeout: float | None = None) -> str | None:
         answer = child.ask(message, limit)
         if answer is None:
             _child = None
+            child.close()
             code = child.proc.returncode
             if code is not None and code < 0 and code != -9:
                 raise ValueError(f"the constraint crashed llguidance's grammar compiler (signal {-code}) in kvql's "

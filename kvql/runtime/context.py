@@ -243,7 +243,7 @@ class Context:
             self._append_value(shown, None, name)
             self.variables[name] = value
             return value
-        if isinstance(type, Query):
+        if isinstance(type, Query) or isinstance(getattr(type, "__func__", None), Query):  # a query, or a method
             return await self.nested(name, type, (), {}, post, constraint)
         if type is float:
             constraint = _and(constraint, Atom("regex", name, FLOAT_REGEX))
@@ -546,6 +546,10 @@ class Context:
             raise QueryError(f"cannot enforce {_stop_name(name, plan.stops[0])} on [{name}: "
                              f"{getattr(query, 'name', 'query')}]: a nested query's value is what it returns; put "
                              "stop phrases on the holes inside it")
+        from ..query import Query
+
+        if isinstance(getattr(query, "__func__", None), Query):  # a query defined as a method: bind `self`
+            query, args = query.__func__, (query.__self__, *args)
         ids = self._flush() if not self.remote else None
         child = Context(self.model, self.decoding, self.run_index, ids=ids, text=self._text, shown=self._shown,
                         role=self._role, roles_seen=self._roles_seen)
