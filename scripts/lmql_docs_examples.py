@@ -6,7 +6,7 @@ clause of an example is overridden: no example reaches OpenAI), and prints one l
 ok, or the error's type and first line. Blocks that are fragments of a larger example fail here
 as they would in LMQL; read the list, not only the count.
 
-Usage: python scripts/lmql_docs_examples.py LMQL_DIR [--model smollm2-135m] [--max-len 512] [--only NAME]
+Usage: python scripts/lmql_docs_examples.py LMQL_DIR [--model smollm2-135m] [--max-len 1024] [--only NAME]
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def examples(root: Path):
             if block is None and FENCE.match(line):
                 block, start = [], i + 2
             elif block is not None and line.startswith("```"):
+                if any(b.strip().startswith("model-output::") for b in block):  # the docs' rendered output follows
+                    block = block[:next(i for i, b in enumerate(block) if b.strip().startswith("model-output::"))]
                 text = "\n".join(b for b in block if not b.strip().startswith("name::"))
                 yield f"{md.relative_to(root)}:{start}", text
                 block = None
@@ -44,7 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("lmql_dir", type=Path)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--only", default=None, help="run only examples whose location contains this")
     args = ap.parse_args()
     model = kvql.model(args.model)
