@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .runtime import decorators
-from .backends.loader import ModelLoadError, load_hf, random_model
+from .backends.loader import ModelLoadError, load_hf, load_tokenizer, random_model
 from .backends.local import Model, StreamChunk
 from .backends.remote import RemoteModel
 from .completion import Completion, TokenLogprob
@@ -21,9 +21,14 @@ __all__ = ["model", "Model", "LLM", "RemoteModel", "Completion", "TokenLogprob",
            "query", "run", "run_sync", "F", "main", "generate", "generate_sync", "score", "score_sync",
            "set_default_model", "get_model", "Query", "LMQLResult", "ScoringResult", "ScoreResult", "QueryError",
            "UnmetConstraint", "QuerySyntaxError", "ConstraintError", "InferenceCertificate", "decorators",
-           "printing", "stream", "headless", "silent"]
+           "printing", "stream", "headless", "silent", "tokenizer"]
 
 _random_models: dict = {}
+
+
+def tokenizer(spec: str = "smollm2-135m"):
+    """The Hugging Face tokenizer of model `spec` (as `model` reads specs), without loading the model."""
+    return load_tokenizer(spec)
 
 
 def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype: torch.dtype | None = None,

@@ -528,3 +528,11 @@ def test_a_query_method_as_a_hole_type_runs_nested_with_self(tiny):
 
     a, b = Helper().main()
     assert a in ("one", "two") and b in ("one", "two")
+
+
+def test_tokenizer_of_a_model_spec_is_callable_on_text():
+    t = lmql.tokenizer("random")
+    ids = t("Hello world")["input_ids"]
+    assert ids and t.decode(ids) == "Hello world"
+    with pytest.raises(lmql.ModelLoadError):
+        lmql.tokenizer("no/such-model-here")

@@ -102,6 +102,18 @@ def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype
     return model, tokenizer
 
 
+def load_tokenizer(spec: str):
+    """The tokenizer of model `spec` alone (for `"random"`: SmolLM2's, which that model uses); LMQL's
+    `lmql.tokenizer(spec)`: call it on text for `{"input_ids": [...], ...}`."""
+    from transformers import AutoTokenizer
+
+    path = resolve("smollm2-135m" if spec == "random" else spec)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not load the tokenizer of {spec!r} from {str(path)!r}: {e}") from e
+
+
 def random_model(seed: int = 0, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """`(model, tokenizer)` for LMQL's `"random"` model: a 2-layer Llama with random weights drawn from
     `seed` (the same seed gives the same model, hence the same greedy output), SmolLM2's tokenizer,
