@@ -81,7 +81,7 @@ def main() -> None:
             total += len(names)
             print(f"FAIL {path.name}: {len(names)} tests, the file does not load: {type(e).__name__}: {e}"[:220])
             continue
-        for name, fn in vars(module).items():
+        for name, fn in list(vars(module).items()):
             if not name.startswith("test_") or not callable(fn):
                 continue
             total += 1
