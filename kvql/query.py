@@ -152,6 +152,7 @@ class Query:
             inputs = dict(kwargs)
         missing = sorted({n for n in self._free_names(params or tuple(sorted(inputs)))
                           if n not in inputs and n not in scope})
+        missing += [n for n in self._compile(params or tuple(sorted(inputs))).unresolved if n not in missing]
         if missing:
             raise UnresolvedVariable(missing)
         return inputs

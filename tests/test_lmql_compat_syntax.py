@@ -311,3 +311,16 @@ def test_a_clause_given_twice_is_an_error_at_the_second(m):
     with pytest.raises(kvql.QuerySyntaxError, match="a second 'where' clause") as info:
         lmql.query('argmax\n    "Q: [X]"\nwhere len(TOKENS(X)) < 3\nwhere X in ["a"]\n')
     assert info.value.lineno == 4
+
+
+def test_a_global_where_on_variables_no_prompt_generates_fails_at_the_call(m):
+    q = lmql.query('''
+argmax
+    return 1
+from
+    "random"
+where
+    STOPS_AT(ANSWER, "test") and STOPS_AT(OTHER, "test")
+''', is_async=False)  # defining it is fine, as in LMQL: the names could not be checked against inputs yet
+    with pytest.raises(TypeError, match="Failed to resolve variables in LMQL query: 'ANSWER', 'OTHER'"):
+        q(model=m)

@@ -50,6 +50,7 @@ class CompiledQuery:
     returns: bool               # the body has a `return` (of its own, not of a nested def)
     source: str
     model_source: str | None = None  # the `from` clause's expression, when it is not a literal
+    unresolved: tuple[str, ...] = ()  # names the global `where` constrains that no prompt generates
 
 
 def _strip_marker(source: str) -> str:
@@ -177,8 +178,9 @@ class _WhereRewriter(ast.NodeTransformer):
         return parts[0] if len(parts) == 1 else ast.Call(self._c("AND"), parts, [])
 
 
-def _where_ir(span: Span, holes: set[str], source: str) -> ast.expr:
-    """An expression building the IR of the where clause in `span`; errors point into the query."""
+def _where_ir(span: Span, holes: set[str], source: str, missing: list[str] | None = None) -> ast.expr:
+    """An expression building the IR of the where clause in `span`; errors point into the query.
+    `missing`: collect the constrained names no prompt generates there instead of raising."""
     span = span.strip()
     try:
         for _ in tokens(span.text):
@@ -207,7 +209,9 @@ def _where_ir(span: Span, holes: set[str], source: str) -> ast.expr:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in BUILDERS:
                 fn = node.func.id
                 for a in node.args[:1]:
-                    if isinstance(a, ast.Name) and a.id not in holes:
+                    if isinstance(a, ast.Name) and a.id not in holes and missing is not None:
+                        missing += [a.id] if a.id not in missing else []
+                    elif isinstance(a, ast.Name) and a.id not in holes:
                         raise _NodeError(f"{fn}({a.id}, ...): no prompt here generates a variable named {a.id}", a)
                 if fn in ("STOPS_AT", "STOPS_BEFORE") and len(node.args) > 1 \
                         and isinstance(node.args[1], ast.Constant) and node.args[1].value == "":
@@ -468,11 +472,16 @@ def _compile(source: str, params: list[str] | None, name: str) -> CompiledQuery:
             raise QuerySyntaxError(f"distribution over {st.distribution[0]}, which this prompt does not generate",
                                    body.at(st.first, 0)[0], 1, source)
 
+    # As in LMQL, a global where that constrains a variable no prompt generates fails when the query
+    # is called (a TypeError naming it), also when the query has no prompt at all; never ignored.
+    unresolved: list[str] = []
+    if layout.where:
+        _where_ir(layout.where, set(holes), source, unresolved)
     lines = body.text.split("\n")
     for st in reversed(statements):
         # the global where clause applies to every statement, next to the statement's own (flattened)
         own = {p.name for p in st.parts if isinstance(p, Hole)}
-        items = ([_where_ir(layout.where, set(holes), source)] if layout.where else []) + \
+        items = ([_where_ir(layout.where, set(holes), source)] if layout.where and not unresolved else []) + \
                 ([_where_ir(st.where, own, source)] if st.where else [])
         lines[st.first - 1:st.last] = [_statement_code(st, _conjunction(items) if items else None)] + \
             [""] * (st.last - st.first)
@@ -508,7 +517,7 @@ def _compile(source: str, params: list[str] | None, name: str) -> CompiledQuery:
     # tracebacks through the query show its own lines
     linecache.cache[filename] = (len(source), None, [ln + "\n" for ln in source.split("\n")], filename)
     code = compile(module, filename, "exec")
-    return CompiledQuery(code, params, decoder, model, holes, returns, source, model_source)
+    return CompiledQuery(code, params, decoder, model, holes, returns, source, model_source, tuple(unresolved))
 
 
 def _walk_own(stmts):
