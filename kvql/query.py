@@ -211,6 +211,10 @@ class Query:
         if certificate:
             cert = certificates.make(self.name, m, decoding, self.last_traces, results)
             results = certificates.deliver(certificate, cert, results)
+        if not any(ctx.variables for ctx in contexts):
+            # LMQL 0.7.3 returns a query that ends before its first hole (no model call) as a
+            # one-element list, whatever the decoder; LMQL code indexes it (`(await q(s))[0]`)
+            return [results[0]]
         return results if n > 1 else results[0]
 
     @property
