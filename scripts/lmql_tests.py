@@ -67,11 +67,13 @@ def main() -> None:
     args = ap.parse_args()
     alias_lmql(args.lmql_dir)
     passed = total = 0
-    for path in sorted((args.lmql_dir / "src" / "lmql" / "tests").glob("test_*.py")):
+    tests = args.lmql_dir / "src" / "lmql" / "tests"
+    for path in sorted([*tests.glob("test_*.py"), *(tests / "queryargs").glob("test_*.py")]):
         if any(s in path.name for s in SKIP) or (args.only and args.only not in path.name):
             continue
         try:
-            spec = importlib.util.spec_from_file_location(f"lmql.tests.{path.stem}", path)
+            package = "lmql.tests." + ("queryargs." if path.parent.name == "queryargs" else "")
+            spec = importlib.util.spec_from_file_location(package + path.stem, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)
@@ -82,7 +84,7 @@ def main() -> None:
             print(f"FAIL {path.name}: {len(names)} tests, the file does not load: {type(e).__name__}: {e}"[:220])
             continue
         for name, fn in list(vars(module).items()):
-            if not name.startswith("test_") or not callable(fn):
+            if not name.startswith("test_") or not callable(fn) or getattr(fn, "__module__", spec.name) != spec.name:
                 continue
             total += 1
             t = time.perf_counter()
