@@ -73,6 +73,19 @@ def _run_sync(make_coro):
 _DECODER_KEYS = DECODER_OPTIONS  # LMQL's decoder options (see kvql.runtime.context.decoding)
 
 
+class _Deferred:
+    """A query's model, loaded (by `get_model`) when a run first needs it: a query that ends before its
+    first hole never loads its model, as in LMQL, so an unavailable one is no error there."""
+
+    def __init__(self, spec):
+        self._spec, self._model = spec, None
+
+    def __getattr__(self, name):
+        if self._model is None:
+            self._model = get_model(self._spec)
+        return getattr(self._model, name)
+
+
 class UnresolvedVariable(TypeError, NameError):
     """A query reads names that are neither its inputs nor defined in its scope; raised when it is called,
     before it runs. A TypeError, as in LMQL, and a NameError, as Python would raise at the first use."""
@@ -200,13 +213,14 @@ class Query:
         compiled = self._compiled_for(inputs)
         module = self._module(compiled)
         decoding = self._decoding(compiled, overrides, module["__kvql_decoder__"](inputs))
-        m = get_model(model or self.model or module["__kvql_model__"](inputs))  # `from` is evaluated only if used
+        m = _Deferred(model or self.model or module["__kvql_model__"](inputs))  # `from` is evaluated only if used
         n = decoding.runs
         contexts = [Context(m, decoding, k) for k in range(n)]
         results = await asyncio.gather(*(self._execute(ctx, (), inputs, module) for ctx in contexts))
-        self.last_traces = [ctx.trace() for ctx in contexts]  # one per run; see kvql.runtime.trace
+        # one per run; see kvql.runtime.trace (None for a run that never needed its model)
+        self.last_traces = [ctx.trace() if ctx.model_used else None for ctx in contexts]
         for ctx in contexts:
-            await output.report(output_writer, ctx.prompt, ctx.variables, len(ctx.ids))
+            await output.report(output_writer, ctx.prompt, ctx.variables, len(ctx.ids) if ctx.model_used else 0)
         results = list(results)
         if certificate:
             cert = certificates.make(self.name, m, decoding, self.last_traces, results)

@@ -551,3 +551,22 @@ argmax
     return s
 ''', is_async=False)
     assert with_hole(s="hi", model=tiny) == "hi"  # a query that generates returns its one result itself
+
+
+def test_a_query_that_never_generates_never_loads_its_model():
+    # as in LMQL, whose own tests name hosted models in queries that only return their inputs
+    q = lmql.query('''
+argmax
+    return s
+from
+    "no-such-org/no-such-model"
+''', is_async=False)
+    assert q(s="hi") == ["hi"]
+    generating = lmql.query('''
+argmax
+    "Say[X]" where len(TOKENS(X)) < 2
+from
+    "no-such-org/no-such-model"
+''', is_async=False)
+    with pytest.raises(lmql.ModelLoadError, match="no-such-org/no-such-model"):
+        generating()

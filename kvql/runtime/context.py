@@ -142,27 +142,46 @@ def decoding(name: str, opts: dict) -> Decoding:
 class Context:
     def __init__(self, model, decoding: Decoding, run_index: int = 0, *, ids: list[int] | None = None,
                  text: str = "", shown: str | None = None, role: str | None = None, roles_seen: bool = False):
+        # The model is first touched when the prompt is tokenized (a hole, a trace, a result), so a
+        # query that ends before that never loads it, as in LMQL (see `model_used`).
         self.model = model
-        # a remote model (no local tokenizer): the prompt is kept as text and sent as text
-        self.remote = not hasattr(model, "engine")
-        self.tokenizer = None if self.remote else model.tokenizer
         self.decoding = decoding
         self.run_index = run_index
-        self.ids = list(ids) if ids is not None else [] if self.remote else \
-            self.tokenizer("", add_special_tokens=True).input_ids
+        self._given_ids = ids
         self._text = text  # what the model sees (role tags rendered by its chat template)
         self._pending: list[str] = []  # model text not tokenized yet
         self._shown = text if shown is None else shown  # the prompt as LMQL shows it (<lmql:user/> tags)
         self._role, self._roles_seen = role, roles_seen
         self._holes = 0
         self.variables: dict = {}
-        self._served: list[str | None] = [None] * len(self.ids)  # per prompt position, see runtime.trace
-        self._hole_of: list[str | None] = [None] * len(self.ids)
         self._hole_log: list[TraceHole] = []
         self._started = time.perf_counter()
         self.dist_clause: tuple[str, list] | None = None
         self.cached_tokens = 0
         self.computed_tokens = 0
+
+    @functools.cached_property
+    def remote(self) -> bool:
+        """A remote model (no local tokenizer): the prompt is kept as text and sent as text."""
+        return not hasattr(self.model, "engine")
+
+    @functools.cached_property
+    def tokenizer(self):
+        return None if self.remote else self.model.tokenizer
+
+    @functools.cached_property
+    def ids(self) -> list[int]:
+        """The token ids of the prompt so far (without text not yet tokenized)."""
+        ids = list(self._given_ids) if self._given_ids is not None else [] if self.remote else \
+            self.tokenizer("", add_special_tokens=True).input_ids
+        self._served: list[str | None] = [None] * len(ids)  # per prompt position, see runtime.trace
+        self._hole_of: list[str | None] = [None] * len(ids)
+        return ids
+
+    @property
+    def model_used(self) -> bool:
+        """Whether this run has needed its model (tokenized its prompt) so far."""
+        return "ids" in self.__dict__
 
     # -- prompt ----------------------------------------------------------------------------------
     @property
@@ -625,7 +644,9 @@ class Context:
         return Trace(tokens, list(self._hole_log), time.perf_counter() - self._started)
 
     def result(self) -> LMQLResult:
-        self._flush()
         name, values = self.dist_clause or (None, None)
+        if not self.model_used:  # the run never needed its model: nothing to tokenize or trace
+            return LMQLResult(self._shown, dict(self.variables), name, values, 0, 0, None)
+        self._flush()
         return LMQLResult(self._shown, dict(self.variables), name, values, self.cached_tokens, self.computed_tokens,
                           self.trace())
