@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+
+import uvicorn
 
 import kvql
 
@@ -68,6 +75,36 @@ def make_model(tokenizer, llama):
     yield make
     for m in made:
         m.close()
+
+
+@pytest.fixture
+def m(make_model):
+    """A fresh tiny model, also the default model of queries that name none (test files that need only
+    a model define their own `m`)."""
+    model = make_model()
+    kvql.set_default_model(model)
+    yield model
+    kvql.set_default_model(None)
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Run `app` under uvicorn on a free loopback port in this process; yields the base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(1000):
+        if server.started:
+            break
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 @torch.inference_mode()

@@ -4,34 +4,21 @@ client's answer (a real uvicorn server on loopback, httpx clients)."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 import kvql
 from kvql.server.app import create_app
-from conftest import reference_greedy
+from conftest import reference_greedy, serving
 
 
 @pytest.fixture(scope="module")
 def server(tokenizer, llama):
     model = kvql.Model(llama, tokenizer, name="tiny", cache_budget=4 << 20)
-    app = create_app(model, max_tokens_cap=256)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}", model
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with serving(create_app(model, max_tokens_cap=256)) as url:
+        yield url, model
 
 
 def test_failing_timed_out_and_disconnected_clients_leave_the_others_exact(server, llama, tokenizer):

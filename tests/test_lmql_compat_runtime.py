@@ -19,14 +19,6 @@ from kvql.runtime.constraints import type_schema
 PROMPT = "Once upon a time"
 
 
-@pytest.fixture
-def m(make_model):
-    model = make_model()
-    kvql.set_default_model(model)
-    yield model
-    kvql.set_default_model(None)
-
-
 def greedy(where: str = "len(TOKENS(X)) < 40", **options) -> str:
     """X of `PROMPT[X]` under `where`, greedy unless options say otherwise."""
     return lmql.run_sync(f'"{PROMPT}[X]" where {where}', **options).variables["X"]

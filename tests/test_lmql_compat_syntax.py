@@ -17,14 +17,6 @@ import kvql as lmql
 PREFIX_SEEN: list = []
 
 
-@pytest.fixture
-def m(make_model):
-    model = make_model()
-    kvql.set_default_model(model)
-    yield model
-    kvql.set_default_model(None)
-
-
 # -- functions and classes defined inside a query ------------------------------------------------
 def test_a_decorator_defined_in_the_query_body_is_plain_python(m):
     r = lmql.run_sync('''

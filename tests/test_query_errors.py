@@ -23,14 +23,6 @@ from kvql.completion import Completion
 from kvql.runtime.context import UnmetConstraint
 
 
-@pytest.fixture
-def m(make_model):
-    model = make_model()
-    kvql.set_default_model(model)
-    yield model
-    kvql.set_default_model(None)
-
-
 def generated(m) -> int:
     return m.stats()["generated_tokens"]
 

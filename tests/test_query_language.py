@@ -21,15 +21,6 @@ GLOBAL_TOPIC = "spiders"  # read by a query through the defining module's global
 SIDE_EFFECTS: list = []    # appended to by a query body, to count how often it runs
 
 
-@pytest.fixture
-def m(make_model):
-    """A fresh tiny model, also the default model of queries that name none."""
-    model = make_model()
-    kvql.set_default_model(model)
-    yield model
-    kvql.set_default_model(None)
-
-
 def stat(m, key):
     return m.stats()[key]
 

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import copy
 import re
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import kvql
 from kvql.server.app import create_app
+from conftest import serving
 
 KEY = "test-key"
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
@@ -26,20 +24,8 @@ def served(tokenizer, llama):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = TEMPLATE
     model = kvql.Model(llama, tok, name="tiny", cache_budget=4 << 20)
-    app = create_app(model, api_key=KEY, max_body_bytes=20_000, max_tokens_cap=64)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(500):
-        if server.started:
-            break
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}", model
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(create_app(model, api_key=KEY, max_body_bytes=20_000, max_tokens_cap=64)) as url:
+        yield url, model
 
 
 @pytest.fixture

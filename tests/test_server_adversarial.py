@@ -9,49 +9,26 @@ engine's integrity check.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import json
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import kvql
 from kvql.server.app import create_app
 from kvql.server.protocol import MAX_DEPTH
+from conftest import serving
 
 KEY, OTHER_KEY = "adv-key", "adv-key-2"
 LONG = 500  # max_tokens of a request that must be cut short (greedy, "Once upon a time" meets no EOS)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-@contextlib.contextmanager
-def serving(app):
-    """Run `app` under uvicorn on a free loopback port in this process; yields the base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(1000):
-        if server.started:
-            break
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
