@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TokenLogprob:
-    """Log-probability of a generated token under the model, and the `k` most likely alternatives."""
+    """Log-probability of a token under the model, and the `k` most likely alternatives at its position."""
 
     token_id: int
     logprob: float
@@ -21,6 +21,9 @@ class Completion:
     `index` is the prompt's position in the call, `sample` which of its `n` samples this is.
     `text` excludes any stop string; `token_ids` are the generated tokens (an EOS that ended the
     sequence is not included). `cached_tokens` counts prompt tokens served from the KV cache.
+    `prompt_logprobs` (when asked for): one entry per prompt token, None for the first (nothing
+    precedes it), then each token's logprob given the tokens before it, with the `k` most likely
+    alternatives at that position; every sample of a prompt carries the same list.
     """
 
     text: str
@@ -32,3 +35,4 @@ class Completion:
     sample: int = 0
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | None = None  # the stop string that ended the sequence, if one did
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
-from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 import torch
@@ -14,7 +14,8 @@ from ..engine.engine import Engine
 from ..engine.grammar import Grammar
 from ..engine.kv_pool import KVPool
 from ..engine.request import MaskFn, RequestGroup, SamplingParams, StopFn
-from ..llm import LLM
+from . import base
+from .base import Backend, StreamChunk
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -44,14 +45,24 @@ def default_budget(device: torch.device) -> int:
     return min(available // 4, 4 * 2**30)
 
 
-@dataclass
-class StreamChunk:
-    """One generated token of a streamed request: `text` is the new text it made final (may be "")."""
+_COMPILERS = {"regex": Grammar.regex, "choices": Grammar.choices, "json_schema": Grammar.json_schema,
+              "grammar": Grammar.lark}
 
-    sample: int
-    text: str
-    token_id: int
-    completion: Completion | None  # set on the sample's last chunk
+
+@functools.lru_cache(maxsize=256)
+def _compiled(tokenizer, kind: str, value) -> Grammar:
+    """Grammars are immutable: the runs of a query (a map over many inputs) share one per constraint."""
+    return _COMPILERS[kind](tokenizer, list(value) if kind == "choices" else value)
+
+
+def _grammar(tokenizer, kind: str, value) -> Grammar:
+    if kind == "choices" and isinstance(value, (list, tuple)):
+        value = tuple(value)
+    try:
+        hash(value)
+    except TypeError:  # a schema given as a dict: compiled each time
+        return _COMPILERS[kind](tokenizer, value)
+    return _compiled(tokenizer, kind, value)
 
 
 def _in_event_loop() -> bool:
@@ -62,9 +73,15 @@ def _in_event_loop() -> bool:
     return True
 
 
-class Model(LLM):
-    """A causal LM behind kvql's engine. Thread-safe: calls from many threads or tasks share batches
-    and the cache. LMQL's model methods (`generate_sync`, `score`, `score_sync`) come from `LLM`."""
+class Model(Backend):
+    """A causal LM behind kvql's engine: the local implementation of the backend contract
+    (`kvql.backends.base`), with every capability. Thread-safe: calls from many threads or tasks share
+    batches and the cache. LMQL's model methods (`generate_sync`, `score`, `score_sync`) come from `LLM`.
+
+    Beyond the contract it takes `mask` (a Python function of the generated ids -> allowed tokens)."""
+
+    capabilities = frozenset({base.TOKEN_IDS, base.SCORE, base.LOGPROBS, base.MASKED_LOGPROBS, base.MIN_TOKENS,
+                              base.STOP_FN, base.SAMPLING, base.CACHE_SALT, *base.CONSTRAINTS})
 
     def __init__(self, hf_model, tokenizer, *, name: str = "model", cache_budget: int | str | None = None,
                  max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True):
@@ -86,6 +103,7 @@ class Model(LLM):
             raise ValueError(f"cache_budget {budget} bytes holds no token ({slot_bytes} bytes per token)")
         self.engine = Engine(hf_model, tokenizer, num_slots=budget // slot_bytes,
                              max_batch_tokens=max_batch_tokens, max_running=max_running, background=background)
+        self.eos_ids = frozenset(self.engine.eos_ids)
 
     # -- input checks (caller's thread, before anything is queued) -------------------------------
     def _prompt_ids(self, prompts) -> list[list[int]]:
@@ -121,23 +139,32 @@ class Model(LLM):
             raise ValueError(f"cache_budget too small: prompt {i} needs {need} tokens of KV "
                              f"({need * per} bytes) but the budget holds {slots} tokens ({slots * per} bytes)")
 
-    def _prepare(self, prompts, *, max_tokens: int = 16, stop: str | list[str] | None = None,
+    def _prepare(self, prompts, *, max_tokens: int = 16, min_tokens: int = 0, stop: str | list[str] | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0, n: int = 1, seed: int | None = None,
                  logprobs: int | None = None, mask: MaskFn | None = None, regex: str | None = None,
                  choices: list[str] | None = None, json_schema: dict | str | None = None, grammar: str | None = None,
-                 stop_fn: StopFn | None = None, masked_logprobs: bool = False,
+                 grammar_prefix: int = 0, stop_fn: StopFn | None = None, masked_logprobs: bool = False,
                  ignore_eos: bool = False, cache_salt: str | None = None):
         """Check every option and compile the constraint; nothing is queued yet. -> (ids, params, salt)."""
         constraints = {k: v for k, v in (("mask", mask), ("regex", regex), ("choices", choices),
                                          ("json_schema", json_schema), ("grammar", grammar)) if v is not None}
         if len(constraints) > 1:
             raise ValueError(f"give at most one of mask, regex, choices, json_schema, grammar; got {sorted(constraints)}")
+        if not isinstance(min_tokens, int) or min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
+        if not isinstance(grammar_prefix, int) or grammar_prefix < 0:
+            raise ValueError(f"grammar_prefix must be an integer >= 0, got {grammar_prefix!r}")
+        all_ids = self._prompt_ids(prompts)
         if constraints and "mask" not in constraints:
             (kind, value), = constraints.items()
-            compile_ = {"regex": Grammar.regex, "choices": Grammar.choices, "json_schema": Grammar.json_schema,
-                        "grammar": Grammar.lark}[kind]
-            mask = compile_(self.tokenizer, value).mask_fn()
+            mask = _grammar(self.tokenizer, kind, value).mask_fn()
+        if grammar_prefix:
+            if mask is None or len(all_ids) != 1 or grammar_prefix > len(all_ids[0]):
+                raise ValueError("grammar_prefix needs a constraint, one prompt, and at most the prompt's tokens")
+            mask = _continued(mask, all_ids[0][len(all_ids[0]) - grammar_prefix:])
+        if min_tokens:
+            mask = _no_end_before(mask, min_tokens, self.eos_ids, self.vocab_size)
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                                 top_k=top_k, repetition_penalty=float(repetition_penalty),
@@ -147,7 +174,6 @@ class Model(LLM):
         params.validate()
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        all_ids = self._prompt_ids(prompts)
         for i, ids in enumerate(all_ids):
             self._check_fits(ids, params, i)
         return all_ids, params, cache_salt
@@ -164,20 +190,18 @@ class Model(LLM):
         """`_submit` for asyncio: a constraint to compile (ms, at worst the sandbox's time limit) is
         compiled on a worker thread, so it never holds up the event loop that serves other requests;
         nothing is queued if the caller is cancelled meanwhile."""
-        if any(options.get(k) is not None for k in ("regex", "choices", "json_schema", "grammar")):
+        if any(options.get(k) is not None for k in base.CONSTRAINTS):
             prepared = await asyncio.to_thread(self._prepare, prompts, **options)
         else:
             prepared = self._prepare(prompts, **options)
         return self._enqueue(prepared, on_update)
 
     # -- public API ------------------------------------------------------------------------------
-    # Options of generate / agenerate / stream (unknown ones raise TypeError):
-    #   max_tokens=16, stop=None, temperature=0.0, top_p=1.0, top_k=0 (0: no limit), repetition_penalty=1.0,
-    #   frequency_penalty=0.0, presence_penalty=0.0, n=1, seed=None, logprobs=None (top-k per token),
-    #   at most one constraint: mask (fn of generated ids -> bool tensor), regex, choices, json_schema, grammar
-    #   (Lark, llguidance dialect), compiled by kvql.engine.grammar; and for the query runtime: stop_fn,
-    #   masked_logprobs, ignore_eos; cache_salt (a string: requests share cached prefixes only with requests
-    #   of the same salt, so tenants cannot probe each other's prompts through cached_tokens or timing).
+    # Options of generate / agenerate / stream: those of the backend contract (kvql.backends.base; unknown
+    # ones raise TypeError), and `mask` (a fn of the generated ids -> bool tensor) as a fifth kind of
+    # constraint. Constraints are compiled by kvql.engine.grammar. cache_salt (a string): requests share
+    # cached prefixes only with requests of the same salt, so tenants cannot probe each other's prompts
+    # through cached_tokens or timing.
     def generate(self, prompts, **options) -> list[Completion]:
         """Complete each prompt (a string or token ids); returns `len(prompts) * n` completions,
         prompt by prompt, samples in order. Raises the first request's error after all finished.
@@ -238,6 +262,19 @@ class Model(LLM):
         finally:
             self.engine.cancel(group)  # no-op once it finished
 
+    async def ascore(self, prompt_ids: list[int], continuations: list[list[int]]):
+        """Each continuation forced token by token after the prompt (one batch: the prompt is computed
+        once, then served from the cache); log-probabilities of the raw distribution."""
+        async def one(ids: list[int]):
+            if not ids:
+                return [], None
+            (c,) = await self.agenerate([prompt_ids], max_tokens=len(ids), mask=_forcing(ids, self.vocab_size),
+                                        logprobs=0, ignore_eos=True)
+            return [e.logprob for e in c.logprobs], c
+
+        results = await asyncio.gather(*(one(ids) for ids in continuations))
+        return [lps for lps, _ in results], [c for _, c in results if c is not None]
+
     def stats(self) -> dict:
         """Engine counters: prompt/cached/computed tokens, hit rate, cache bytes and budget, evictions, ..."""
         return self.engine.stats()
@@ -257,5 +294,34 @@ class Model(LLM):
     def closed(self) -> bool:
         return self.engine._closed
 
+    def describe(self) -> str:
+        return f"the local model {self.name!r}"
+
     def __repr__(self) -> str:
         return f"kvql.Model({self.name!r}, device={self.device}, cache_slots={self.engine.pool.num_slots})"
+
+
+def _continued(mask: MaskFn, prefix: list[int]) -> MaskFn:
+    """`mask` for a value whose first tokens (`prefix`) are already in the prompt."""
+    return lambda generated: mask(prefix + generated)
+
+
+def _no_end_before(mask: MaskFn | None, min_tokens: int, eos_ids, vocab: int) -> MaskFn:
+    """`mask`, and no end-of-sequence token while fewer than `min_tokens` tokens are generated."""
+    def masked(generated: list[int]):
+        allowed = mask(generated) if mask is not None else None
+        if len(generated) < min_tokens:
+            allowed = torch.ones(vocab, dtype=torch.bool) if allowed is None else allowed.clone()
+            allowed[[e for e in eos_ids if e < allowed.numel()]] = False
+        return allowed
+
+    return masked
+
+
+def _forcing(token_ids: list[int], vocab: int) -> MaskFn:
+    """A mask that allows exactly `token_ids`, one per step."""
+    def mask(generated: list[int]) -> torch.Tensor:
+        allowed = torch.zeros(vocab, dtype=torch.bool)
+        allowed[token_ids[len(generated)]] = True
+        return allowed
+    return mask

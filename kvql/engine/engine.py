@@ -27,7 +27,7 @@ from .kv_pool import KVPool
 from .model_runner import ModelRunner
 from .radix_cache import RadixCache
 from .request import Request, RequestGroup, SamplingParams
-from .sampler import sample
+from .sampler import sample, token_logprobs
 from .scheduler import Scheduler
 
 
@@ -157,22 +157,37 @@ class Engine:
             self.mixed_steps += 0 < decodes < len(batch)
             self.max_batch_requests = max(self.max_batch_requests, len(batch))
             try:
-                logits = self.runner.forward([seg for _, seg in batch])
+                outputs = self.runner.forward([seg for _, seg in batch])
             except Exception as e:  # the whole batch failed; its KV writes are discarded
                 for req, seg in batch:
                     self.pool.free(seg.new_slots)
                     self._fail(req.group, e, keep=False)
                 return
             rows = {}
-            for req, seg in batch:
+            for (req, seg), logits in zip(batch, outputs):
                 req.kv_slots = torch.cat([req.kv_slots, seg.new_slots])
                 if seg.start < len(req.prompt_ids):
                     self.scheduler.cache_computed(req)
+                if seg.all_logits:
+                    self._score_prompt(req, seg, logits)
                 if seg.needs_logits:
-                    rows[req] = len(rows)
+                    rows[req] = logits[-1]
             for req, row in rows.items():
                 if not req.group.closed:  # a sibling may have failed it earlier in this loop
-                    self._sample(req, logits[row])
+                    self._sample(req, row)
+
+    @staticmethod
+    def _score_prompt(req: Request, seg, logits: torch.Tensor) -> None:
+        """Append the prompt logprobs this segment's logits give: row j (position `start + j`) scores
+        prompt token `start + j + 1`; rows for entries already present (recomputed after a
+        preemption) are skipped."""
+        have, prompt = len(req.prompt_logprobs), req.prompt_ids
+        first = have - 1 - seg.start
+        assert first >= 0, "a prompt position without logits was served from the cache"
+        end = min(len(seg.token_ids), len(prompt) - 1 - seg.start)
+        if end > first:
+            targets = prompt[seg.start + first + 1:seg.start + end + 1]
+            req.prompt_logprobs.extend(token_logprobs(logits[first:end], targets, req.params.prompt_logprobs))
 
     def _take_inbox(self) -> None:
         with self._wake:
@@ -205,6 +220,7 @@ class Engine:
                 # share the prompt's KV: the prompt is in the tree, the sibling locks the same node
                 sib.kv_slots, sib.node, sib.tree_len = req.kv_slots, req.node, req.tree_len
                 sib.cached_tokens = req.cached_tokens
+                sib.prompt_logprobs = req.prompt_logprobs
                 self.tree.lock(sib.node)
                 group.requests.append(sib)
                 self.scheduler.running.append(sib)

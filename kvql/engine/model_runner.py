@@ -74,13 +74,15 @@ class PoolCache:
 @dataclass
 class Segment:
     """New tokens of one request in a batch: `token_ids` at positions `start ...`, written to `new_slots`;
-    `past_slots` hold the KV of its positions `0 .. start-1`."""
+    `past_slots` hold the KV of its positions `0 .. start-1`. `needs_logits`: the logits of its last
+    token are wanted (to sample); `all_logits`: those of every token (prompt logprobs)."""
 
     token_ids: list[int]
     start: int
     past_slots: torch.Tensor
     new_slots: torch.Tensor
     needs_logits: bool
+    all_logits: bool = False
 
 
 class ModelRunner:
@@ -95,16 +97,18 @@ class ModelRunner:
         self.forward_tokens = 0
 
     @torch.inference_mode()
-    def forward(self, segments: list[Segment]) -> torch.Tensor:
-        """Run the batch; return float32 logits `[n, vocab]` for the segments with `needs_logits`, in order."""
+    def forward(self, segments: list[Segment]) -> list[torch.Tensor | None]:
+        """Run the batch; return, per segment, its float32 logits: `[len(token_ids), vocab]` with
+        `all_logits`, else `[1, vocab]` (its last token) with `needs_logits`, else None."""
         dev = self.device
-        ids, pos, rows = [], [], []
+        ids, pos, rows, spans = [], [], [], []
         for s in segments:
             n = len(s.token_ids)
             ids.extend(s.token_ids)
             pos.append(torch.arange(s.start, s.start + n))
-            if s.needs_logits:
-                rows.append(len(ids) - 1)
+            k = n if s.all_logits else 1 if s.needs_logits else 0
+            spans.append((len(rows), len(rows) + k))
+            rows.extend(range(len(ids) - k, len(ids)))
         buckets = plan(segments, self.groups, dev)
         started = time.perf_counter()
         out = self.model(
@@ -120,4 +124,4 @@ class ModelRunner:
             torch.cuda.synchronize(dev)
         self.forward_seconds += time.perf_counter() - started
         self.forward_tokens += len(ids)
-        return logits
+        return [logits[a:b] if b > a else None for a, b in spans]

@@ -37,6 +37,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # logprob of every prompt token (and its k best alternatives), as vLLM
     mask: MaskFn | None = None
     stop_fn: StopFn | None = None
     masked_logprobs: bool = False  # logprobs of the masked distribution (beam search) instead of the raw one
@@ -62,6 +63,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        k = self.prompt_logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {k!r}")
         if self.mask is not None and not callable(self.mask):
             raise TypeError("mask must be a callable (generated token ids -> bool tensor or None)")
         if self.stop_fn is not None and not callable(self.stop_fn):
@@ -119,6 +123,9 @@ class Request:
         self.node = None
         self.cached_tokens: int | None = None  # set at first admission
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
+        # entry i: logprob of prompt token i given tokens < i, filled as the prompt is computed (shared by forks)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if self.params.prompt_logprobs is not None else None)
         self.detok = Detokenizer(tokenizer, list(self.params.stop))
         self.finish_reason: str | None = None
         self.forked = sample > 0
@@ -143,6 +150,19 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """True while some prompt logprob is missing: the logits of every computed prompt token are wanted."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    def max_cached(self) -> int:
+        """How many leading tokens may be served from the cache. Invariant 3: never the last token, so
+        its logits exist. A request still collecting prompt logprobs computes every position whose
+        logits it lacks (cached positions have none): at most the ones it already scored."""
+        if self.needs_prompt_logits:
+            return len(self.prompt_logprobs) - 1
+        return self.num_tokens - 1
+
     def completion(self) -> Completion:
         return Completion(
             text=self.detok.text,
@@ -154,4 +174,5 @@ class Request:
             sample=self.sample,
             logprobs=self.logprobs,
             stop_reason=self.detok.stop_string,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )

@@ -78,8 +78,17 @@ def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None
         token = int(torch.multinomial(probs.cpu(), 1, generator=req.generator))
     entry = None
     if p.logprobs is not None:
-        logp = torch.log_softmax(logits if p.masked_logprobs else raw, dim=-1)
-        top = torch.topk(logp, p.logprobs) if p.logprobs else None
-        entry = TokenLogprob(token, float(logp[token]),
-                             dict(zip(top.indices.tolist(), top.values.tolist())) if top else {})
+        entry = token_logprobs((logits if p.masked_logprobs else raw)[None], [token], p.logprobs)[0]
     return token, entry
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """For each row of float32 `logits` `[n, vocab]`: the log-softmax value of `targets[row]` and the
+    `k` most likely tokens of that row (the raw distribution: no penalty, mask or temperature)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, torch.tensor(targets, dtype=torch.long, device=logp.device)[:, None])[:, 0].tolist()
+    if k == 0:
+        return [TokenLogprob(t, lp, {}) for t, lp in zip(targets, chosen)]
+    top = torch.topk(logp, k, dim=-1)
+    return [TokenLogprob(t, lp, dict(zip(ids, vals)))
+            for t, lp, ids, vals in zip(targets, chosen, top.indices.tolist(), top.values.tolist())]

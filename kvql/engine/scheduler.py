@@ -13,7 +13,10 @@ Decisions and why:
   the most recently admitted request: its computed tokens go into the tree (evictable, and reused if
   they survive), and it returns to the front of the queue keeping its generated tokens.
 - Invariant 3: at most `len(tokens) - 1` tokens are served from the cache, so the last token is
-  always computed and its logits exist.
+  always computed and its logits exist (`Request.max_cached`).
+- Prompt logprobs need the logits of every prompt position, and cached positions have none: a request
+  asking for them matches only the positions it already scored (none at first, some after a
+  preemption mid-prompt), skips dedup, and still inserts its prompt into the tree for later requests.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class Scheduler:
         return self.pool.alloc(n)
 
     def _admit_prefix(self, req: Request) -> None:
-        slots, node = self.tree.match_prefix(req.tokens[:req.num_tokens - 1], req.salt)
+        slots, node = self.tree.match_prefix(req.tokens[:req.max_cached()], req.salt)
         self.tree.lock(node)
         req.kv_slots, req.node, req.tree_len = slots, node, slots.numel()
 
@@ -119,21 +122,22 @@ class Scheduler:
     def _segment(self, req: Request, n: int, slots: torch.Tensor) -> Segment:
         start = req.num_computed
         return Segment(req.tokens[start:start + n], start, req.kv_slots, slots,
-                       needs_logits=start + n == req.num_tokens)
+                       needs_logits=start + n == req.num_tokens, all_logits=req.needs_prompt_logits)
 
     def _admit(self, batch: list, budget: int) -> None:
         if budget <= 0 or not self.waiting or len(self.running) >= self.max_running:
             return
         candidates = list(self.waiting)[:self.lookahead]
-        matched = {r.rid: self.tree.match_prefix(r.tokens[:r.num_tokens - 1], r.salt)[0].numel() for r in candidates}
+        matched = {r.rid: self.tree.match_prefix(r.tokens[:r.max_cached()], r.salt)[0].numel() for r in candidates}
         candidates.sort(key=lambda r: -matched[r.rid])  # stable: FIFO among equal hits
         prefilling = [r for r in self.running if r.num_computed < len(r.prompt_ids)]
         for req in candidates:
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
             m = matched[req.rid]
-            if any(p.salt == req.salt and common_prefix_len(req.tokens, p.prompt_ids) - m >= self.dedup_min
-                   for p in prefilling):
+            if not req.needs_prompt_logits and any(
+                    p.salt == req.salt and common_prefix_len(req.tokens, p.prompt_ids) - m >= self.dedup_min
+                    for p in prefilling):
                 continue  # another request is computing our prefix: hit it next step
             self._admit_prefix(req)
             n = min(req.num_tokens - req.num_computed, budget)
