@@ -5,12 +5,18 @@ calls from many threads or asyncio tasks are batched together. All engine state 
 with `_state` held (the engine thread during a step; `stats()`, `clear_cache()` and
 `check_integrity()` between steps).
 
-Invariants (`check_integrity` asserts them; tests call it):
-1. a node's slots are never freed while a request locks the node or a descendant (lock counts);
-2. free slots + slots held by the tree + slots held by running requests = pool size, no overlaps;
-3. at most `len(prompt) - 1` prompt tokens are served from the cache (see the scheduler);
-4. each request's positions continue from its own cached length (see the model runner);
-5. when no request is running, no node is locked.
+Invariants (`check_integrity` asserts them between steps; tests call it):
+1. a node's slots are never freed while a request locks the node or a descendant: a running
+   request's `kv_slots[:tree_len]` are exactly the slots of its tree path, and every node's lock
+   count is the number of running requests whose path passes through it;
+2. free slots + slots held by the tree + running requests' own slots = pool size, no slot twice;
+3. at most `len(prompt) - 1` prompt tokens are served from the cache, and a running request always
+   has its last token left to compute (`Request.max_cached`);
+4. each request's positions continue from its own cached length: its tree path spells its own
+   first `tree_len` tokens, and it has one slot per computed token;
+5. greedy output with the cache is token-identical to the uncached reference (tests/test_exactness.py);
+6. when no request is running, no node is locked; a finished, failed or cancelled request holds nothing.
+Request states and every slot and lock transition: memory.py.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ import weakref
 import torch
 
 from .kv_pool import KVPool
+from .memory import Memory
 from .model_runner import ModelRunner
 from .radix_cache import RadixCache
-from .request import Request, RequestGroup, SamplingParams
+from .request import Request, RequestGroup, SamplingParams, State
 from .sampler import sample, token_logprobs
 from .scheduler import Scheduler
 
@@ -51,7 +58,8 @@ class Engine:
         self.pool = KVPool(num_layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads,
                            head_dim=head_dim, num_slots=num_slots, dtype=hf_model.dtype, device=self.device)
         self.tree = RadixCache(self.pool.free, self.device)
-        self.scheduler = Scheduler(self.pool, self.tree, max_batch_tokens=max_batch_tokens,
+        self.memory = Memory(self.pool, self.tree)
+        self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens,
                                    max_running=max_running)
         self.runner = ModelRunner(hf_model, self.pool)
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
@@ -158,16 +166,13 @@ class Engine:
             self.max_batch_requests = max(self.max_batch_requests, len(batch))
             try:
                 outputs = self.runner.forward([seg for _, seg in batch])
-            except Exception as e:  # the whole batch failed; its KV writes are discarded
+            except Exception as e:  # the whole batch failed; its KV writes are discarded (slots freed)
                 for req, seg in batch:
-                    self.pool.free(seg.new_slots)
                     self._fail(req.group, e, keep=False)
                 return
             rows = {}
             for (req, seg), logits in zip(batch, outputs):
-                req.kv_slots = torch.cat([req.kv_slots, seg.new_slots])
-                if seg.start < len(req.prompt_ids):
-                    self.scheduler.cache_computed(req)
+                self.scheduler.commit(req, seg)
                 if seg.all_logits:
                     self._score_prompt(req, seg, logits)
                 if seg.needs_logits:
@@ -198,7 +203,7 @@ class Engine:
                 continue
             req = Request(group, 0, self.tokenizer, self.device)
             group.requests.append(req)
-            self.scheduler.waiting.append(req)
+            self.scheduler.add(req)
         for group in cancels:
             group.cancelled = True
             self._fail(group, concurrent.futures.CancelledError(), keep=True)
@@ -216,14 +221,11 @@ class Engine:
                 for i in range(1, req.params.n):
                     sib = Request(group, i, self.tokenizer, self.device)
                     forks.append((sib, *sample(logits, sib)))
-            for sib, _, _ in forks:
-                # share the prompt's KV: the prompt is in the tree, the sibling locks the same node
-                sib.kv_slots, sib.node, sib.tree_len = req.kv_slots, req.node, req.tree_len
+            for sib, _, _ in forks:  # share the prompt's KV: it is in the tree, each sibling locks it
                 sib.cached_tokens = req.cached_tokens
                 sib.prompt_logprobs = req.prompt_logprobs
-                self.tree.lock(sib.node)
                 group.requests.append(sib)
-                self.scheduler.running.append(sib)
+                self.scheduler.fork(req, sib)
             self._append(req, token, logprob)
             for sib, tok, lp in forks:
                 if not group.closed:
@@ -252,7 +254,7 @@ class Engine:
         done = req.finish_reason is not None
         group = req.group
         if done:
-            self.scheduler.remove(req, keep=True)
+            self.scheduler.finish(req, State.FINISHED, keep=True)
             group.completions[req.sample] = req.completion()
         if group.on_update is not None:
             try:
@@ -266,9 +268,11 @@ class Engine:
             group.future.set_result(list(group.completions))
 
     def _fail(self, group: RequestGroup, error: BaseException, keep: bool) -> None:
-        """Remove every request of the group (idempotent) and resolve its future with `error`."""
+        """End every request of the group (idempotent; CANCELLED for a CancelledError, else FAILED)
+        and resolve its future with `error`."""
+        state = State.CANCELLED if isinstance(error, concurrent.futures.CancelledError) else State.FAILED
         for req in group.requests:
-            self.scheduler.remove(req, keep=keep)
+            self.scheduler.finish(req, state, keep=keep)
         if not group.closed:
             group.close()
             group.future.set_exception(error)
@@ -307,25 +311,11 @@ class Engine:
             }
 
     def check_integrity(self, full: bool = True) -> None:
-        """Assert the invariants (module docstring). `full=False` checks only the slot count (O(running
-        requests), cheap enough for a health probe); `full=True` also walks the tree and every slot."""
+        """Assert the invariants (module docstring). `full=False` checks only slot counts and the
+        running requests' own fields (O(running requests), cheap enough for a health probe);
+        `full=True` also walks the tree, every slot, every lock and every request's tree path."""
         with self._state:
-            held = sum(r.num_computed - r.tree_len for r in self.scheduler.running)
-            assert self.pool.num_free + self.tree.total_tokens + held == self.pool.num_slots, (
-                f"slots leaked or doubled: free {self.pool.num_free} + tree {self.tree.total_tokens} + running "
-                f"{held} != pool {self.pool.num_slots}")
-            if not full:
-                return
-            self.tree.check_integrity()
-            free, tree, held = self.pool.free_slots(), self.tree.held_slots(), self.scheduler.held_slots()
-            every = torch.cat([free, tree, held])
-            assert every.numel() == self.pool.num_slots, (
-                f"slots leaked or doubled: free {free.numel()} + tree {tree.numel()} + running "
-                f"{held.numel()} != pool {self.pool.num_slots}")
-            assert torch.equal(every.sort().values, torch.arange(self.pool.num_slots, device=every.device)), \
-                "a slot is held twice or out of range"
-            for req in self.scheduler.running:
-                assert req.node is not None and req.node.lock_ref > 0, "running request without a lock"
-                assert req.kv_slots.numel() == req.num_computed
-            if not self.scheduler.running:
-                assert self.tree.num_locked_nodes() == 0, "a node is locked while no request runs"
+            s = self.scheduler
+            if full:
+                self.tree.check_integrity()
+            self.memory.check_integrity(s.running, s.waiting, full)

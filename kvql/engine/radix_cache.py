@@ -168,7 +168,8 @@ class RadixCache:
         return self.evict(self.total_tokens)
 
     # -- inspection ----------------------------------------------------------------------------
-    def _nodes(self):
+    def nodes(self):
+        """Every node, roots included (for inspection and integrity checks)."""
         stack = list(self.roots.values())
         while stack:
             node = stack.pop()
@@ -176,21 +177,21 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def _leaves(self):
-        return (n for n in self._nodes() if not n.children and n.parent is not None)
+        return (n for n in self.nodes() if not n.children and n.parent is not None)
 
     def num_nodes(self) -> int:
-        return sum(1 for n in self._nodes() if n.parent is not None)
+        return sum(1 for n in self.nodes() if n.parent is not None)
 
     def num_locked_nodes(self) -> int:
-        return sum(1 for n in self._nodes() if n.parent is not None and n.lock_ref > 0)
+        return sum(1 for n in self.nodes() if n.parent is not None and n.lock_ref > 0)
 
     def held_slots(self) -> torch.Tensor:
-        parts = [n.slots for n in self._nodes() if n.parent is not None]
+        parts = [n.slots for n in self.nodes() if n.parent is not None]
         return torch.cat(parts) if parts else self.root.slots
 
     def check_integrity(self) -> None:
         total = locked = 0
-        for node in self._nodes():
+        for node in self.nodes():
             if node.parent is None:
                 assert node.lock_ref == 1 and not node.key, "a root holds tokens or locks"
                 continue

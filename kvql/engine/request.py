@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -105,10 +106,20 @@ class RequestGroup:
 _ids = itertools.count()
 
 
+class State(enum.Enum):
+    """Where a request is in its life; only `memory.Memory` moves it (see the diagram there)."""
+
+    WAITING = "waiting"      # queued, holds no memory
+    RUNNING = "running"      # admitted: holds `kv_slots` and a lock on `node`
+    PREEMPTED = "preempted"  # evicted from the batch under memory pressure: queued again, holds nothing
+    FINISHED = "finished"    # done (stop or length); holds nothing
+    FAILED = "failed"        # its own error, or its batch's; holds nothing
+    CANCELLED = "cancelled"  # by the caller or at close; holds nothing
+
+
 class Request:
-    """One sequence. Its KV lives in `kv_slots` (one slot per token in `tokens[:num_computed]`);
-    `kv_slots[:tree_len]` belong to the radix tree and stay valid because `node` is locked, the rest
-    belong to this request until it inserts them into the tree or frees them."""
+    """One sequence. Memory fields (`state`, `kv_slots`, `node`, `tree_len`, `num_computed`) are
+    written only by `memory.Memory`, whose docstring states what they mean."""
 
     def __init__(self, group: RequestGroup, sample: int, tokenizer, device):
         self.rid = next(_ids)
@@ -118,8 +129,10 @@ class Request:
         self.prompt_ids = group.prompt_ids
         self.salt = group.salt
         self.output_ids: list[int] = []
+        self.state = State.WAITING
         self.kv_slots = torch.empty(0, dtype=torch.long, device=device)
         self.tree_len = 0
+        self.num_computed = 0
         self.node = None
         self.cached_tokens: int | None = None  # set at first admission
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
@@ -141,10 +154,6 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
-
-    @property
-    def num_computed(self) -> int:
-        return int(self.kv_slots.numel())
 
     @property
     def num_tokens(self) -> int:

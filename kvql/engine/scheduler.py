@@ -7,9 +7,10 @@ queue, longest cached prefix first, until the token budget is spent.
 Decisions and why:
 - In-batch dedup: a waiting request whose uncached prefix (>= `dedup_min` tokens) is being computed
   by a request already prefilling waits; its prefix is in the tree a step later and is served from it.
-- Prefill tokens are inserted into the tree after every chunk (`cache_computed`), so concurrent
+- Prefill tokens are inserted into the tree after every chunk (`Memory.commit`), so concurrent
   requests hit each other's prompts, not only finished ones.
-- Memory: allocation evicts unlocked LRU leaves first. A decode that still finds no slot preempts
+- Memory: every slot and lock change of a request is made by `Memory` (memory.py), with its state.
+  Allocation evicts unlocked LRU leaves first. A decode that still finds no slot preempts
   the most recently admitted request: its computed tokens go into the tree (evictable, and reused if
   they survive), and it returns to the front of the queue keeping its generated tokens.
 - Invariant 3: at most `len(tokens) - 1` tokens are served from the cache, so the last token is
@@ -23,18 +24,19 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
-from .kv_pool import KVPool
+from .memory import Memory
 from .model_runner import Segment
-from .radix_cache import RadixCache, common_prefix_len
-from .request import Request
+from .radix_cache import common_prefix_len
+from .request import Request, State
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, tree: RadixCache, *, max_batch_tokens: int = 1024,
+    """Owns the queues: `waiting` (WAITING and PREEMPTED requests, in admission order) and `running`
+    (RUNNING ones, oldest first). Every memory change of a request goes through `memory`."""
+
+    def __init__(self, memory: Memory, *, max_batch_tokens: int = 1024,
                  max_running: int = 64, dedup_min: int = 8, lookahead: int = 256):
-        self.pool, self.tree = pool, tree
+        self.memory, self.tree = memory, memory.tree
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.dedup_min = dedup_min
@@ -45,51 +47,33 @@ class Scheduler:
         self.cached_tokens = 0
         self.preemptions = 0
 
-    # -- memory transitions of one request -----------------------------------------------------
-    def _alloc(self, n: int, reserve: int = 0) -> torch.Tensor | None:
-        short = n + reserve - self.pool.num_free
-        if short > 0:
-            self.tree.evict(short)
-        if self.pool.num_free < n + reserve:
-            return None
-        return self.pool.alloc(n)
+    # -- a request's life ------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
 
-    def _admit_prefix(self, req: Request) -> None:
-        slots, node = self.tree.match_prefix(req.tokens[:req.max_cached()], req.salt)
-        self.tree.lock(node)
-        req.kv_slots, req.node, req.tree_len = slots, node, slots.numel()
+    def commit(self, req: Request, seg: Segment) -> None:
+        """The batch's forward computed `seg`: its KV is valid (prompt tokens enter the tree)."""
+        self.memory.commit(req, len(seg.token_ids))
 
-    def cache_computed(self, req: Request) -> None:
-        """Hand the request's computed tokens to the tree and lock them there (it keeps reading them)."""
-        tokens = req.tokens[:req.num_computed]
-        existing = self.tree.insert(tokens, req.kv_slots, req.salt)
-        self.pool.free(req.kv_slots[req.tree_len:existing])  # computed twice: the tree's copy wins
-        slots, node = self.tree.match_prefix(tokens, req.salt)
-        self.tree.lock(node)
-        if req.node is not None:
-            self.tree.unlock(req.node)
-        req.kv_slots, req.node, req.tree_len = slots, node, len(tokens)
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start sample `child` on `parent`'s computed prompt (it decodes from the next step)."""
+        self.memory.fork(parent, child)
+        self.running.append(child)
 
-    def release(self, req: Request, keep: bool) -> None:
-        """Drop the request's hold on memory. `keep`: its KV is valid, leave it in the tree for reuse."""
-        if keep and req.num_computed > req.tree_len:
-            self.cache_computed(req)
-        else:
-            self.pool.free(req.kv_slots[req.tree_len:])
-        if req.node is not None:
-            self.tree.unlock(req.node)
-        req.kv_slots, req.node, req.tree_len = req.kv_slots[:0], None, 0
-
-    def remove(self, req: Request, keep: bool) -> None:
-        if req in self.running:
+    def finish(self, req: Request, state: State, keep: bool) -> None:
+        """End `req` in `state` (FINISHED, FAILED or CANCELLED) and release its memory; no-op if it
+        already ended (a group ends all its samples; some may be done)."""
+        if req.state is State.RUNNING:
             self.running.remove(req)
-            self.release(req, keep)
-        elif req in self.waiting:
+        elif req.state in (State.WAITING, State.PREEMPTED):
             self.waiting.remove(req)
+        else:
+            return
+        self.memory.release(req, state, keep)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.release(req, keep=True)
+        self.memory.preempt(req)
         self.waiting.appendleft(req)
         self.preemptions += 1
 
@@ -105,23 +89,22 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            slots = self._alloc(n)
-            while slots is None:
+            ok = self.memory.extend(req, n)
+            while not ok and req.state is State.RUNNING:
                 self._preempt(self.running[-1])  # the newest; never one already in this batch
-                if req not in self.running:
-                    break
-                slots = self._alloc(n)
-            if slots is None:
-                continue
-            batch.append((req, self._segment(req, n, slots)))
+                ok = req.state is State.RUNNING and self.memory.extend(req, n)
+            if not ok:
+                continue  # `req` itself was preempted: running[i] is the next one
+            batch.append((req, self._segment(req, n)))
             budget = max(0, budget - n)
             i += 1
         self._admit(batch, budget)
         return batch
 
-    def _segment(self, req: Request, n: int, slots: torch.Tensor) -> Segment:
+    @staticmethod
+    def _segment(req: Request, n: int) -> Segment:
         start = req.num_computed
-        return Segment(req.tokens[start:start + n], start, req.kv_slots, slots,
+        return Segment(req.tokens[start:start + n], start, req.kv_slots[:start], req.kv_slots[start:start + n],
                        needs_logits=start + n == req.num_tokens, all_logits=req.needs_prompt_logits)
 
     def _admit(self, batch: list, budget: int) -> None:
@@ -139,12 +122,8 @@ class Scheduler:
                     p.salt == req.salt and common_prefix_len(req.tokens, p.prompt_ids) - m >= self.dedup_min
                     for p in prefilling):
                 continue  # another request is computing our prefix: hit it next step
-            self._admit_prefix(req)
-            n = min(req.num_tokens - req.num_computed, budget)
-            slots = self._alloc(n, reserve=len(self.running))
-            if slots is None:
-                self.tree.unlock(req.node)
-                req.kv_slots, req.node, req.tree_len = req.kv_slots[:0], None, 0
+            n = self.memory.admit(req, budget, reserve=len(self.running))
+            if n == 0:
                 break
             if req.cached_tokens is None:
                 req.cached_tokens = req.tree_len
@@ -153,10 +132,5 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             prefilling.append(req)
-            batch.append((req, self._segment(req, n, slots)))
+            batch.append((req, self._segment(req, n)))
             budget -= n
-
-    # -- inspection ----------------------------------------------------------------------------
-    def held_slots(self) -> torch.Tensor:
-        parts = [r.kv_slots[r.tree_len:] for r in self.running]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=self.pool.device)

@@ -1,0 +1,206 @@
+"""Memory: the one owner of every request's KV memory and of its lifecycle state.
+
+A request holds memory only while RUNNING: `kv_slots`, one pool slot per token it has computed
+(`num_computed`) or is computing this step. `kv_slots[:tree_len]` are the radix tree's slots on the
+path from its salt's root to `node`, kept valid by one lock on `node`; `kv_slots[tree_len:]` are its
+own. `Memory` is the only writer of `state`, `kv_slots`, `node`, `tree_len` and `num_computed`, and
+it changes them together:
+
+    WAITING ---admit---> RUNNING ---preempt---> PREEMPTED ---admit---> RUNNING ...
+    RUNNING ---release---> FINISHED | FAILED | CANCELLED      (WAITING and PREEMPTED may end too)
+    fork: a new sample starts RUNNING on its parent's prompt path (one more lock on the same node)
+
+Contract:
+- `admit` and `extend` allocate the slots of a request's next segment and append them to `kv_slots`
+  at once, so every pool slot is always free, the tree's, or one running request's, even mid-step.
+  `commit(req, n)` marks them computed and hands computed prompt tokens to the tree.
+- Allocation evicts unlocked least recently used leaves first; it never takes a locked node's slots.
+- After `preempt` or `release` a request holds nothing: `kv_slots` empty, `node` None, `tree_len`
+  and `num_computed` 0. With `keep` its computed KV stays in the tree, unlocked, for reuse.
+- `max_cached` (the request's) bounds what `admit` takes from the tree (invariant 3).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from .kv_pool import KVPool
+from .radix_cache import Node, RadixCache
+from .request import Request, State
+
+_NEXT = {
+    State.WAITING: {State.RUNNING, State.FAILED, State.CANCELLED},
+    State.PREEMPTED: {State.RUNNING, State.FAILED, State.CANCELLED},
+    State.RUNNING: {State.PREEMPTED, State.FINISHED, State.FAILED, State.CANCELLED},
+}
+"""Allowed transitions; a terminal state (FINISHED, FAILED, CANCELLED) has none."""
+
+
+class Memory:
+    def __init__(self, pool: KVPool, tree: RadixCache):
+        self.pool, self.tree = pool, tree
+
+    # -- transitions -----------------------------------------------------------------------------
+    def admit(self, req: Request, budget: int, reserve: int = 0) -> int:
+        """WAITING or PREEMPTED -> RUNNING: lock the longest cached prefix of `req.tokens[:max_cached]`
+        and allocate slots for its next `n = min(uncached tokens, budget)` tokens, keeping `reserve`
+        slots free; return `n`. Return 0 and leave the request as it was if the pool cannot."""
+        slots, node = self.tree.match_prefix(req.tokens[:req.max_cached()], req.salt)
+        self.tree.lock(node)  # before allocating: eviction must not take the prefix
+        n = min(req.num_tokens - slots.numel(), budget)
+        new = self._alloc(n, reserve)
+        if new is None:
+            self.tree.unlock(node)
+            return 0
+        self._move(req, State.RUNNING)
+        req.kv_slots, req.node = torch.cat([slots, new]), node
+        req.tree_len = req.num_computed = slots.numel()
+        return n
+
+    def extend(self, req: Request, n: int) -> bool:
+        """Allocate slots for the RUNNING request's next `n` tokens; False (nothing changes) if the
+        pool cannot spare them even after evicting."""
+        assert req.state is State.RUNNING
+        new = self._alloc(n)
+        if new is None:
+            return False
+        req.kv_slots = torch.cat([req.kv_slots, new])
+        return True
+
+    def commit(self, req: Request, n: int) -> None:
+        """The forward computed the `n` tokens after `num_computed`: their KV is valid. Prompt tokens
+        go into the tree at once (concurrent requests hit each other's prompts), locked by `req`."""
+        start = req.num_computed
+        assert req.state is State.RUNNING and start + n <= req.kv_slots.numel()
+        req.num_computed = start + n
+        if start < len(req.prompt_ids):
+            self._cache_computed(req)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start the new sample `child` RUNNING on `parent`'s computed prompt, which is in the tree."""
+        assert parent.state is State.RUNNING and parent.tree_len == parent.num_computed == parent.kv_slots.numel()
+        self._move(child, State.RUNNING)
+        self.tree.lock(parent.node)
+        child.kv_slots, child.node = parent.kv_slots, parent.node
+        child.tree_len = child.num_computed = parent.num_computed
+
+    def preempt(self, req: Request) -> None:
+        """RUNNING -> PREEMPTED: its computed tokens go into the tree (evictable, reused if they
+        survive); it keeps its generated tokens and is admitted again later."""
+        self._move(req, State.PREEMPTED)
+        self._drop(req, keep=True, held=True)
+
+    def release(self, req: Request, state: State, keep: bool) -> None:
+        """End the request in `state` (FINISHED, FAILED or CANCELLED); it holds nothing afterwards.
+        `keep`: its computed KV is valid, leave it in the tree for reuse (else its own slots are freed)."""
+        held = req.state is State.RUNNING
+        self._move(req, state)
+        self._drop(req, keep, held)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _move(self, req: Request, state: State) -> None:
+        assert state in _NEXT.get(req.state, ()), f"request {req.rid}: no transition {req.state.name} -> {state.name}"
+        req.state = state
+
+    def _alloc(self, n: int, reserve: int = 0) -> torch.Tensor | None:
+        short = n + reserve - self.pool.num_free
+        if short > 0:
+            self.tree.evict(short)
+        if self.pool.num_free < n + reserve:
+            return None
+        return self.pool.alloc(n)
+
+    def _cache_computed(self, req: Request) -> None:
+        """Insert `tokens[:num_computed]` into the tree; lock the new path, unlock the old one."""
+        tokens = req.tokens[:req.num_computed]
+        existing = self.tree.insert(tokens, req.kv_slots[:req.num_computed], req.salt)
+        self.pool.free(req.kv_slots[req.tree_len:existing])  # computed twice: the tree's copy wins
+        slots, node = self.tree.match_prefix(tokens, req.salt)
+        self.tree.lock(node)
+        self.tree.unlock(req.node)
+        req.kv_slots = torch.cat([slots, req.kv_slots[req.num_computed:]])
+        req.node, req.tree_len = node, len(tokens)
+
+    def _drop(self, req: Request, keep: bool, held: bool) -> None:
+        if held:
+            if keep and req.num_computed > req.tree_len:
+                self._cache_computed(req)
+            self.pool.free(req.kv_slots[req.tree_len:])  # own slots (with keep: only uncomputed ones)
+            self.tree.unlock(req.node)
+        req.kv_slots, req.node, req.tree_len, req.num_computed = req.kv_slots[:0], None, 0, 0
+
+    # -- integrity -------------------------------------------------------------------------------
+    def check_integrity(self, running: list[Request], waiting, full: bool = True) -> None:
+        """Assert the engine's invariants over the pool, the tree and the requests (between steps).
+        `full=False`: O(running requests) arithmetic only, for a health probe."""
+        own = sum(r.kv_slots.numel() - r.tree_len for r in running)
+        assert self.pool.num_free + self.tree.total_tokens + own == self.pool.num_slots, (
+            f"invariant 2: slots leaked or doubled: free {self.pool.num_free} + tree {self.tree.total_tokens} "
+            f"+ running {own} != pool {self.pool.num_slots}")
+        for r in running:
+            assert r.state is State.RUNNING, f"request {r.rid} is in the running list but {r.state.name}"
+            assert r.node is not None, f"running request {r.rid} locks no node"
+            assert r.kv_slots.numel() == r.num_computed, (
+                f"request {r.rid}: {r.kv_slots.numel()} slots for {r.num_computed} computed tokens")
+            assert r.tree_len <= r.num_computed < r.num_tokens, (
+                f"invariant 3: request {r.rid} has computed {r.num_computed} of {r.num_tokens} tokens "
+                f"(tree {r.tree_len}): its last token must be left to compute")
+            assert r.cached_tokens is not None and r.cached_tokens <= len(r.prompt_ids) - 1, (
+                f"invariant 3: request {r.rid} was served {r.cached_tokens} of {len(r.prompt_ids)} prompt tokens")
+        if not running:
+            assert self.tree.locked_tokens == 0, "invariant 6: a node is locked while no request runs"
+        if not full:
+            return
+        for r in waiting:
+            assert r.state in (State.WAITING, State.PREEMPTED), f"request {r.rid} is waiting but {r.state.name}"
+            self._check_holds_nothing(r)
+        for group in {id(r.group): r.group for r in [*running, *waiting]}.values():
+            for r in group.requests:
+                if r.state not in _NEXT:
+                    self._check_holds_nothing(r)
+        self._check_slots(running)
+        self._check_locks_and_paths(running)
+
+    @staticmethod
+    def _check_holds_nothing(r: Request) -> None:
+        assert r.kv_slots.numel() == 0 and r.node is None and r.tree_len == 0 and r.num_computed == 0, (
+            f"request {r.rid} ({r.state.name}) still holds memory")
+
+    def _check_slots(self, running: list[Request]) -> None:
+        """Invariant 2, slot by slot: free, tree and running requests' own slots partition the pool."""
+        free, tree = self.pool.free_slots(), self.tree.held_slots()
+        own = [r.kv_slots[r.tree_len:] for r in running]
+        every = torch.cat([free, tree, *own])
+        assert every.numel() == self.pool.num_slots, (
+            f"invariant 2: free {free.numel()} + tree {tree.numel()} + running {every.numel() - free.numel() - tree.numel()} "
+            f"!= pool {self.pool.num_slots}")
+        assert torch.equal(every.sort().values, torch.arange(self.pool.num_slots, device=every.device)), \
+            "invariant 2: a slot is held twice or out of range"
+
+    def _check_locks_and_paths(self, running: list[Request]) -> None:
+        """Invariants 1, 4 and 6: each running request's `kv_slots[:tree_len]` are exactly the slots on
+        the tree path from its salt's root to its locked `node`, whose keys are its first `tree_len`
+        tokens (so cached K sit at their own positions); every node's lock count is the number of
+        running requests whose path passes through it (no lock without a live holder, none missing)."""
+        expected: collections.Counter[int] = collections.Counter()
+        for r in running:
+            path: list[Node] = []
+            node = r.node
+            while node.parent is not None:
+                path.append(node)
+                expected[id(node)] += 1
+                node = node.parent
+            assert node is self.tree.roots.get(r.salt), f"request {r.rid}: its node is not under its salt's root"
+            path.reverse()
+            keys = [t for n in path for t in n.key]
+            assert len(keys) == r.tree_len, f"request {r.rid}: tree path of {len(keys)} tokens, tree_len {r.tree_len}"
+            assert keys == r.tokens[:r.tree_len], f"invariant 4: request {r.rid}: tree path tokens differ from its own"
+            slots = torch.cat([n.slots for n in path]) if path else r.kv_slots[:0]
+            assert torch.equal(slots, r.kv_slots[:r.tree_len]), (
+                f"invariant 1: request {r.rid}: kv_slots[:tree_len] are not the slots of its tree path")
+        for node in self.tree.nodes():
+            if node.parent is not None:
+                assert node.lock_ref == expected[id(node)], (
+                    f"invariants 1/6: node locked {node.lock_ref} times, by {expected[id(node)]} running requests")
