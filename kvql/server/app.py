@@ -35,6 +35,8 @@ from starlette.exceptions import HTTPException
 
 from ..backends.local import Model
 from .guard import Guard
+from .logprobs import PROMPT_TOP, Spelling, chat_logprobs, completion_logprobs, prompt_logprobs
+from .min_tokens import DeferredStops, with_min_tokens
 from .protocol import (ChatRequest, CompletionRequest, RequestError, constraint_options, error_response,
                        message_text, parse_request)
 
@@ -97,15 +99,37 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         return req
 
     def options(request: Request, req, logprobs) -> dict:
-        max_tokens = req.max_completion_tokens or req.max_tokens or 16
+        max_tokens = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None), 16)
+        if max_tokens == 0 and not getattr(req, "echo", False):
+            raise RequestError("max_tokens must be at least 1 (0 only with echo: true, which returns the prompt; "
+                               "with logprobs, the prompt's log-probabilities)", "max_tokens")
         if max_tokens > max_tokens_cap:
             raise RequestError(f"max_tokens {max_tokens} is over this server's cap of {max_tokens_cap}", "max_tokens")
-        opts = dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, n=req.n, seed=req.seed,
-                    stop=req.stop, logprobs=logprobs, **constraint_options(req))
+        if req.min_tokens > max_tokens:
+            raise RequestError(f"min_tokens must be at most max_tokens={max_tokens}, got {req.min_tokens}", "min_tokens")
+        opts = dict(max_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p, n=req.n,
+                    seed=req.seed, stop=req.stop, logprobs=logprobs, ignore_eos=req.ignore_eos,
+                    top_k=max(req.top_k or 0, 0), frequency_penalty=req.frequency_penalty,
+                    presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
+                    **constraint_options(req))
+        if req.prompt_logprobs and req.stream:
+            raise RequestError("prompt_logprobs are not available when stream=true", "prompt_logprobs")
+        echo_scored = getattr(req, "echo", False) and logprobs is not None  # vLLM: echo + logprobs -> prompt logprobs
+        if (req.prompt_logprobs is not None and not req.stream) or echo_scored:
+            opts["prompt_logprobs"] = PROMPT_TOP  # k shown; more asked for, so that more ranks are exact
         salt = cache_salt(request, req)
         if salt is not None:
             opts["cache_salt"] = salt
         return opts
+
+    async def prepared(req, opts: dict) -> tuple[dict, DeferredStops | None]:
+        """`opts` with `min_tokens` applied (its constraint compiled on a worker thread)."""
+        if not req.min_tokens:
+            return opts, None
+        with _request_errors():
+            if any(opts.get(k) is not None for k in ("regex", "choices", "json_schema", "grammar")):
+                return await asyncio.to_thread(with_min_tokens, model, opts, req.min_tokens)
+            return with_min_tokens(model, opts, req.min_tokens)
 
     def cache_salt(request: Request, req) -> str | None:
         key = request.scope.get("kvql.api_key") if salt_per_key else None
@@ -115,10 +139,10 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         own = hashlib.sha256(key.encode()).hexdigest()
         return own if req.cache_salt is None else f"{own}:{req.cache_salt}"
 
-    def usage(completions, n: int) -> dict:
+    def usage(completions, n: int, echo_only: bool = False) -> dict:
         prompt = sum(c.prompt_tokens for c in completions[::n])
         cached = sum(c.cached_tokens for c in completions[::n])
-        generated = sum(len(c.token_ids) for c in completions)
+        generated = 0 if echo_only else sum(len(c.token_ids) for c in completions)
         return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -127,19 +151,30 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         with _request_errors():
             return await _unless_disconnected(request, model.agenerate(prompts, **opts))
 
-    async def streamed(request: Request, prompt, opts, make_chunk):
+    async def streamed(request: Request, prompt, opts, deferred: DeferredStops | None, make_chunk):
+        """Server-sent events of one prompt's `n` samples: `make_chunk(sample, text, token_ids, completion,
+        first)` per engine step (`completion` set on a sample's last one, `first` on its first)."""
         counters["requests"] += 1
         stream = model.stream(prompt, **opts)
         with _request_errors():  # errors in the request surface before the 200 is sent
             first = await _unless_disconnected(request, anext(stream, None))
+        hold = deferred.hold if deferred is not None else 0
 
         async def events():
-            chunk, unfinished = first, set(range(opts["n"]))
+            chunk, unfinished, sent = first, set(range(opts["n"])), {}
             try:
                 while chunk is not None:
-                    if chunk.completion is not None:
+                    s = sent.setdefault(chunk.sample, _Sent())
+                    c = chunk.completion
+                    if c is not None:
                         unfinished.discard(chunk.sample)
-                    yield make_chunk(chunk.sample, chunk.text, chunk.completion and chunk.completion.finish_reason)
+                        c = deferred.finish(c) if deferred is not None else c
+                        text, ids = c.text[s.chars:], c.token_ids[s.ids:]
+                    else:  # text that may still become a stop string the server matches is held back
+                        s.text += chunk.text
+                        text, ids = s.text[s.chars:max(s.chars, len(s.text) - hold)], [chunk.token_id]
+                    yield make_chunk(chunk.sample, text, ids, c, not s.started)
+                    s.started, s.chars, s.ids = True, s.chars + len(text), s.ids + len(ids)
                     chunk = await anext(stream, None)
             except Exception as e:  # the 200 is sent: say so in the stream, not by ending it silently
                 counters["errors"] += 1
@@ -148,7 +183,10 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
                                  "type": "invalid_request_error" if request_fault else "server_error",
                                  "param": None, "code": None}}
                 for sample in sorted(unfinished):
-                    yield make_chunk(sample, "", "error")
+                    failed = make_chunk(sample, "", [], None, sample not in sent)
+                    for choice in failed["choices"]:
+                        choice["finish_reason"] = "error"
+                    yield failed
             finally:
                 await stream.aclose()  # a client that went away cancels its request
         return _sse(events())
@@ -169,22 +207,54 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
         opts = options(request, req, req.logprobs)
+        opts, deferred = await prepared(req, opts)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompts = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
             else [req.prompt]
+        tok, spell = model.tokenizer, Spelling(model.tokenizer, bool(req.return_tokens_as_token_ids))
+        echo_only = req.echo and 0 in (req.max_tokens, req.max_completion_tokens)
+        k = req.logprobs
+
+        def prompt_ids(p):
+            return tok.encode(p) if isinstance(p, str) else list(p)
+
+        def shown(p, c, text: str, ids: list[int], first: bool) -> dict:
+            """One choice (or a stream's chunk of it; `c` set when the sample is done), with vLLM's echo
+            rules. Logprobs come whole with the finished sample (the engine streams text and ids only)."""
+            if echo_only:
+                text, ids = "", []
+            if req.echo and first:
+                text = (p if isinstance(p, str) else tok.decode(p)) + text
+            choice = {"text": text, "logprobs": None,
+                      "finish_reason": None if c is None else "length" if echo_only else c.finish_reason,
+                      "stop_reason": None if c is None or echo_only else c.stop_reason}
+            if c is not None and k is not None:
+                lp_ids, entries = ([], []) if echo_only else (c.token_ids, c.logprobs)
+                if req.echo:
+                    lp_ids, entries = prompt_ids(p) + lp_ids, c.prompt_logprobs + entries
+                choice["logprobs"] = completion_logprobs(spell, lp_ids, entries, k)
+            if req.return_token_ids:
+                choice["token_ids"] = ids
+                if first:
+                    choice["prompt_token_ids"] = prompt_ids(p)
+            if c is not None and req.prompt_logprobs is not None and c.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs(tok, c.prompt_logprobs, req.prompt_logprobs)
+            return choice
+
         if req.stream:
             if len(prompts) != 1:
                 raise RequestError("stream: true takes one prompt", "prompt")
-            return await streamed(request, prompts[0], opts, lambda sample, text, finish: {
+            p = prompts[0]
+            return await streamed(request, p, opts, deferred, lambda sample, text, ids, c, first: {
                 "id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": [{"index": sample, "text": text, "logprobs": None, "finish_reason": finish}]})
+                "choices": [{"index": sample, **shown(p, c, text, ids, first)}]})
         out = await run(request, prompts, opts)
-        texts = {i: p for i, p in enumerate(prompts) if isinstance(p, str)} if req.echo else {}
-        choices = [{"index": i, "text": texts.get(c.index, "") + c.text, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason, "logprobs": _logprobs(model, c) if req.logprobs is not None else None}
-                   | ({"token_ids": c.token_ids} if req.return_token_ids else {}) for i, c in enumerate(out)]
+        if deferred is not None:
+            out = [deferred.finish(c) for c in out]
+        choices = [{"index": i, **shown(prompts[c.index], c, c.text, c.token_ids, True)}
+                   for i, c in enumerate(out)]
         return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": choices, "usage": usage(out, req.n)}
+                "choices": choices, "usage": usage(out, req.n, echo_only)}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -198,18 +268,40 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
                                                       return_dict=False)
         except jinja2.TemplateError as e:  # templates refuse some message sequences (raise_exception)
             raise RequestError(f"the model's chat template refused these messages: {e}", "messages") from None
-        opts = options(request, req, req.top_logprobs if req.logprobs else None)
+        ids = list(ids)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        opts = options(request, req, k)
+        opts, deferred = await prepared(req, opts)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        spell = Spelling(model.tokenizer, bool(req.return_tokens_as_token_ids))
         if req.stream:
-            return await streamed(request, list(ids), opts, lambda sample, text, finish: {
-                "id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                "choices": [{"index": sample, "delta": {"role": "assistant", "content": text},
-                             "finish_reason": finish}]})
-        out = await run(request, [list(ids)], opts)
+            def make_chunk(sample, text, token_ids, c, first):
+                choice = {"index": sample, "delta": {"role": "assistant", "content": text},
+                          "logprobs": None, "finish_reason": c and c.finish_reason, "stop_reason": c and c.stop_reason}
+                if req.return_token_ids:
+                    choice["token_ids"] = token_ids
+                if c is not None and k is not None:  # logprobs come whole, in a sample's last chunk
+                    choice["logprobs"] = chat_logprobs(spell, c.token_ids, c.logprobs, k)
+                event = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                         "choices": [choice]}
+                if req.return_token_ids and first and sample == 0:
+                    event["prompt_token_ids"] = ids
+                return event
+            return await streamed(request, ids, opts, deferred, make_chunk)
+        out = await run(request, [ids], opts)
+        if deferred is not None:
+            out = [deferred.finish(c) for c in out]
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason, "logprobs": None} for i, c in enumerate(out)]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": name,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "logprobs": chat_logprobs(spell, c.token_ids, c.logprobs, k) if k is not None else None}
+                   | ({"token_ids": c.token_ids} if req.return_token_ids else {}) for i, c in enumerate(out)]
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": name,
                 "choices": choices, "usage": usage(out, req.n)}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs(model.tokenizer, out[0].prompt_logprobs, req.prompt_logprobs)
+        if req.return_token_ids:
+            body["prompt_token_ids"] = ids
+        return body
 
     @app.get("/metrics")
     async def metrics():
@@ -284,7 +376,9 @@ def _sse(events) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-def _logprobs(model: Model, c) -> dict:
-    tok = model.tokenizer
-    return {"tokens": [tok.decode([e.token_id]) for e in c.logprobs], "token_logprobs": [e.logprob for e in c.logprobs],
-            "top_logprobs": [{tok.decode([t]): lp for t, lp in e.top.items()} for e in c.logprobs]}
+class _Sent:
+    """What a stream has sent of one sample: its text so far (from the engine), and how many characters
+    and token ids of it went out."""
+
+    def __init__(self):
+        self.text, self.chars, self.ids, self.started = "", 0, 0, False

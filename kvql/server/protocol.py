@@ -10,6 +10,11 @@ Constraint fields accepted, named as vLLM and SGLang users know them:
 - vLLM: `structured_outputs: {"regex" | "choice" | "json" | "grammar": ...}`; chat `response_format`
   (`{"type": "json_schema", "json_schema": {"schema": ...}}` or `{"type": "json_object"}`);
 - SGLang: top-level `regex`, `json_schema`.
+vLLM's other fields, with vLLM 0.32's meaning: `min_tokens` (min_tokens.py), `ignore_eos`,
+`return_token_ids` (also streamed: each chunk's new ids; `prompt_token_ids` in the first),
+`return_tokens_as_token_ids`, `prompt_logprobs` (logprobs.py), and on /v1/completions `echo` with
+`logprobs` (the prompt's log-probabilities first) and `max_tokens: 0` with `echo` (the prompt scored,
+nothing generated).
 Any other field is refused with a 400 naming it: in particular the old `guided_*` fields, which
 some servers ignore silently.
 """
@@ -78,6 +83,10 @@ class _Common(_Strict):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's: -1, 0 or none: every token
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=2)  # CTRL / transformers; 1: none
     n: int = Field(default=1, ge=1, le=64)
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -88,13 +97,19 @@ class _Common(_Strict):
     structured_outputs: StructuredOutputs | None = None
     regex: str | None = None
     json_schema: dict | str | None = None
+    # vLLM's names (see min_tokens.py and logprobs.py for their meaning)
+    min_tokens: int = Field(default=0, ge=0)  # no EOS, no stop string, before this many generated tokens
+    ignore_eos: bool = False
+    return_token_ids: bool = False  # each choice also carries its token ids (a stream: each chunk's new ones)
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens spelled "token_id:{id}"
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # logprobs of the prompt's tokens, top k
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo: the prompt scored, nothing generated
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    return_token_ids: bool = False  # vLLM's name: each choice also carries its generated token ids
 
 
 class ContentPart(BaseModel):
