@@ -17,12 +17,13 @@ import inspect
 import textwrap
 import types
 
-from .backends.local import Model
-from .backends.remote import RemoteModel
+from .backends.base import Backend
 from .lang.compiler import CompiledQuery, Decoder, compile_query
 from .lang.prompt_string import Expr, Hole, parse_prompt
 from .runtime import constraints
-from .runtime.context import DECODER_OPTIONS, Context, Decoding, QueryError, UnmetConstraint, decoding
+from .runtime.decoding import DECODER_OPTIONS, Decoding, decoding
+from .runtime.errors import QueryError, UnmetConstraint
+from .runtime.program import Program
 from .runtime.result import LMQLResult
 from . import certificate as certificates
 from . import output
@@ -32,22 +33,22 @@ from .runtime.scoring import ScoringResult
 ScoreResult = ScoringResult  # kvql's earlier name
 
 DEFAULT_MODEL = "smollm2-135m"
-_models: dict[str, Model] = {}
-_default: Model | str | None = None
+_models: dict[str, Backend] = {}
+_default: Backend | str | None = None
 
 
-def set_default_model(model: Model | str) -> None:
+def set_default_model(model: Backend | str) -> None:
     """Model used by queries that name none (default: the embedded SmolLM2-135M)."""
     global _default
     _default = model
 
 
-def get_model(model: Model | RemoteModel | str | None = None) -> Model | RemoteModel:
-    """A loaded `Model`: the object itself, or one loaded once per spec and shared by all queries."""
-    from . import model as load
+def get_model(model: Backend | str | None = None) -> Backend:
+    """A loaded model: the object itself, or one loaded once per spec and shared by all queries."""
+    from .backends.factory import model as load
 
     model = model if model is not None else (_default or DEFAULT_MODEL)
-    if isinstance(model, (Model, RemoteModel)):
+    if isinstance(model, Backend):
         return model
     if not isinstance(model, str):
         raise TypeError(f"model must be a kvql.Model or a spec string, got {type(model).__name__}")
@@ -98,8 +99,8 @@ class UnresolvedVariable(TypeError, NameError):
         self.name, self.names = names[0], names
 
 
-class Query:
-    """A compiled query. Call it like the function it was defined as (sync or async), or use
+class Query(Program):
+    """A compiled query (a `kvql.runtime.program.Program`). Call it like the function it was defined as (sync or async), or use
     `run` (async), `run_sync` and `map`."""
 
     def __init__(self, source: str, *, name: str = "query", signature: inspect.Signature | None = None,
@@ -141,7 +142,7 @@ class Query:
             self._free[params] = [n for n in names if not n.startswith("__") and not hasattr(builtins, n)]
         return self._free[params]
 
-    def _bind(self, args, kwargs) -> dict:
+    def bind(self, args, kwargs) -> dict:
         """The inputs of one call, by LMQL's rules: a query with parameters binds them like a Python
         function; one without (a query string, or a `def` with none) takes keyword arguments, and
         positional ones in order of first use of the names it reads that its scope does not define.
@@ -187,15 +188,9 @@ class Query:
         exec(compiled.code, scope)
         return scope
 
-    async def _execute(self, ctx: Context, args: tuple, kwargs: dict, module: dict | None = None):
-        """Run the body once in `ctx` (used for every run, and for nested queries); `module`: the
-        namespace `_module` made for this call, shared by its runs."""
-        inputs = self._bind(args, kwargs)
+    def body(self, inputs: dict):
         compiled = self._compiled_for(inputs)
-        module = module if module is not None else self._module(compiled)
-        value = await module["__kvql_query__"](ctx, inputs)
-        await ctx.close_role()
-        return value if compiled.returns else ctx.result()
+        return self._module(compiled)["__kvql_query__"], bool(compiled.returns)
 
     async def run(self, *args, model=None, output_writer=None, certificate=None, **kwargs):
         """Run the query (once, or once per sample); `output_writer=` (see kvql.output) and
@@ -209,19 +204,17 @@ class Query:
         reads = set(self.signature.parameters) if self.signature else set(self._free_names(()))
         overrides = {k: kwargs.pop(k) for k in list(kwargs)
                      if (k in _DECODER_KEYS or k == "decoder") and k not in reads}
-        inputs = self._bind(args, kwargs)
+        inputs = self.bind(args, kwargs)
         compiled = self._compiled_for(inputs)
         module = self._module(compiled)
         decoding = self._decoding(compiled, overrides, module["__kvql_decoder__"](inputs))
         m = _Deferred(model or self.model or module["__kvql_model__"](inputs))  # `from` is evaluated only if used
         n = decoding.runs
-        contexts = [Context(m, decoding, k) for k in range(n)]
-        results = await asyncio.gather(*(self._execute(ctx, (), inputs, module) for ctx in contexts))
+        results, contexts = await self.run_all(m, decoding, inputs, (module["__kvql_query__"], bool(compiled.returns)))
         # one per run; see kvql.runtime.trace (None for a run that never needed its model)
         self.last_traces = [ctx.trace() if ctx.model_used else None for ctx in contexts]
         for ctx in contexts:
             await output.report(output_writer, ctx.prompt, ctx.variables, len(ctx.ids) if ctx.model_used else 0)
-        results = list(results)
         if certificate:
             cert = certificates.make(self.name, m, decoding, self.last_traces, results)
             results = certificates.deliver(certificate, cert, results)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 
+import httpx
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -132,3 +135,42 @@ def random_prompts(seed: int, count: int, vocab: int, prefix_lengths=(0, 5, 17, 
         n = int(torch.randint(suffix[0], suffix[1] + 1, (1,), generator=g))
         prompts.append(base[:k] + torch.randint(1, vocab, (n,), generator=g).tolist())
     return prompts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir, port, *options, budget: str = "4MB"):
+    """A `kvql serve` subprocess for `model_dir` on `port`, once its /health answers."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvql.cli", "serve", "--model", str(model_dir), "--port",
+                             str(port), "--cache-budget", budget, *options],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.1)
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"server did not start: {proc.stdout.read().decode()[-2000:]}")
+
+
+@pytest.fixture(scope="session")
+def served_llama(tmp_path_factory, llama, tokenizer):
+    """One `kvql serve` subprocess serving the tiny Llama for the whole session: its /v1 URL."""
+    model_dir = tmp_path_factory.mktemp("served") / "model"
+    llama.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    port = free_port()
+    proc = start_server(model_dir, port, budget="32MB")
+    yield f"http://127.0.0.1:{port}/v1"
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()

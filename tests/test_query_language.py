@@ -1,7 +1,9 @@
 """LMQL compatibility of the query language: each test is a query asserting what LMQL specifies.
 
 The model is the tiny random Llama of conftest.py, so generated text is gibberish: the tests check
-structure, constraints, decoding and caching, never meaning.
+structure, constraints, decoding and caching, never meaning. Every test that takes `m` runs twice: on
+the local engine, and through the remote backend on a `kvql serve` subprocess serving the same model
+(with its tokenizer, so prompts travel as token ids); tests of the local engine's own state take `local`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,27 @@ import kvql as lmql  # ordinary LMQL code should run with this import
 
 GLOBAL_TOPIC = "spiders"  # read by a query through the defining module's globals
 SIDE_EFFECTS: list = []    # appended to by a query body, to count how often it runs
+
+
+@pytest.fixture(params=["local", "remote"])
+def m(request, make_model, tokenizer):
+    """The default model of the test's queries: the local engine, or a remote model on `kvql serve`."""
+    if request.param == "local":
+        model = make_model()
+    else:
+        model = kvql.model(request.getfixturevalue("served_llama"), tokenizer=tokenizer)
+    kvql.set_default_model(model)
+    yield model
+    kvql.set_default_model(None)
+
+
+@pytest.fixture
+def local(make_model):
+    """The local engine as the default model (tests that inspect its state)."""
+    model = make_model()
+    kvql.set_default_model(model)
+    yield model
+    kvql.set_default_model(None)
 
 
 def stat(m, key):
@@ -140,8 +163,9 @@ def test_call_time_overrides_model_decoder_n_temperature_max_len(m, make_model, 
         return X
         '''
 
+    before = stat(m, "prompt_tokens")
     q(model=other)
-    assert stat(other, "prompt_tokens") > 0 and stat(m, "prompt_tokens") == 0
+    assert stat(other, "prompt_tokens") > 0 and stat(m, "prompt_tokens") == before
     outs = q(decoder="sample", n=3, temperature=0.8, seed=1)
     assert isinstance(outs, list) and len(outs) == 3 and all(isinstance(o, str) for o in outs)
     prompt_len = len(tokenizer("Once upon a time").input_ids)
@@ -579,7 +603,7 @@ def test_python_side_effects_happen_once_per_sample(m):
 
 
 # -- 7. concurrency ------------------------------------------------------------------------------
-def test_many_runs_at_once_share_the_engine(m):
+def test_many_runs_at_once_share_the_engine(local):
     q = lmql.query('"Q{i}: [X]" where len(TOKENS(X)) < 6\nreturn X')
 
     async def main():
@@ -587,10 +611,10 @@ def test_many_runs_at_once_share_the_engine(m):
 
     outs = asyncio.run(main())
     assert outs == [q.run_sync(i=i) for i in range(8)]  # batching does not change greedy output
-    assert stat(m, "max_batch_requests") > 1
+    assert stat(local, "max_batch_requests") > 1
 
 
-def test_runs_from_many_threads_share_the_engine(m):
+def test_runs_from_many_threads_share_the_engine(local):
     q = lmql.query('"Thread {i}: [X]" where len(TOKENS(X)) < 6\nreturn X', is_async=False)
     results = [None] * 6
 
@@ -603,8 +627,8 @@ def test_runs_from_many_threads_share_the_engine(m):
     for t in threads:
         t.join()
     assert results == [q(i=i) for i in range(6)]
-    assert stat(m, "max_batch_requests") > 1
-    m.check_integrity()
+    assert stat(local, "max_batch_requests") > 1
+    local.check_integrity()
 
 
 def test_map_keeps_the_order_of_its_inputs(m):
@@ -662,7 +686,7 @@ def test_unknown_decoder_and_unknown_nested_query_are_errors(m):
         lmql.run_sync('"Hi [X: no_such_query]"')
 
 
-def test_a_failing_query_fails_alone(m):
+def test_a_failing_query_fails_alone(local):
     good = lmql.query('"Fine [X]" where len(TOKENS(X)) < 4\nreturn X')
     bad = lmql.query('"Fine [X]" where len(TOKENS(X)) < 4\nassert False, "boom"')
 
@@ -672,8 +696,8 @@ def test_a_failing_query_fails_alone(m):
     a, err, b = asyncio.run(main())
     assert isinstance(err, AssertionError) and "boom" in str(err)
     assert isinstance(a, str) and a == b
-    assert stat(m, "running") == 0
-    m.check_integrity()
+    assert stat(local, "running") == 0
+    local.check_integrity()
 
 
 # -- cache behaviour and exactness ---------------------------------------------------------------
@@ -711,13 +735,13 @@ def test_map_over_inputs_sharing_a_few_shot_prefix_computes_it_once(m, tokenizer
     assert sum(r.cached_tokens for r in rs) >= 19 * (prefix - 2)
 
 
-def test_results_are_identical_with_a_cleared_cache(m):
+def test_results_are_identical_with_a_cleared_cache(local):
     src = ('"' + FEW_SHOT.replace("\n", "\\n") + '"\n'
            'for i in range(3):\n'
            '    "Question {i}:[A] Answer:[B]\\n" where len(TOKENS(A)) < 5 and len(TOKENS(B)) < 5\n')
     runs = []
     for _ in range(2):
-        m.clear_cache()
+        local.clear_cache()
         runs.append(lmql.run_sync(src))
     warm = lmql.run_sync(src)
     assert runs[0].prompt == runs[1].prompt == warm.prompt

@@ -10,12 +10,7 @@ import time
 
 import httpx
 import pytest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port, start_server
 
 
 @pytest.fixture
@@ -26,19 +21,7 @@ def model_dir(tmp_path, llama, tokenizer):
 
 
 def start(model_dir, port, *options):
-    proc = subprocess.Popen([sys.executable, "-m", "kvql.cli", "serve", "--model", str(model_dir), "--port",
-                             str(port), "--cache-budget", "4MB", *options],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.1)
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError(f"server did not start: {proc.stdout.read().decode()[-2000:]}")
+    return start_server(model_dir, port, *options)
 
 
 CLIENT = """
@@ -104,9 +87,9 @@ def test_remote_backend_on_kvql_serve_matches_the_local_backend(model_dir, llama
 
         chunks = asyncio.run(streamed())
         assert "".join(ch.text for ch in chunks) == want[0].text
-        with pytest.raises(ValueError, match="cannot run on a remote server"):
+        with pytest.raises(ValueError, match="mask is a Python callback and cannot run on the kvql server"):
             remote.generate(["x"], max_tokens=2, mask=lambda ids: None)
-        assert remote.stats()["prompt_tokens_total"] > 0
+        assert remote.stats()["prompt_tokens"] > 0
 
         # kvql queries run on the remote backend, their constraints sent as regex / stop strings
         q = kvql.query('"Pick: [A] then [N] and [S]" where A in ["red", "green"] and INT(N) and '
@@ -114,8 +97,15 @@ def test_remote_backend_on_kvql_serve_matches_the_local_backend(model_dir, llama
                        is_async=False)
         a, n, s = q(model=remote)
         assert a in ("red", "green") and isinstance(n, int) and ("a" not in s[:-1])
-        with pytest.raises(kvql.QueryError, match="local model"):
-            kvql.run_sync('"[X]" distribution X in ["a", "b"]', model=remote)
+        assert (a, n, s) == q(model=local)  # the served model's directory gave the tokenizer: token ids
+        dist = '"Say [X]" distribution X in ["a", "b", "cd"]'
+        got, want = kvql.run_sync(dist, model=remote), kvql.run_sync(dist, model=local)
+        assert got.variables["X"] == want.variables["X"]
+        assert [p for _, p in got.variables["P(X)"]] == pytest.approx([p for _, p in want.variables["P(X)"]], abs=1e-4)
+        text_only = kvql.model(f"http://127.0.0.1:{port}/v1", tokenizer=False)
+        assert text_only.tokenizer is None and q(model=text_only)[0] in ("red", "green")
+        with pytest.raises(kvql.QueryError, match="tokenizer"):
+            kvql.run_sync(dist, model=text_only)
         local.close()
     finally:
         proc.send_signal(signal.SIGTERM)

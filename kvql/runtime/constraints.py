@@ -38,6 +38,9 @@ import llguidance.hf
 from llguidance import regex_to_lark
 
 INT_REGEX = r" ?-?[0-9]+"
+ANY = r"[\s\S]"
+"""Any character, newlines included, written without inline flags: vLLM's default structured-output
+backend (xgrammar) rejects `(?s)` with a 500."""
 
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq,
         "!=": operator.ne}
@@ -316,9 +319,9 @@ def _atom_regex(node: Atom) -> str:
     if kind == "eq":
         return escape(arg)
     if kind == "startswith":
-        return escape(arg) + r"(?s:.*)"
+        return escape(arg) + ANY + "*"
     if kind == "contains":
-        return r"(?s:.*)" + escape(arg) + r"(?s:.*)"
+        return ANY + "*" + escape(arg) + ANY + "*"
     if kind == "int":
         return INT_REGEX
     if kind == "regex":
@@ -328,7 +331,7 @@ def _atom_regex(node: Atom) -> str:
         lo, hi = {"<": (0, n - 1), "<=": (0, n), "==": (n, n), ">": (n + 1, None), ">=": (n, None)}.get(op, (None, None))
         if lo is None or (hi is not None and hi < 0):
             raise ConstraintError(f"unsupported length condition len({node.var}) {op} {n}")
-        return f"(?s:.{{{lo},{'' if hi is None else hi}}})"
+        return f"{ANY}{{{lo},{'' if hi is None else hi}}}"
     raise ConstraintError(f"{kind} constraint on {node.var} cannot be combined with or/not")
 
 
@@ -339,7 +342,7 @@ def _term(node: Node) -> str:
     if isinstance(node, Or):
         return "(" + " | ".join(_term(i) for i in node.items) + ")"
     if isinstance(node, Not):
-        return f"(/(?s:.*)/ & ~{_term(node.item)})"  # ~ alone would also admit invalid UTF-8
+        return f"(/{ANY}*/ & ~{_term(node.item)})"  # ~ alone would also admit invalid UTF-8
     return _slashed(_atom_regex(node))
 
 
@@ -436,15 +439,11 @@ class HolePlan:
             return "no"
         return "complete" if m.is_accepting() else "prefix"
 
-    def regex(self) -> str | None:
-        """The value's constraint as one plain regex (what OpenAI-compatible servers accept), or None."""
-        if self.value_type is not None:
-            raise ConstraintError(f"{self.conditions[0]} needs kvql's local engine (JSON schema grammar)")
-        if not self.terms:
+    def single_regex(self) -> str | None:
+        """The value's grammar as one plain regex (what every structured-output server accepts), or None
+        when there is none or it needs intersection, complement or a JSON schema (see `lark`)."""
+        if self.value_type is not None or len(self.plain) != 1:
             return None
-        if len(self.plain) != 1 or self.plain[0] is None:
-            raise ConstraintError("this combination of conditions needs regex intersection or negation, "
-                                  "which only kvql's local engine can enforce")
         return self.plain[0]
 
     def lark(self) -> str | None:

@@ -3,46 +3,16 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+
+from ..backends import base  # the contract only: no torch, no engine
 
 
-def forcing_mask(token_ids: list[int], vocab: int):
-    """A mask that allows exactly `token_ids`, one per step."""
-    def mask(generated: list[int]) -> torch.Tensor:
-        allowed = torch.zeros(vocab, dtype=torch.bool)
-        allowed[token_ids[len(generated)]] = True
-        return allowed
-    return mask
-
-
-async def token_logprobs(model, prompt_ids: list[int], continuations: list[list[int]]):
-    """-> (per continuation, the log-probability of each of its tokens after the prompt; the completions).
-
-    All continuations are scored concurrently (one batch in the engine; the prompt is computed once,
-    then served from the cache). Log-probabilities are those of the raw model distribution.
-    """
-    async def one(ids: list[int]):
-        if not ids:
-            return [], None
-        (c,) = await model.agenerate([prompt_ids], max_tokens=len(ids), mask=forcing_mask(ids, model.vocab_size),
-                                     logprobs=0, ignore_eos=True)
-        return [e.logprob for e in c.logprobs], c
-
-    results = await asyncio.gather(*(one(ids) for ids in continuations))
-    return [lps for lps, _ in results], [c for _, c in results if c is not None]
-
-
-async def score_continuations(model, prompt_ids: list[int], continuations: list[str]):
-    """-> (sum of token log-probabilities of each continuation after the prompt, the completions).
-    Each continuation is tokenized on its own (no special tokens) and appended to the prompt's ids."""
-    tok = model.tokenizer
-    per_token, completions = await token_logprobs(
-        model, prompt_ids, [tok.encode(t, add_special_tokens=False) for t in continuations])
-    return [float(sum(lps)) for lps in per_token], completions
+def normalized(logps: list[float]) -> list[float]:
+    """Log-probabilities normalized over the given values (a log-softmax)."""
+    return [float(x) for x in _log_softmax(np.array(logps, dtype=np.float64))]
 
 
 @dataclass
@@ -140,15 +110,16 @@ class ScoringResult:
 
 async def score(model, prompt: str, values) -> ScoringResult:
     """Score each of `values` (a string or a list; each converted with `str`) as a continuation of
-    `prompt` on a local model. The prompt is tokenized as a model input (special tokens such as a BOS
-    included), each value on its own, and the value's ids appended (as LMQL does)."""
-    if not hasattr(model, "engine"):
-        raise ValueError("score() reads the model's logits: it needs a local model")
+    `prompt` on any backend with the `TOKEN_IDS` and `SCORE` capabilities. The prompt is tokenized as a
+    model input (special tokens such as a BOS included), each value on its own, and the value's ids
+    appended (as LMQL does)."""
+    model.require(base.TOKEN_IDS, "score() (it scores token sequences)")
+    model.require(base.SCORE, "score() (prompt log-probabilities)")
     values = [values] if isinstance(values, str) else list(values)
     if not values:
         raise ValueError("score() needs at least one value")
     tok = model.tokenizer
     prompt_ids = tok(prompt, add_special_tokens=True).input_ids
     value_ids = [tok.encode(str(v), add_special_tokens=False) for v in values]
-    per_token, _ = await token_logprobs(model, prompt_ids, value_ids)
+    per_token, _ = await model.ascore(prompt_ids, value_ids)
     return ScoringResult(prompt, values, prompt_ids, value_ids, per_token, getattr(model, "name", "model"))

@@ -1,0 +1,143 @@
+"""The backend contract: all that kvql's query runtime may ask of a model.
+
+Two backends implement it: `kvql.backends.local.Model` (kvql's engine, in this process) and
+`kvql.backends.remote.RemoteModel` (an OpenAI-compatible server: kvql serve, vLLM, SGLang). The runtime
+(`kvql.runtime`) uses nothing else, so a query runs the same way on both; where a backend cannot do
+something, it raises `Unsupported` before anything is computed or sent, naming itself and the feature.
+
+What a backend offers:
+- `tokenizer`: a Hugging Face tokenizer (its chat template included), or None. With one, the runtime
+  keeps every prompt as token ids and sends ids (the `TOKEN_IDS` capability); without, it sends text.
+- `eos_ids`: the token ids that end a sequence; `context_length`: tokens, or None when unknown.
+- `agenerate(prompts, **options)` -> one `Completion` per prompt and sample, with the options below;
+  `stream(prompt, **options)` -> `StreamChunk`s.
+- `ascore(prompt_ids, continuations)`: the log-probability of each token of each continuation (lists of
+  token ids) after the prompt, under the raw model distribution.
+- `stats()`: the backend's counters (prompt, cached and computed tokens, hit rate where known).
+
+Generation options (every backend accepts these names; unknown ones raise TypeError):
+    max_tokens=16, min_tokens=0 (no end of sequence before that many tokens), stop (strings; the text
+    ends before the first one found, `stop_reason` names it), stop_fn (called with the generated ids and
+    text after each token or streamed chunk; True ends the sequence, the text is not cut: it may run past
+    the point where the function first said True), temperature=0.0, top_p=1.0, top_k=0,
+    repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, n=1, seed=None,
+    logprobs=None (the k most likely tokens at each step, by id), masked_logprobs=False (log-probabilities
+    of the constrained distribution), ignore_eos=False, cache_salt=None; at most one constraint:
+    regex, choices, json_schema, grammar (Lark, llguidance dialect: `&` and `~` allowed); and
+    grammar_prefix=0: the constraint's value began that many tokens before the end of the prompt (the
+    last `grammar_prefix` prompt tokens are the start of the constrained value; beam search uses it).
+Each capability below names options or methods that need it.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from ..completion import Completion
+from ..llm import LLM
+
+TOKEN_IDS = "token_ids"          # a tokenizer is known: prompts are token ids, chat templates render roles
+SCORE = "score"                  # ascore (prompt log-probabilities)
+LOGPROBS = "logprobs"            # top-k log-probabilities by token id
+MASKED_LOGPROBS = "masked_logprobs"  # log-probabilities of the constrained distribution; grammar_prefix
+MIN_TOKENS = "min_tokens"
+STOP_FN = "stop_fn"
+SAMPLING = "sampling"            # top_k and the repetition / frequency / presence penalties
+CACHE_SALT = "cache_salt"
+CONSTRAINTS = ("regex", "choices", "json_schema", "grammar")  # each a capability of its own
+
+OPTIONS = frozenset({"max_tokens", "min_tokens", "stop", "stop_fn", "temperature", "top_p", "top_k",
+                     "repetition_penalty", "frequency_penalty", "presence_penalty", "n", "seed", "logprobs",
+                     "masked_logprobs", "ignore_eos", "cache_salt", "grammar_prefix", *CONSTRAINTS})
+
+
+class Unsupported(ValueError):
+    """A backend cannot provide a feature; raised before anything is computed or sent."""
+
+
+class BackendError(ValueError):
+    """A backend failed a request for a reason of its own (a server's error answer, a lost connection)."""
+
+
+@dataclass
+class StreamChunk:
+    """One step of a streamed request: `text` is the new text it made final (may be ""); `token_id` is -1
+    when the backend does not know it."""
+
+    sample: int
+    text: str
+    token_id: int
+    completion: Completion | None  # set on the sample's last chunk
+
+
+class Backend(LLM, abc.ABC):
+    """A model the runtime can run queries on (see the module docstring for the contract)."""
+
+    name: str
+    tokenizer = None
+    context_length: int | None = None
+    eos_ids: frozenset[int] = frozenset()
+    capabilities: frozenset[str] = frozenset()
+
+    def require(self, capability: str, feature: str) -> None:
+        """Raise `Unsupported` naming this backend and `feature` unless it has `capability`."""
+        if capability not in self.capabilities:
+            raise Unsupported(f"{feature} is not available on {self.describe()}: {self.why_not(capability)}")
+
+    def why_not(self, capability: str) -> str:
+        """Why this backend lacks `capability` (one clause, for error messages)."""
+        return f"it lacks the {capability!r} capability"
+
+    def describe(self) -> str:
+        return repr(self)
+
+    def generate(self, prompts, **options) -> list[Completion]:
+        """Complete each prompt (a string or token ids); returns `len(prompts) * n` completions,
+        prompt by prompt, samples in order. Raises the first request's error after all finished.
+
+        Called inside a running event loop (an `async def`, a notebook) it returns a
+        `kvql.generations.PendingGeneration` instead, so that LMQL's `await m.generate(prompt, ...)`
+        works too: awaited, it is LMQL's generate (a str, or list[str] for n > 1; see
+        `kvql.generations.generate`); used as a sequence, it is this method's list of completions,
+        computed on first use (blocking that thread until they are done)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self.complete(prompts, **options)
+        from ..generations import PendingGeneration  # the LMQL layer sits above the backends
+
+        return PendingGeneration(self, prompts, options)
+
+    def complete(self, prompts, **options) -> list[Completion]:
+        """`generate`, always synchronous: the list of completions, also inside an event loop (there,
+        on a worker thread)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.agenerate(prompts, **options))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, self.agenerate(prompts, **options)).result()
+
+    @abc.abstractmethod
+    async def agenerate(self, prompts, **options) -> list[Completion]:
+        """Complete each prompt (a string or a list of token ids); `len(prompts) * n` completions."""
+
+    @abc.abstractmethod
+    def stream(self, prompt, **options) -> AsyncIterator[StreamChunk]:
+        """Stream one prompt's completion, chunk by chunk."""
+
+    @abc.abstractmethod
+    async def ascore(self, prompt_ids: list[int], continuations: list[list[int]]
+                     ) -> tuple[list[list[float]], list[Completion]]:
+        """-> (per continuation, the log-probability of each of its tokens after the prompt; the
+        completions that computed them, for their cached-token counts). Needs `SCORE`."""
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
