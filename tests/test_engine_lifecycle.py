@@ -238,8 +238,9 @@ def test_random_submit_cancel_fail_sequences_keep_every_invariant(make_model, ll
             if fail_at is not None:
                 kw["mask"] = failing_at(fail_at)
             submitted.append((submit(m, ps[i], cache_salt=salt, **kw), ps[i], fail_at))
-        elif o[0] == "cancel" and o[1] < len(submitted):
-            m.engine.cancel(submitted[o[1]][0])
+        elif o[0] == "cancel":
+            if o[1] < len(submitted):
+                m.engine.cancel(submitted[o[1]][0])
         else:
             step(m, o[1])
     m.engine.run_until_idle()
@@ -248,10 +249,10 @@ def test_random_submit_cancel_fail_sequences_keep_every_invariant(make_model, ll
     assert m.engine.pool.num_free + m.engine.tree.total_tokens == m.engine.pool.num_slots
     for g, p, fail_at in submitted:
         assert all(holds_nothing(r) for r in g.requests)
-        if g.cancelled:
-            assert all(r.state in (State.CANCELLED, State.FINISHED) for r in g.requests)
+        if g.future.cancelled() or isinstance(g.future.exception(), concurrent.futures.CancelledError):
+            assert g.cancelled and all(r.state in (State.CANCELLED, State.FINISHED) for r in g.requests)
             continue
-        err = g.future.exception()
+        err = g.future.exception()  # a group cancelled after it ended keeps its outcome
         if err is not None:
             assert fail_at is not None and "planted failure" in str(err)
             assert all(r.state in (State.FAILED, State.FINISHED) for r in g.requests)
