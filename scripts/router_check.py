@@ -16,34 +16,29 @@ Workloads (48 inputs each by default):
             cache-aware router is made for (each prefix family should stay on its own worker).
 The query: "{prefix}Q: {item}\\nA:[A]" where STOPS_AT(A, "\\n") and len(TOKENS(A)) < 12, greedy.
 
-Adapter (`--shim`, on by default for kvql workers). vllm-router 0.1.17 does not forward the client's body: it
-re-serializes it with its own request type, adding SGLang/vLLM fields at their defaults (`no_stop_trim: false`,
-`ignore_eos: false`, `skip_special_tokens: true`, `return_hidden_states: false`; chat also
-`continue_final_message`, `separate_reasoning`, `stream_reasoning`, `include_reasoning`). `kvql serve`
-refuses unknown fields with a 400, so every request through the router fails. Its cache_aware policy also first
-POSTs the request to the worker's `/v1/completions/render` (vLLM's tokenize-only endpoint, answering
-`[{"request_id", "token_ids"}]`) to route on token ids; kvql has no such endpoint. The adapter is a small
-loopback proxy per worker (this file run with `--shim PORT UPSTREAM`) that drops those fields only when they
-hold the router's default values (a non-default value is forwarded and so refused by kvql), and answers
-`/v1/completions/render` with SmolLM2's tokenizer. `--no-shim` points the router straight at the workers, to
-show the failure.
+Prompts: with SmolLM2's tokenizer found under the served name, `kvql.model(url, name=...)` sends token-id
+prompts, which the router's cache_aware policy routes on directly; `--text-prompts` (`tokenizer=False`) sends
+text, and the policy first asks the worker's `/v1/completions/render` for its token ids (vLLM's tokenize-only
+endpoint, which kvql serve answers). Either way the router re-serializes each body and adds fields at its
+defaults (`no_stop_trim: false`, `ignore_eos: false`, `skip_special_tokens: true`, `return_hidden_states:
+false`), which kvql serve accepts at those values (kvql/server/protocol.py). The router's own decision
+counters (`vllm_router_kv_routing_inputs_total{result="render" | "token_ids"}`, prefix hits and misses) are
+printed under each router system.
 
 Threads: each worker (and the in-process reference) runs torch on --threads threads (default 1), so "one
 worker" is one core's worth and two workers are two: the machine this was written on has 2 cores, and the
-router and adapters share them too.
+router shares them too.
 
 Usage:
     .venv/bin/python scripts/router_check.py [--n 48] [--workloads shared two-task] [--round-robin]
-                                             [--vllm] [--threads 1] [--cache-budget 256MiB]
+                                             [--text-prompts] [--vllm] [--threads 1] [--cache-budget 256MiB]
 
 vllm-router is installed on first use into ${KVQL_ROUTER_VENV:-~/.cache/kvql/router-venv} (pip, PyPI).
 --vllm: also two vLLM CPU workers (scripts/vllm_cpu_server.sh, ~2 GB each, one core each, started once; their
 caches are emptied between systems with POST /reset_prefix_cache) behind the router, and one vLLM worker alone
-(vllm:prefix_cache_queries / vllm:prefix_cache_hits give the hit rate). No adapter is needed for vLLM.
+(vllm:prefix_cache_queries / vllm:prefix_cache_hits give the hit rate).
 
-kvql itself: the script imports kvql from wherever the venv's python finds it. While the work tree is being
-rewritten, run it on a clean commit: `git archive COMMIT kvql | tar -x -C DIR` plus a DIR/sitecustomize.py that
-drops the editable-install finder from sys.meta_path, then PYTHONPATH=DIR (the workers inherit it).
+kvql itself: the script and its workers import kvql from the venv (the editable install: this work tree).
 """
 
 from __future__ import annotations
@@ -231,18 +226,6 @@ def start_kvql_workers(tag: str, n: int, args) -> list[str]:
     return [url for _, url in started]
 
 
-def start_shims(tag: str, upstreams: list[str]) -> list[str]:
-    started = []
-    for i, upstream in enumerate(upstreams):
-        port = free_port()
-        p = spawn(f"{tag}-shim{i + 1}", [sys.executable, str(Path(__file__).resolve()), "--shim", str(port),
-                                         upstream])
-        started.append((p, f"http://127.0.0.1:{port}"))
-    for p, url in started:
-        wait_healthy(url, p, 60)
-    return [url for _, url in started]
-
-
 def ensure_router() -> Path:
     exe = ROUTER_VENV / "bin" / "vllm-router"
     if exe.exists():
@@ -311,7 +294,8 @@ def router_decisions(prom_url: str) -> str:
         return f"(router metrics unavailable: {e})"
     parts = []
     for k, v in sorted(m.items()):
-        if k.startswith(("vllm_router_policy_decisions_total", "vllm_router_prefix_routing_decisions_total")):
+        if k.startswith(("vllm_router_policy_decisions_total", "vllm_router_prefix_routing_decisions_total",
+                         "vllm_router_kv_routing_inputs_total")):
             label = re.sub(r'policy="[^"]*",?', "", k.split("{", 1)[1].rstrip("}"))
             parts.append(f"{label}: {v:.0f}")
     return "; ".join(parts) or "(no decisions recorded)"
@@ -338,18 +322,20 @@ def equal_count(ref: list, got: list | None) -> int:
 
 
 def system_kvql(label: str, items, ref, args, n_workers: int, policy: str | None) -> dict:
-    import kvql
-
     tag = label.replace(" ", "-")
     workers = start_kvql_workers(tag, n_workers, args)
     prom = None
     if policy is None:
         front = workers[0]
     else:
-        targets = start_shims(tag, workers) if args.shim else workers
-        front, prom = start_router(f"{tag}-router", targets, policy)
-    return finish_system(label, items, ref, front, workers, "kvql", prom,
-                         lambda: kvql.model(front + "/v1", name=MODEL))
+        front, prom = start_router(f"{tag}-router", workers, policy)
+    return finish_system(label, items, ref, front, workers, "kvql", prom, lambda: remote(front, args))
+
+
+def remote(front: str, args):
+    """The client model: token-id prompts (SmolLM2's tokenizer, found under the served name), or text."""
+    import kvql
+    return kvql.model(front + "/v1", name=MODEL, tokenizer=False if args.text_prompts else None)
 
 
 def finish_system(label, items, ref, front, workers, kind, prom, make_model) -> dict:
@@ -418,17 +404,14 @@ class VllmWorkers:
             subprocess.run(["bash", str(self.script), "stop", str(port)], env=self.env, capture_output=True)
 
 
-def system_vllm(label: str, items, ref, vllm: VllmWorkers, n_workers: int, policy: str | None) -> dict:
-    import kvql
-
+def system_vllm(label: str, items, ref, vllm: VllmWorkers, n_workers: int, policy: str | None, args) -> dict:
     vllm.reset()
     workers = vllm.urls[:n_workers]
     prom = None
     front = workers[0]
     if policy is not None:
         front, prom = start_router(f"{label.replace(' ', '-')}-router", workers, policy)
-    return finish_system(label, items, ref, front, workers, "vllm", prom,
-                         lambda: kvql.model(front + "/v1", name=MODEL))
+    return finish_system(label, items, ref, front, workers, "vllm", prom, lambda: remote(front, args))
 
 
 def report(name: str, n: int, ref_wall: float, results: list[dict]) -> None:
@@ -462,14 +445,11 @@ def main() -> None:
     ap.add_argument("--round-robin", action="store_true", help="also the router with --policy round_robin")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker and for the reference")
     ap.add_argument("--cache-budget", default="256MiB", help="each kvql worker's --cache-budget")
-    ap.add_argument("--no-shim", dest="shim", action="store_false",
-                    help="router straight to the kvql workers (shows vllm-router's extra fields refused)")
+    ap.add_argument("--text-prompts", action="store_true",
+                    help="send text prompts (tokenizer=False): the router asks the workers' /v1/completions/render")
     ap.add_argument("--vllm", action="store_true", help="also two vLLM CPU workers behind the router")
     ap.add_argument("--json", help="also write the results to this file")
-    ap.add_argument("--shim", dest="shim_args", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.shim_args:
-        return serve_shim(int(args.shim_args[0]), args.shim_args[1])
 
     import torch
 
@@ -514,7 +494,7 @@ def main() -> None:
                     if label.startswith("vllm"):
                         if vllm is None:
                             vllm = VllmWorkers(2)
-                        results.append(system_vllm(label, items, ref, vllm, n_workers, policy))
+                        results.append(system_vllm(label, items, ref, vllm, n_workers, policy, args))
                     else:
                         results.append(system_kvql(label, items, ref, args, n_workers, policy))
                 except Exception as e:
@@ -533,72 +513,6 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(all_results, indent=1))
     print(f"\nlogs: {LOG_DIR}")
-
-
-# ------------------------------------------------------------------------------------------- adapter
-# What vllm-router adds to every body it forwards, with the values it adds (its request types' defaults).
-ROUTER_DEFAULTS = {"no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
-                   "return_hidden_states": False, "continue_final_message": False, "separate_reasoning": True,
-                   "stream_reasoning": True, "include_reasoning": True}
-
-
-def strip_router_defaults(body: dict) -> dict:
-    """`body` without the fields vllm-router added at their default values; any other value is kept (and so
-    refused by kvql, as it would be without the router)."""
-    return {k: v for k, v in body.items() if not (k in ROUTER_DEFAULTS and v is ROUTER_DEFAULTS[k])}
-
-
-def serve_shim(port: int, upstream: str) -> None:
-    """A loopback proxy in front of one `kvql serve`: drops the fields vllm-router adds at their default
-    values, answers vLLM's `/v1/completions/render` (token ids for the router's cache-aware policy), and
-    forwards everything else unchanged (streams included)."""
-    import uuid
-
-    import httpx
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.background import BackgroundTask
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, StreamingResponse
-    from starlette.routing import Route
-    from transformers import AutoTokenizer
-
-    from kvql.backends.loader import resolve
-
-    tok = AutoTokenizer.from_pretrained(resolve(MODEL))
-    client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(600, connect=10))
-    hop = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
-
-    async def render(request: Request):
-        body = json.loads(await request.body() or b"{}")
-        prompt = body.get("prompt", "")
-        prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
-        out = [{"request_id": f"render-{uuid.uuid4().hex}",
-                "token_ids": p if p and isinstance(p[0], int) else tok(p, add_special_tokens=False)["input_ids"]}
-               for p in prompts]
-        return JSONResponse(out)
-
-    async def proxy(request: Request):
-        raw = await request.body()
-        if request.method == "POST" and raw:
-            try:
-                body = json.loads(raw)
-            except ValueError:
-                body = None
-            if isinstance(body, dict):
-                raw = json.dumps(strip_router_defaults(body)).encode()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in hop}
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        r = await client.send(client.build_request(request.method, path, content=raw, headers=headers),
-                              stream=True)
-        return StreamingResponse(r.aiter_raw(), status_code=r.status_code,
-                                 headers={k: v for k, v in r.headers.items() if k.lower() not in hop},
-                                 background=BackgroundTask(r.aclose))
-
-    methods = ["GET", "POST", "PUT", "DELETE"]
-    app = Starlette(routes=[Route("/v1/completions/render", render, methods=["POST"]),
-                            Route("/{path:path}", proxy, methods=methods)])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 Endpoints: `GET /health` (the engine's integrity check), `GET /v1/models`, `POST /v1/completions`,
 `POST /v1/chat/completions` (both with `stream: true` as server-sent events ending in `[DONE]`),
-`GET /metrics` (Prometheus).
+`POST /v1/completions/render` and `POST /v1/chat/completions/render` (vLLM's tokenize-only endpoints: the
+token ids this server would feed the engine for that request; vllm-router's cache_aware policy routes on
+them), `GET /metrics` (Prometheus).
 
 Contracts:
 - Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: a bad request is a
@@ -146,6 +148,34 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
+    def completion_prompts(req: CompletionRequest) -> list:
+        p = req.prompt
+        return p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+
+    def engine_ids(prompts: list) -> list[list[int]]:
+        """Each prompt (text or token ids) as the token ids the engine is fed for it."""
+        with _request_errors():
+            return model._prompt_ids(prompts)
+
+    def chat_ids(req: ChatRequest) -> list[int]:
+        """The chat template applied to the messages, opening the assistant's turn: the engine's prompt."""
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m, i)}
+                    for i, m in enumerate(req.messages)]
+        if not getattr(model.tokenizer, "chat_template", None):
+            raise RequestError("this model has no chat template; use /v1/completions")
+        try:
+            ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+        except jinja2.TemplateError as e:  # templates refuse some message sequences (raise_exception)
+            raise RequestError(f"the model's chat template refused these messages: {e}", "messages") from None
+        return list(ids)
+
+    def rendered(req, request_id: str, token_ids: list[int]) -> dict:
+        """vLLM's `GenerateRequest` as its render endpoints answer it, less `sampling_params` (vLLM's
+        engine options, which kvql's are not)."""
+        return {"request_id": request_id, "token_ids": token_ids, "model": req.model, "stream": req.stream,
+                "stream_options": req.stream_options if req.stream else None, "cache_salt": req.cache_salt}
+
     async def run(request: Request, prompts, opts):
         counters["requests"] += 1
         with _request_errors():
@@ -201,7 +231,8 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvql"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvql",
+                                            "max_model_len": model.context_length}]}  # vLLM's field
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -209,14 +240,13 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         opts = options(request, req, req.logprobs)
         opts, deferred = await prepared(req, opts)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        prompts = req.prompt if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
-            else [req.prompt]
+        prompts = completion_prompts(req)
         tok, spell = model.tokenizer, Spelling(model.tokenizer, bool(req.return_tokens_as_token_ids))
         echo_only = req.echo and 0 in (req.max_tokens, req.max_completion_tokens)
         k = req.logprobs
 
         def prompt_ids(p):
-            return tok.encode(p) if isinstance(p, str) else list(p)
+            return engine_ids([p])[0]
 
         def shown(p, c, text: str, ids: list[int], first: bool) -> dict:
             """One choice (or a stream's chunk of it; `c` set when the sample is done), with vLLM's echo
@@ -259,16 +289,7 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await parse(request, ChatRequest)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m, i)}
-                    for i, m in enumerate(req.messages)]
-        if not getattr(model.tokenizer, "chat_template", None):
-            raise RequestError("this model has no chat template; use /v1/completions")
-        try:
-            ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=False)
-        except jinja2.TemplateError as e:  # templates refuse some message sequences (raise_exception)
-            raise RequestError(f"the model's chat template refused these messages: {e}", "messages") from None
-        ids = list(ids)
+        ids = chat_ids(req)
         k = (req.top_logprobs or 0) if req.logprobs else None
         opts = options(request, req, k)
         opts, deferred = await prepared(req, opts)
@@ -302,6 +323,24 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         if req.return_token_ids:
             body["prompt_token_ids"] = ids
         return body
+
+    @app.post("/v1/completions/render")
+    async def render_completion(request: Request):
+        """Per prompt, what /v1/completions would feed the engine; nothing is generated. The request is
+        checked as /v1/completions checks it, so a render answers the 400 its generation would."""
+        req = await parse(request, CompletionRequest)
+        options(request, req, req.logprobs)
+        ids = engine_ids(completion_prompts(req))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return [rendered(req, rid if len(ids) == 1 else f"{rid}-{i}", t) for i, t in enumerate(ids)]
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(request: Request):
+        """What /v1/chat/completions would feed the engine (one object, as vLLM answers); nothing is
+        generated."""
+        req = await parse(request, ChatRequest)
+        options(request, req, None)
+        return rendered(req, f"chatcmpl-{uuid.uuid4().hex}", chat_ids(req))
 
     @app.get("/metrics")
     async def metrics():

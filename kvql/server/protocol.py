@@ -15,6 +15,13 @@ vLLM's other fields, with vLLM 0.32's meaning: `min_tokens` (min_tokens.py), `ig
 `return_tokens_as_token_ids`, `prompt_logprobs` (logprobs.py), and on /v1/completions `echo` with
 `logprobs` (the prompt's log-probabilities first) and `max_tokens: 0` with `echo` (the prompt scored,
 nothing generated).
+Fields other servers' clients and routers send (vllm-router re-serializes every body with its own request
+type and adds them at its defaults), accepted only at values meaning what kvql does, else a 400 naming the
+field (`NO_OP_VALUES`): SGLang's `no_stop_trim` (false: a stop string is cut from the text) and
+`return_hidden_states` (false); vLLM's `skip_special_tokens` (true: special tokens left out of the text); on
+chat, vLLM's `continue_final_message` (false: the template opens a new assistant turn) and
+`include_reasoning` (true: nothing is left out), and SGLang's `separate_reasoning` and `stream_reasoning`
+(either value: they act on a reasoning parser's split, and kvql has none, like SGLang started without one).
 Any other field is refused with a 400 naming it: in particular the old `guided_*` fields, which
 some servers ignore silently.
 """
@@ -103,6 +110,10 @@ class _Common(_Strict):
     return_token_ids: bool = False  # each choice also carries its token ids (a stream: each chunk's new ones)
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens spelled "token_id:{id}"
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # logprobs of the prompt's tokens, top k
+    # accepted at their no-op values only (NO_OP_VALUES)
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    return_hidden_states: bool = False
 
 
 class CompletionRequest(_Common):
@@ -130,6 +141,22 @@ class ChatRequest(_Common):
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    continue_final_message: bool = False
+    include_reasoning: bool = True
+    separate_reasoning: bool = True  # either value: no reasoning parser, nothing to separate
+    stream_reasoning: bool = True  # either value: likewise
+
+
+# field -> (the value kvql accepts, what kvql does instead of the other value)
+NO_OP_VALUES = {
+    "no_stop_trim": (False, "a stop string is always cut from the text"),
+    "skip_special_tokens": (True, "special tokens are always left out of the text"),
+    "return_hidden_states": (False, "hidden states are not returned"),
+    "continue_final_message": (False, "the chat template always opens a new assistant turn "
+                                      "(to continue a message, render it yourself and use /v1/completions)"),
+    "include_reasoning": (True, "the whole output is returned as content: kvql has no reasoning parser "
+                                "that could leave the reasoning out"),
+}
 
 
 def parse_request(raw: bytes, cls: type[_Common]) -> _Common:
@@ -138,9 +165,15 @@ def parse_request(raw: bytes, cls: type[_Common]) -> _Common:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     try:
-        return cls.model_validate(body)
+        req = cls.model_validate(body)
     except ValidationError as e:
         raise _summary(e, body) from None
+    for field, (accepted, instead) in NO_OP_VALUES.items():
+        value = getattr(req, field, accepted)
+        if value != accepted:
+            raise RequestError(f"{field}: {json.dumps(value)} is not supported; kvql serve takes only "
+                               f"{json.dumps(accepted)} ({instead})", field)
+    return req
 
 
 def parse_json(text: str | bytes, what: str, param: str | None = None) -> Any:
