@@ -31,16 +31,27 @@ def vllm():
         subprocess.run(["bash", str(SCRIPT), "stop", str(port)], check=False, timeout=120)
 
 
-def test_the_server_is_detected_as_vllm(vllm):
-    assert vllm.kind == "vllm" and {"regex", "choices", "json_schema"} <= set(vllm.supported_constraints)
+@pytest.fixture(scope="module")
+def local():
+    model = kvql.model("smollm2-135m", cache_budget="256MB")
+    yield model
+    model.close()
 
 
-def test_greedy_completions_equal_the_local_engine(vllm):
-    local = kvql.model("smollm2-135m", cache_budget="256MB")
+def test_the_server_is_detected_as_vllm_with_the_served_models_tokenizer(vllm):
+    assert vllm.kind == "vllm" and {"regex", "choices", "json_schema", "grammar"} <= set(vllm.supported_constraints)
+    assert vllm.tokenizer is not None  # found under the served name: prompts travel as token ids
+    assert {"token_ids", "score", "logprobs", "min_tokens", "stop_fn"} <= vllm.capabilities
+
+
+def test_greedy_completions_equal_the_local_engine(vllm, local):
     prompts = ["The capital of France is", "Q: What do bees make?\nA:"]
     remote = vllm.generate(prompts, max_tokens=8)
     assert [c.text for c in remote] == [c.text for c in local.generate(prompts, max_tokens=8)]
-    local.close()
+    ids = local.tokenizer.encode(prompts[1])
+    (by_id,) = vllm.generate([ids], max_tokens=8)
+    (want,) = local.generate([ids], max_tokens=8)
+    assert by_id.token_ids == want.token_ids
 
 
 def test_queries_with_regex_and_choice_constraints_run_on_vllm_and_obey_them(vllm):
@@ -56,11 +67,42 @@ return CITY, YN, N
     assert len(set(answers)) == 1  # greedy: the same answer every time
 
 
-def test_a_constraint_vllm_cannot_express_is_refused_before_sending(vllm):
-    with pytest.raises(ValueError, match="cannot express a grammar"):
-        vllm.generate(["x"], max_tokens=4, grammar='start: "a"')
-    with pytest.raises(ValueError, match="cannot run on a remote server"):
+FEATURES = {
+    "distribution": 'argmax "Q: Is the sky blue? Answer yes or no.\\nA:[A]" distribution A in [" yes", " no"]',
+    "beam": 'beam(n=2) "Q: Name a color.\\nA:[A]" where len(TOKENS(A)) < 5\nreturn A',
+    "roles": '"{:user}Say hello.{:assistant}[A]" where len(TOKENS(A)) < 8 and STOPS_AT(A, ".")\nreturn A',
+    "guarded stop": '"Count: one, two,[A]" where STOPS_AT(A, ",") and len(TOKENS(A)) > 3 and len(TOKENS(A)) < 12\n'
+                    'return A',
+    "and not (a Lark grammar)": '"Word:[A]" where REGEX(A, " [a-z]+") and not A in [" the", " a"] and '
+                                'len(TOKENS(A)) < 4\nreturn A',
+    "len(X) < n": '"Say something:[A]" where len(A) < 12\nreturn A',
+    "startswith": '"Color:[A]" where A.startswith(" b") and len(TOKENS(A)) < 4\nreturn A',
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_every_query_feature_gives_the_local_engines_result_on_vllm(vllm, local, feature):
+    got, want = kvql.run_sync(FEATURES[feature], model=vllm), kvql.run_sync(FEATURES[feature], model=local)
+    if feature == "distribution":
+        assert got.variables["A"] == want.variables["A"]
+        assert [p for _, p in got.variables["P(A)"]] == pytest.approx([p for _, p in want.variables["P(A)"]], abs=1e-3)
+    else:
+        assert got == want
+
+
+def test_score_and_stats_on_vllm(vllm, local):
+    got = kvql.score_sync("Q: Is the sky blue?\nA:", [" yes", " no"], model=vllm)
+    want = kvql.score_sync("Q: Is the sky blue?\nA:", [" yes", " no"], model=local)
+    assert list(got.logprobs) == pytest.approx(list(want.logprobs), abs=1e-3)
+    stats = vllm.stats()
+    assert stats["prompt_tokens"] > 0 and "cached_tokens" in stats and 0 <= stats["hit_rate"] <= 1
+
+
+def test_what_vllm_cannot_do_is_refused_before_sending(vllm):
+    with pytest.raises(ValueError, match="mask is a Python callback and cannot run on the vllm server"):
         vllm.generate(["x"], max_tokens=4, mask=lambda ids: None)
+    with pytest.raises(kvql.QueryError, match="beam search under a constraint .* is not available on the vllm server"):
+        kvql.run_sync('beam(n=2) "Pick:[A]" where A in [" red", " blue"]', model=vllm)
 
 
 def test_cache_salt_partitions_vllms_prefix_cache_too(vllm):

@@ -5,7 +5,8 @@ what it serves (`/v1/models`) and what it is (`/metrics` for kvql, `/version` fo
 `/get_model_info` for SGLang), and so which features it has; a request for one it lacks raises
 `Unsupported` before anything is sent, naming the server and the feature. Requests go through the
 official `openai` client (extension fields in `extra_body`); `stats()` reads the server's Prometheus
-counters with `prometheus_client`'s parser.
+counters with `prometheus_client`'s parser. kvql serve and vLLM 0.32 are tested; SGLang's spellings are
+taken from its source (python/sglang/srt/entrypoints/openai/protocol.py) and not tested here.
 
 With a tokenizer (given, or found under the served model's name: a built-in spec, a local model
 directory, or a Hugging Face model in the local cache) the query runtime keeps prompts as token ids
@@ -18,7 +19,8 @@ How each contract option travels (kvql serve and vLLM spell them alike; SGLang d
 - constraints: `structured_outputs.{regex, choice, json, grammar}` (Lark: vLLM's default backend
   falls back to llguidance for grammars xgrammar cannot read); SGLang: `regex`, `json_schema`
   (no Lark: `grammar` is refused there);
-- `min_tokens`, `stop`, `seed`, `top_k`, penalties, `ignore_eos`, `cache_salt`: fields of the same name;
+- `min_tokens`, `stop`, `seed`, `top_k`, penalties, `ignore_eos`, `cache_salt`: fields of the same name
+  (SGLang's OpenAI endpoint also reads `min_tokens`; it reports the stop string as `matched_stop`);
 - `logprobs=k`: OpenAI's `logprobs` with `return_tokens_as_token_ids` (tokens spelled `token_id:N`);
 - `ascore`: `prompt_logprobs` on prompt + continuation;
 - `stop_fn`: the request is streamed, the function called on each chunk, and the stream closed
@@ -31,6 +33,7 @@ How each contract option travels (kvql serve and vLLM spell them alike; SGLang d
 from __future__ import annotations
 
 import asyncio
+import json
 import weakref
 from typing import AsyncIterator
 
@@ -54,7 +57,7 @@ _SPELLINGS = {
 _EXTRAS = {  # what each kind of server offers besides constraints
     "kvql": {base.SCORE, base.LOGPROBS, base.MIN_TOKENS, base.STOP_FN, base.SAMPLING, base.CACHE_SALT},
     "vllm": {base.SCORE, base.LOGPROBS, base.MIN_TOKENS, base.STOP_FN, base.SAMPLING, base.CACHE_SALT},
-    "sglang": {base.MIN_TOKENS, base.STOP_FN, base.SAMPLING},
+    "sglang": {base.MIN_TOKENS, base.STOP_FN, base.SAMPLING, base.CACHE_SALT},
     "openai": {base.STOP_FN},
 }
 _CALLBACKS = ("mask",)  # Python functions that would have to run inside the server
@@ -152,6 +155,8 @@ class RemoteModel(Backend):
         for key, value in given.items():
             self.require(key, f"a {key} constraint")
             group, field = _SPELLINGS[self.kind][key]
+            if self.kind == "sglang" and key == "json_schema" and not isinstance(value, str):
+                value = json.dumps(value)  # SGLang takes the schema as a string
             (extra.setdefault(group, {}) if group else extra)[field] = value
         if masked_logprobs and (given or min_tokens):
             self.require(base.MASKED_LOGPROBS, "beam search under a constraint")
@@ -159,7 +164,7 @@ class RemoteModel(Backend):
             self.require(base.MASKED_LOGPROBS, "a constraint that starts inside the prompt (grammar_prefix)")
         if min_tokens:
             self.require(base.MIN_TOKENS, "min_tokens")
-            extra["min_new_tokens" if self.kind == "sglang" else "min_tokens"] = min_tokens
+            extra["min_tokens"] = min_tokens
         if stop_fn is not None:
             self.require(base.STOP_FN, "a stop function")
         sampling = {"top_k": top_k, "repetition_penalty": repetition_penalty}
@@ -174,7 +179,7 @@ class RemoteModel(Backend):
         if logprobs is not None:
             self.require(base.LOGPROBS, "log-probabilities by token id")
             extra["return_tokens_as_token_ids"] = True
-        if self.kind in ("kvql", "vllm"):
+        if self.kind in ("kvql", "vllm", "sglang"):
             extra["return_token_ids"] = True
         args = dict(model=self.name, prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                     n=n, extra_body=extra)
@@ -215,7 +220,7 @@ class RemoteModel(Backend):
         return [Completion(text=choice.text, token_ids=list(_extra(choice, "token_ids") or []),
                            finish_reason=choice.finish_reason or "length", prompt_tokens=prompt_tokens,
                            cached_tokens=cached, sample=sample, logprobs=_logprobs(choice.logprobs),
-                           stop_reason=r if isinstance(r := _extra(choice, "stop_reason"), str) else None)
+                           stop_reason=_stop_reason(choice))
                 for sample, choice in enumerate(sorted(reply.choices, key=lambda c: c.index))]
 
     async def _streamed(self, args: dict, stop_fn) -> list[Completion]:
@@ -341,6 +346,15 @@ def _tokenizer(given, served_name: str):
 def _extra(obj, key: str):
     """A field the OpenAI schema does not name (vLLM's `token_ids`, `stop_reason`, `prompt_logprobs`)."""
     return (getattr(obj, "model_extra", None) or {}).get(key)
+
+
+def _stop_reason(choice) -> str | None:
+    """The stop string that ended a choice: vLLM's and kvql's `stop_reason`, SGLang's `matched_stop`."""
+    for key in ("stop_reason", "matched_stop"):
+        reason = _extra(choice, key)
+        if isinstance(reason, str):
+            return reason
+    return None
 
 
 def _usage(reply) -> tuple[int, int]:
