@@ -210,6 +210,12 @@ class Context:
         checked = plan.constrained(full, guard)
         self._check_value(name, plan, value, checked,
                           lambda: self._why_cut(name, plan, full, guard, tokens, max_tokens, bound))
+        if plan.min_tokens and (tokens or not full) and len(tokens) < plan.min_tokens:
+            # a server lets a complete grammar end the value before min_tokens (vLLM's rule); kvql's engine
+            # would have found no token to continue with
+            raise UnmetConstraint(name, f"the value {value!r} has {_tokens(len(tokens))}; {plan.floor} needs "
+                                        f"{plan.min_tokens}, and its constraint ({plan.describe()}) allowed no more",
+                                  value)
         return self._finish_hole(name, plan, value, tokens, post)
 
     def _budget(self, name: str, plan: HolePlan) -> tuple[int, str]:
