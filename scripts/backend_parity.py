@@ -76,7 +76,7 @@ CASES = [
      lambda r: isinstance(r, list) and len(r) == 2, False),
     ("typed (dataclass)", '"A person as JSON: [P]" where type(P) is Person and len(TOKENS(P)) < 40\nreturn P',
      lambda p: isinstance(p, Person), True),
-    ("nested query", '"Topic: cats. [W: inner("cats")]"\nreturn W', lambda w: isinstance(w, str), True),
+    ("nested query", '"Topic: cats. [W: inner(\'cats\')]"\nreturn W', lambda w: isinstance(w, str), True),
 ]
 
 
