@@ -81,13 +81,19 @@ def make_model(tokenizer, llama):
 
 
 @pytest.fixture
-def m(make_model):
-    """A fresh tiny model, also the default model of queries that name none (test files that need only
-    a model define their own `m`)."""
+def local(make_model):
+    """A fresh tiny model on the local engine, also the default model of queries that name none."""
     model = make_model()
     kvql.set_default_model(model)
     yield model
     kvql.set_default_model(None)
+
+
+@pytest.fixture
+def m(local):
+    """The default model of a test (the local engine; query-language test files override `m` with
+    `each_backend`, and take `local` where they inspect the engine itself)."""
+    return local
 
 
 @contextlib.contextmanager
@@ -174,3 +180,16 @@ def served_llama(tmp_path_factory, llama, tokenizer):
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(params=["local", "remote"])
+def each_backend(request, make_model, tokenizer):
+    """The default model of a test's queries, once per backend: the local engine, and the remote backend
+    on a `kvql serve` subprocess serving the same tiny model (prompts sent as token ids)."""
+    if request.param == "local":
+        model = make_model()
+    else:
+        model = kvql.model(request.getfixturevalue("served_llama"), tokenizer=tokenizer)
+    kvql.set_default_model(model)
+    yield model
+    kvql.set_default_model(None)

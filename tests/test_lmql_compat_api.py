@@ -21,6 +21,12 @@ import torch
 import kvql
 import kvql as lmql  # ordinary LMQL code should run with this import
 
+
+@pytest.fixture
+def m(each_backend):
+    """Each test runs on the local engine and through the remote backend on `kvql serve`."""
+    return each_backend
+
 CONSTANT = 1  # read by queries through their defining module's globals
 
 

@@ -16,6 +16,12 @@ import kvql
 import kvql as lmql
 from kvql.runtime.constraints import type_schema
 
+
+@pytest.fixture
+def m(each_backend):
+    """Each test runs on the local engine and through the remote backend on `kvql serve`."""
+    return each_backend
+
 PROMPT = "Once upon a time"
 
 

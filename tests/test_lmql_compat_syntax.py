@@ -14,6 +14,12 @@ import pytest
 import kvql
 import kvql as lmql
 
+
+@pytest.fixture
+def m(each_backend):
+    """Each test runs on the local engine and through the remote backend on `kvql serve`."""
+    return each_backend
+
 PREFIX_SEEN: list = []
 
 

@@ -23,6 +23,12 @@ from kvql.completion import Completion
 from kvql.runtime.context import UnmetConstraint
 
 
+@pytest.fixture
+def m(each_backend):
+    """Each test runs on the local engine and through the remote backend on `kvql serve`."""
+    return each_backend
+
+
 def generated(m) -> int:
     return m.stats()["generated_tokens"]
 
@@ -98,7 +104,8 @@ def test_a_value_cut_short_by_its_stop_phrase_is_an_error(m):
 
 
 def test_beam_search_returns_no_incomplete_value_either(m):
-    with pytest.raises(UnmetConstraint, match="hole X"):
+    # (servers return no log-probabilities of a constrained distribution: there it is refused by name)
+    with pytest.raises(lmql.QueryError, match="hole X|X: beam search under a constraint .* not available"):
         lmql.run_sync('beam(n=2)\n"Pick: [X]" where X in ["Volleyball", "a"] and len(TOKENS(X)) < 3')
 
 
@@ -176,8 +183,8 @@ def test_a_token_lower_bound_no_choice_can_reach_is_refused_before_generating(m)
 
 def test_a_value_that_runs_into_a_dead_end_names_its_constraints(m):
     err = unmet('"Say: [X]" where len(X) < 3 and len(TOKENS(X)) > 5')
-    assert str(err).startswith("hole X: no token could continue its value under all its constraints "
-                               "(len(X) < 3 and len(TOKENS(X)) > 5)")
+    # locally no token can continue; a server ends the value when the grammar is complete: both name both
+    assert str(err).startswith("hole X: ") and "len(X) < 3" in str(err) and "len(TOKENS(X)) > 5" in str(err)
 
 
 def test_an_invalid_regex_is_named_by_its_condition(m):

@@ -23,25 +23,9 @@ GLOBAL_TOPIC = "spiders"  # read by a query through the defining module's global
 SIDE_EFFECTS: list = []    # appended to by a query body, to count how often it runs
 
 
-@pytest.fixture(params=["local", "remote"])
-def m(request, make_model, tokenizer):
-    """The default model of the test's queries: the local engine, or a remote model on `kvql serve`."""
-    if request.param == "local":
-        model = make_model()
-    else:
-        model = kvql.model(request.getfixturevalue("served_llama"), tokenizer=tokenizer)
-    kvql.set_default_model(model)
-    yield model
-    kvql.set_default_model(None)
-
-
 @pytest.fixture
-def local(make_model):
-    """The local engine as the default model (tests that inspect its state)."""
-    model = make_model()
-    kvql.set_default_model(model)
-    yield model
-    kvql.set_default_model(None)
+def m(each_backend):
+    return each_backend
 
 
 def stat(m, key):

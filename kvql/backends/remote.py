@@ -123,12 +123,15 @@ class RemoteModel(Backend):
         return f"{self.kind} servers do not offer it"
 
     def _client(self) -> openai.AsyncOpenAI:
-        """One client per event loop (its connections belong to the loop that opened them)."""
+        """One client per event loop (connections belong to the loop that opened them). Connections are
+        not kept alive: `asyncio.run` closes its loop without closing clients, and an idle pooled
+        connection would then be torn down on a closed loop."""
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
+            http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=0))
             client = self._clients[loop] = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none",
-                                                              timeout=self.timeout, max_retries=0)
+                                                              timeout=self.timeout, max_retries=0, http_client=http)
         return client
 
     # -- requests --------------------------------------------------------------------------------

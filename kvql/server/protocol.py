@@ -93,7 +93,7 @@ class _Common(_Strict):
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's: -1, 0 or none: every token
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, gt=0, le=2)  # CTRL / transformers; 1: none
+    repetition_penalty: float = Field(default=1.0, gt=0)  # CTRL / transformers; 1: none (vLLM: any > 0)
     n: int = Field(default=1, ge=1, le=64)
     seed: int | None = None
     stop: str | list[str] | None = None
