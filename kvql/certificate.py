@@ -59,7 +59,7 @@ def make(name: str, model, decoding, traces: list, results: list) -> InferenceCe
     config = getattr(getattr(model, "hf_model", None), "config", None)
     events = []
     for run, trace in enumerate(traces):
-        if trace is None:  # a remote model keeps no token trace
+        if trace is None:  # a remote model without a tokenizer keeps no token trace
             continue
         for hole in trace.holes:
             events.append({"name": "kvql.generate", "data": {"run": run, **asdict(hole)}})

@@ -80,7 +80,7 @@ def run(args) -> None:
     trace = q.last_trace
     if args.trace:
         if trace is None:
-            raise ValueError("no trace: the query ran on a remote model")
+            raise ValueError("no trace: the query ran on a remote model without a tokenizer (text prompts)")
         trace.save(args.trace)
         print(f"trace written to {args.trace}", file=sys.stderr)
     if args.stats and trace is not None:
