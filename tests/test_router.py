@@ -1,9 +1,9 @@
 """kvql serve behind vllm-router, and scripts/router_check.py's pieces that need no server.
 
-The router tests run vllm-router (as scripts/router_check.py installs it, in ${KVQL_ROUTER_VENV:-
-~/.cache/kvql/router-venv}; skipped when it is not there: tests download nothing) in front of two kvql serve
-apps on loopback serving the tiny test model, nothing in between. The whole check (two SmolLM2 workers, ~3
-minutes) runs only with KVQL_ROUTER_CHECK=1: `KVQL_ROUTER_CHECK=1 ./dev test tests/test_router.py`.
+The router tests (marked `router`) run vllm-router in front of two kvql serve apps on loopback serving the
+tiny test model, nothing in between; the first run installs it as scripts/router_check.py does (pip, PyPI,
+into ${KVQL_ROUTER_VENV:-~/.cache/kvql/router-venv}). `./dev test -m "not router"` leaves them out. The whole
+measurement (two SmolLM2 workers, ~3 minutes) is the script itself: `.venv/bin/python scripts/router_check.py`.
 """
 
 import contextlib
@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,8 +24,7 @@ from kvql.server.app import create_app
 from conftest import serving
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "router_check.py"
-ROUTER = Path(os.environ.get("KVQL_ROUTER_VENV", Path.home() / ".cache" / "kvql" / "router-venv")) / "bin" / "vllm-router"
-needs_router = pytest.mark.skipif(not ROUTER.exists(), reason=f"vllm-router not installed at {ROUTER}")
+needs_router = pytest.mark.router
 PREFIX = "Question: what is the capital of France? Answer: Paris.\nQuestion: how many legs does a spider have? Answer:"
 
 
@@ -46,14 +44,6 @@ def test_the_workloads_have_48_distinct_inputs_over_one_or_two_prefixes(rc):
     assert rc.workload("two-task", 48) == two  # the mix is fixed
 
 
-@pytest.mark.skipif(os.environ.get("KVQL_ROUTER_CHECK") != "1", reason="set KVQL_ROUTER_CHECK=1 (~3 min)")
-def test_queries_through_vllm_router_answer_as_the_local_model():
-    r = subprocess.run([sys.executable, str(SCRIPT), "--n", "8"], capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = [line for line in r.stdout.splitlines() if "answers equal" in line]
-    assert len(lines) == 4 and all("answers equal 8/8" in line for line in lines), r.stdout
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,10 +51,10 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _router(workers: list[str], policy: str):
+def _router(router_bin: Path, workers: list[str], policy: str):
     """vllm-router over `workers`: yields (its URL, its Prometheus URL) once its /health answers 200."""
     port, prom = _free_port(), _free_port()
-    proc = subprocess.Popen([str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+    proc = subprocess.Popen([str(router_bin), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
                              "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
                              "--worker-startup-check-interval", "1", "--log-level", "warning"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -90,6 +80,12 @@ def _counter(prom_url: str, prefix: str) -> float:
 
 
 @pytest.fixture(scope="module")
+def router_bin(rc) -> Path:
+    """The vllm-router executable, installed on first use."""
+    return rc.ensure_router()
+
+
+@pytest.fixture(scope="module")
 def two_workers(tokenizer, llama):
     models = [kvql.Model(llama, tokenizer, name="tiny", cache_budget=4 << 20) for _ in range(2)]
     with serving(create_app(models[0])) as a, serving(create_app(models[1])) as b:
@@ -105,11 +101,11 @@ def _metric(url: str, name: str) -> float:
 
 @needs_router
 def test_text_prompts_through_the_cache_aware_router_answer_as_one_worker_and_are_routed_on_rendered_ids(
-        two_workers):
+        two_workers, router_bin):
     (a, b), models = two_workers
     questions = [f"{PREFIX} ({i})" for i in range(6)]
     want = [c.text for c in models[0].generate(questions, max_tokens=5)]
-    with _router([a, b], "cache_aware") as (url, prom):
+    with _router(router_bin, [a, b], "cache_aware") as (url, prom):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         got = [client.completions.create(model="tiny", prompt=q, max_tokens=5, temperature=0).choices[0].text
                for q in questions]
@@ -119,9 +115,9 @@ def test_text_prompts_through_the_cache_aware_router_answer_as_one_worker_and_ar
 
 
 @needs_router
-def test_chat_and_streams_pass_through_the_router(two_workers):
+def test_chat_and_streams_pass_through_the_router(two_workers, router_bin):
     (a, b), models = two_workers
-    with _router([a, b], "round_robin") as (url, _):
+    with _router(router_bin, [a, b], "round_robin") as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         direct = openai.OpenAI(base_url=a + "/v1", api_key="none", max_retries=0)
         stream = client.completions.create(model="tiny", prompt=PREFIX, max_tokens=6, temperature=0, stream=True)
@@ -133,7 +129,7 @@ def test_chat_and_streams_pass_through_the_router(two_workers):
 
 
 @needs_router
-def test_a_field_kvql_does_not_implement_is_refused_through_the_router(two_workers):
-    with _router(two_workers[0], "round_robin") as (url, _):
+def test_a_field_kvql_does_not_implement_is_refused_through_the_router(two_workers, router_bin):
+    with _router(router_bin, two_workers[0], "round_robin") as (url, _):
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "skip_special_tokens": False})
     assert r.status_code == 400 and "skip_special_tokens" in r.text
