@@ -7,6 +7,8 @@ never imports torch or the engine.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 _PUBLIC = {
     "model": "backends.factory", "tokenizer": "backends.factory",
@@ -43,3 +45,15 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_PUBLIC))
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # Importing the submodule kvql/query.py binds it here as `kvql.query`; the public name is the
+        # `query` decorator (LMQL's `lmql.query`), so the module never replaces it.
+        if name == "query" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

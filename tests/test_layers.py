@@ -47,3 +47,9 @@ def test_the_runtime_has_no_remote_branches():
         source = path.read_text()
         assert ".remote" not in source and "RemoteModel" not in source, f"{path.name} branches on remote backends"
         assert ".engine" not in source, f"{path.name} reaches into the engine"
+
+
+def test_kvql_query_stays_the_decorator_after_its_module_is_imported():
+    out = subprocess.run([sys.executable, "-c", "import kvql.query, kvql\nprint(callable(kvql.query), "
+                          "type(kvql.query).__name__)"], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["True", "function"]
