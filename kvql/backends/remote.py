@@ -199,6 +199,11 @@ class RemoteModel(Backend):
             return await self._client().completions.create(**args)
         except openai.APIStatusError as e:
             message = e.body.get("message", e.message) if isinstance(e.body, dict) else e.message
+            grammar = (args.get("extra_body") or {}).get("structured_outputs", {}).get("grammar") or ""
+            if self.kind == "vllm" and e.status_code >= 500 and ("&" in grammar or "~" in grammar):
+                message += (" (a Lark grammar with & or ~: vLLM runs one structured-output backend per process, "
+                            "chosen by its first constrained request; only 'guidance' reads these. Start vLLM "
+                            "with --structured-outputs-config.backend guidance)")
             raise BackendError(f"{self.describe()} answered {e.status_code}: {message}") from None
         except openai.APIConnectionError as e:
             raise BackendError(f"cannot reach {self.describe()}: {e}") from None
