@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
 import sys
 import time
 
@@ -89,36 +87,6 @@ def run(args) -> None:
               f"never sent {s['unsent']}; hit rate {s['hit_rate']:.0%}; {s['seconds']:.2f} s", file=sys.stderr)
 
 
-def serve(args) -> None:
-    import uvicorn
-
-    import kvql
-    from kvql.server.app import create_app
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # SIGINT/SIGTERM: stop accepting, let in-flight requests finish (30 s at most), shut down, exit 0
-            # (uvicorn's own handlers re-raise the signal afterwards, which exits non-zero)
-            def stop(*_):
-                self.force_exit = self.should_exit
-                self.should_exit = True
-            previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    m = kvql.model(args.model, device=args.device, cache_budget=args.cache_budget)
-    app = create_app(m, name=args.served_model_name, aliases=[args.model], api_key=args.api_key,
-                     salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
-                     max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap)
-    print(f"kvql serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                          timeout_graceful_shutdown=30)).run()
-
-
 def bench(args) -> None:
     import kvql
     from kvql import bench as suite
@@ -149,23 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stats", action="store_true", help="print the run's cached / computed token counts")
     p.set_defaults(func=run)
     p = sub.add_parser("serve", help="OpenAI-compatible server sharing one model and its cache")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model's name in the API (default: --model, which stays accepted as an alias)")
-    p.add_argument("--api-key", action="append", metavar="KEY",
-                   help="require Authorization: Bearer KEY on all but /health (repeatable: any of them)")
-    p.add_argument("--salt-per-key", action="store_true",
-                   help="each API key gets its own prefix-cache partition (tenants cannot probe each other)")
-    p.add_argument("--allowed-host", action="append", metavar="HOST",
-                   help="a host name accepted in the Host header besides IP addresses, localhost and --host "
-                        "(repeatable; '*': any)")
-    p.add_argument("--cache-budget", default=None, help="KV cache size, e.g. 512MB or 2GiB")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    p.add_argument("--max-tokens-cap", type=int, default=4096)
-    p.set_defaults(func=serve)
+    from .server import launch  # its flags; the server itself is imported only when it starts
+
+    launch.add_arguments(p)
+    p.set_defaults(func=launch.serve)
     p = sub.add_parser("bench", help="workloads side by side: kvql vs HF generate / generate_batch")
     p.add_argument("workloads", nargs="*", help="fewshot chat tot json classify (default: all)")
     p.add_argument("--model", default="smollm2-135m")
