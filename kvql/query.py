@@ -237,10 +237,15 @@ class Query(Program):
             return self.run(*args, **kwargs)
         return self.run_sync(*args, **kwargs)
 
-    def map(self, inputs, *, progress: bool = False, concurrency: int = 64, **options) -> list:
+    def map(self, inputs, *, progress: bool | None = None, concurrency: int = 64, **options) -> list:
         """Run the query once per input (a dict of keyword inputs, a tuple of positional ones, or a single
-        value), all concurrently in the engine; results keep the order of `inputs`."""
+        value), all concurrently in the engine; results keep the order of `inputs`. `progress`: a tqdm
+        bar of runs done; by default shown for more than 8 inputs when stderr is a terminal."""
+        import sys
+
         inputs = list(inputs)
+        if progress is None:
+            progress = len(inputs) > 8 and sys.stderr.isatty()
 
         async def main():
             from tqdm.auto import tqdm

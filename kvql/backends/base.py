@@ -26,6 +26,9 @@ Generation options (every backend accepts these names; unknown ones raise TypeEr
     regex, choices, json_schema, grammar (Lark, llguidance dialect: `&` and `~` allowed); and
     grammar_prefix=0: the constraint's value began that many tokens before the end of the prompt (the
     last `grammar_prefix` prompt tokens are the start of the constrained value; beam search uses it).
+`generate`, `complete` and `agenerate` also take progress=False: True shows a tqdm bar of completions
+done / total on stderr, as vLLM's `LLM.generate(use_tqdm=True)` does; a callable is called as tqdm is
+(`functools.partial(tqdm, file=f)`, vLLM's other `use_tqdm` form). See `progress_bar`.
 Each capability below names options or methods that need it.
 """
 
@@ -53,6 +56,20 @@ CONSTRAINTS = ("regex", "choices", "json_schema", "grammar")  # each a capabilit
 OPTIONS = frozenset({"max_tokens", "min_tokens", "stop", "stop_fn", "temperature", "top_p", "top_k",
                      "repetition_penalty", "frequency_penalty", "presence_penalty", "n", "seed", "logprobs",
                      "masked_logprobs", "ignore_eos", "cache_salt", "grammar_prefix", *CONSTRAINTS})
+
+
+def progress_bar(progress, total: int, desc: str = "Generating"):
+    """The bar that a `progress=` option asks for, counting `total` completions (None when off).
+    The caller updates it as completions finish and closes it, also on error."""
+    if progress is None or progress is False:
+        return None
+    if progress is True:
+        from tqdm.auto import tqdm
+
+        progress = tqdm
+    elif not callable(progress):
+        raise TypeError(f"progress must be a bool or a callable that makes a tqdm bar, got {type(progress).__name__}")
+    return progress(total=total, desc=desc, unit="completion")
 
 
 class Unsupported(ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import re
 from typing import AsyncIterator, Sequence
@@ -191,29 +192,47 @@ class Model(Backend):
     # constraint. Constraints are compiled by kvql.engine.grammar. cache_salt (a string): requests share
     # cached prefixes only with requests of the same salt, so tenants cannot probe each other's prompts
     # through cached_tokens or timing.
-    def complete(self, prompts, **options) -> list[Completion]:
-        """`generate`, always synchronous: the list of completions, also inside an event loop."""
+    def complete(self, prompts, *, progress=False, **options) -> list[Completion]:
+        """`generate`, always synchronous: the list of completions, also inside an event loop.
+        `progress=True`: a tqdm bar of completions done (see `base.progress_bar`)."""
         groups = self._submit(prompts, **options)
+        bar = base.progress_bar(progress, sum(g.params.n for g in groups))
+        n_of = {g.future: g.params.n for g in groups}
         if not self.engine.background:
             self.engine.run_until_idle()
         try:
-            for g in groups:
-                g.future.exception()  # wait for all, even if one fails
+            for f in concurrent.futures.as_completed(n_of):  # wait for all, even if one fails
+                if bar is not None:
+                    bar.update(n_of[f])
         except BaseException:  # interrupted (e.g. Ctrl-C): free the engine from this call's work
             for g in groups:
                 self.engine.cancel(g)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [c for g in groups for c in g.future.result()]
 
-    async def agenerate(self, prompts, **options) -> list[Completion]:
+    async def agenerate(self, prompts, *, progress=False, **options) -> list[Completion]:
         """`generate` for asyncio; cancelling the awaiting task cancels the requests."""
         groups = await self._asubmit(prompts, **options)
+        bar = base.progress_bar(progress, sum(g.params.n for g in groups))
+
+        async def done(g: RequestGroup) -> list[Completion]:
+            try:
+                return await asyncio.wrap_future(g.future)
+            finally:
+                if bar is not None:
+                    bar.update(g.params.n)
         try:
-            results = await asyncio.gather(*(asyncio.wrap_future(g.future) for g in groups))
+            results = await asyncio.gather(*(done(g) for g in groups))
         except BaseException:
             for g in groups:
                 self.engine.cancel(g)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [c for r in results for c in r]
 
     async def stream(self, prompt, **options) -> AsyncIterator[StreamChunk]:

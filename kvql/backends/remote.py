@@ -208,11 +208,23 @@ class RemoteModel(Backend):
         except openai.APIConnectionError as e:
             raise BackendError(f"cannot reach {self.describe()}: {e}") from None
 
-    async def agenerate(self, prompts, **options) -> list[Completion]:
+    async def agenerate(self, prompts, *, progress=False, **options) -> list[Completion]:
         if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         requests = [self._request(p, **options) for p in prompts]  # every error before anything is sent
-        replies = await asyncio.gather(*(self._one(args, stop_fn) for args, stop_fn in requests))
+        bar = base.progress_bar(progress, sum(args["n"] for args, _ in requests))
+
+        async def one(args: dict, stop_fn) -> list[Completion]:
+            try:
+                return await self._one(args, stop_fn)
+            finally:
+                if bar is not None:
+                    bar.update(args["n"])
+        try:
+            replies = await asyncio.gather(*(one(args, stop_fn) for args, stop_fn in requests))
+        finally:
+            if bar is not None:
+                bar.close()
         out = []
         for index, completions in enumerate(replies):
             for c in completions:
