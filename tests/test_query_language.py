@@ -473,7 +473,8 @@ def test_constraints_read_python_values_of_the_query(m):
     backpack, best, more = lmql.run_sync(src)  # run_sync reads `limit` from this frame
     n = stat(m, "generated_tokens") - before
     assert best in backpack
-    assert n <= 3 + len("".join(backpack)) + len(best) + (limit - 1)
+    # at most a token per character, and the end-of-sequence token that ends each of the 4 choice holes
+    assert n <= 4 + len("".join(backpack)) + len(best) + (limit - 1)
 
 
 def test_choice_from_a_list(m):
@@ -747,3 +748,15 @@ def test_a_token_lower_bound_the_grammar_cannot_reach_is_an_error_on_every_backe
     # rule for min_tokens): either way the value would break its where clause, so it is an error
     with pytest.raises(lmql.UnmetConstraint, match="X"):
         lmql.run_sync('"Letter:[X]" where REGEX(X, "[a-z]") and len(TOKENS(X)) > 2')
+
+
+def test_a_choice_comes_out_in_its_canonical_tokenization(m, tokenizer):
+    # the grammar alone admits any spelling of a choice in tokens (" " + "yes" for " yes"); kvql offers each
+    # choice's own tokenization only, so the value's tokens are what the tokenizer makes of it
+    choices = [" yes", " no", "hat", "cupcake", " the spider"]
+    q = lmql.query('"{p}[X]" where X in ' + repr(choices) + '\nreturn X', is_async=False)
+    for p in ["Once upon a time", "Q: yes or no?", "kvql serves", "The quick brown", "def add(a, b):",
+              "Answer: Paris.", "a", "Question:"]:
+        value = q(p=p)
+        tokens = [t.id for t in q.last_trace.tokens if t.hole == "X"]
+        assert value in choices and tokens == tokenizer.encode(value, add_special_tokens=False), (p, value, tokens)

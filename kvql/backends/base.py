@@ -51,6 +51,7 @@ MIN_TOKENS = "min_tokens"
 STOP_FN = "stop_fn"
 SAMPLING = "sampling"            # top_k and the repetition / frequency / presence penalties
 CACHE_SALT = "cache_salt"
+TOKEN_GRAMMAR = "token_grammar"  # Lark grammars may name tokens by id (`<[123]>`, llguidance's syntax)
 CONSTRAINTS = ("regex", "choices", "json_schema", "grammar")  # each a capability of its own
 
 OPTIONS = frozenset({"max_tokens", "min_tokens", "stop", "stop_fn", "temperature", "top_p", "top_k",

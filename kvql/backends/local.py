@@ -57,7 +57,7 @@ class Model(Backend):
     Beyond the contract it takes `mask` (a Python function of the generated ids -> allowed tokens)."""
 
     capabilities = frozenset({base.TOKEN_IDS, base.SCORE, base.LOGPROBS, base.MASKED_LOGPROBS, base.MIN_TOKENS,
-                              base.STOP_FN, base.SAMPLING, base.CACHE_SALT, *base.CONSTRAINTS})
+                              base.STOP_FN, base.SAMPLING, base.CACHE_SALT, base.TOKEN_GRAMMAR, *base.CONSTRAINTS})
 
     def __init__(self, hf_model, tokenizer, *, name: str = "model", cache_budget: int | str | None = None,
                  max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True):

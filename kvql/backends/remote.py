@@ -91,6 +91,8 @@ class RemoteModel(Backend):
         features = set(_SPELLINGS[self.kind]) | _EXTRAS[self.kind]
         if self.tokenizer is not None:
             features.add(base.TOKEN_IDS)
+            if self.kind == "kvql":  # llguidance reads token ids in grammars; vLLM's xgrammar does not
+                features.add(base.TOKEN_GRAMMAR)
             eos = self.tokenizer.eos_token_id
             self.eos_ids = frozenset([] if eos is None else [eos])
         self.capabilities = frozenset(features)

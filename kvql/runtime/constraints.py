@@ -446,6 +446,23 @@ class HolePlan:
             return None
         return self.plain[0]
 
+    def admitted(self) -> list[str] | None:
+        """Every value the grammar admits, sorted, when they are finitely many (`in` / `==`); else None."""
+        if self.choices is None or self.value_type is not None:
+            return None
+        return sorted(c for c in self.choices if self.check(c) == "complete")
+
+    def token_lark(self, tokenizer) -> str | None:
+        """For a value among finitely many choices: a Lark grammar over token ids that admits each choice
+        in its canonical tokenization only (the ids the tokenizer gives it), so that `X in [" yes", " no"]`
+        comes out as the model's own `" yes"` token rather than `" "` + `"yes"`. None otherwise."""
+        choices = self.admitted()
+        if not choices:
+            return None
+        alternatives = [" ".join(f"<[{t}]>" for t in tokenizer.encode(c, add_special_tokens=False)) or '""'
+                        for c in choices]
+        return "start: " + " | ".join(alternatives)
+
     def lark(self) -> str | None:
         """The Lark grammar of the value, or None if it is unconstrained."""
         if self.value_type is not None:  # plan_for allows no other term next to it

@@ -54,9 +54,14 @@ def _stop_name(name: str, stop: Stop) -> str:
     return f"{'STOPS_AT' if stop.include else 'STOPS_BEFORE'}({name}, {stop.phrase!r})"
 
 
-def _constraint(plan: HolePlan) -> dict:
-    """The hole's grammar as one backend constraint option: a plain regex where one says it all (every
-    server takes those), else the Lark grammar (intersections, complements, JSON of a type)."""
+def _constraint(plan: HolePlan, model) -> dict:
+    """The hole's grammar as one backend constraint option: a value among finitely many choices in their
+    canonical tokenizations where the backend reads token ids in grammars; else a plain regex where one
+    says it all (every server takes those), else the Lark grammar (intersections, complements, JSON)."""
+    if base.TOKEN_GRAMMAR in model.capabilities:
+        tokens = plan.token_lark(model.tokenizer)
+        if tokens is not None:
+            return {"grammar": tokens}
     regex = plan.single_regex()
     if regex is not None:
         return {"regex": regex}
@@ -331,7 +336,7 @@ class Context:
         seed = self._seed()
         self._holes += 1
         guard = {"chars": 0 if not plan.min_tokens else None}
-        constraint = _constraint(plan)
+        constraint = _constraint(plan, self.model)
         options = dict(max_tokens=max_tokens, temperature=0.0 if greedy else self.decoding.temperature, seed=seed,
                        **self.decoding.sampling, **constraint)
         if plan.min_tokens:
@@ -369,7 +374,7 @@ class Context:
         key = (tuple(prompt), name, repr(plan), max_tokens)
         shared = self.decoding.shared
         if key not in shared:
-            shared[key] = asyncio.ensure_future(beam_search(self, plan, prompt, max_tokens, _constraint(plan)))
+            shared[key] = asyncio.ensure_future(beam_search(self, plan, prompt, max_tokens, _constraint(plan, self.model)))
         try:
             beams = await shared[key]
         except base.Unsupported as e:
