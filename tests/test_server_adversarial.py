@@ -203,15 +203,16 @@ def test_allowed_hosts_option_accepts_the_named_hosts_only(chat_tokenizer, llama
 
 
 class FailsAfterFirstToken(kvql.Model):
-    """A real model whose streams fail after their first token, as an engine error would."""
+    """A real model whose requests fail in the engine after their first token (a mask that raises: the
+    engine fails that request alone, with that error)."""
 
-    async def stream(self, prompt, **options):
-        inner = super().stream(prompt, **options)
-        try:
-            yield await anext(inner)
-            raise RuntimeError("the engine failed mid-generation")
-        finally:
-            await inner.aclose()
+    async def _asubmit(self, prompts, on_update=None, **options):
+        def mask(generated):
+            if generated:
+                raise RuntimeError("the engine failed mid-generation")
+            return None
+
+        return await super()._asubmit(prompts, on_update, **{**options, "mask": mask})
 
 
 @pytest.mark.parametrize("path, body", [

@@ -18,11 +18,14 @@ Contracts:
   same salt (none: the default partition). With `salt_per_key`, each API key gets its own partition.
 - Host, API key, Content-Type and body-size checks: guard.py. The server only generates: it never
   runs query code sent to it.
+- `/metrics`, the access log and the throughput line: metrics.py. `shutdown()` (on the app's state)
+  cancels every request in flight: non-streaming ones are answered 503, streams end with an error event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -32,13 +35,18 @@ from collections.abc import Iterable
 
 import jinja2
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..backends.base import StreamChunk
 from ..backends.local import Model
 from .guard import Guard
+from .logit_bias import bias_mask
 from .logprobs import PROMPT_TOP, Spelling, chat_logprobs, completion_logprobs, prompt_logprobs
-from .min_tokens import DeferredStops, with_min_tokens
+from .metrics import AccessLog, Metrics, throughput_lines
+from .min_tokens import _COMPILERS, DeferredStops, with_min_tokens
 from .protocol import (ChatRequest, CompletionRequest, RequestError, constraint_options, error_response,
                        message_text, parse_request)
 
@@ -48,12 +56,13 @@ POLL_S = 0.1  # how often a non-streaming request checks that its client is stil
 def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] = (),
                api_key: str | Iterable[str] | None = None, salt_per_key: bool = False,
                allowed_hosts: Iterable[str] | None = None, max_body_bytes: int = 1 << 20,
-               max_tokens_cap: int = 4096) -> FastAPI:
+               max_tokens_cap: int = 4096, log_interval: float = 10.0) -> FastAPI:
     """The app serving `model` as `name` (default `model.name`); requests may also name it by an alias.
 
     `api_key`: one key or several (each `Authorization: Bearer KEY`). `salt_per_key`: each key's
     requests get their own cache partition. `allowed_hosts`: host names accepted in `Host` besides
-    IP addresses and `localhost` (`"*"`: any); see guard.py.
+    IP addresses and `localhost` (`"*"`: any); see guard.py. `log_interval`: seconds between throughput
+    lines (logger `kvql.server`) while busy.
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k for k in keys):
@@ -65,12 +74,17 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        ticker = asyncio.get_running_loop().create_task(throughput_lines(model, log_interval))
         yield
+        ticker.cancel()
         model.close()  # on shutdown: cancel what is still queued, stop the engine thread
 
     app = FastAPI(title="kvql", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.add_middleware(Guard, api_keys=keys, allowed_hosts=list(allowed_hosts or ()), max_body_bytes=max_body_bytes)
+    app.add_middleware(AccessLog)
     counters = {"requests": 0, "errors": 0}
+    metrics = Metrics(model, counters)
+    app.state.shutdown = metrics.cancel_all  # cancel what is in flight: see launch.py
 
     @app.exception_handler(RequestError)
     async def bad(request, exc: RequestError):
@@ -125,13 +139,25 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         return opts
 
     async def prepared(req, opts: dict) -> tuple[dict, DeferredStops | None]:
-        """`opts` with `min_tokens` applied (its constraint compiled on a worker thread)."""
-        if not req.min_tokens:
+        """`opts` with `logit_bias` and `min_tokens` applied (a constraint compiled on a worker thread)."""
+        if not req.min_tokens and not req.logit_bias:
             return opts, None
         with _request_errors():
-            if any(opts.get(k) is not None for k in ("regex", "choices", "json_schema", "grammar")):
-                return await asyncio.to_thread(with_min_tokens, model, opts, req.min_tokens)
-            return with_min_tokens(model, opts, req.min_tokens)
+            constrained = any(opts.get(k) is not None for k in _COMPILERS)
+            return await (asyncio.to_thread if constrained else _now)(with_bias_and_min_tokens, req, opts)
+
+    def with_bias_and_min_tokens(req, opts: dict) -> tuple[dict, DeferredStops | None]:
+        if req.logit_bias:
+            opts = dict(opts)
+            base = None
+            for kind, compile_ in _COMPILERS.items():
+                value = opts.pop(kind, None)
+                if value is not None:
+                    base = compile_(model.tokenizer, value).mask_fn()
+            opts["mask"] = bias_mask(req.logit_bias, model.vocab_size, base)
+        if not req.min_tokens:
+            return opts, None
+        return with_min_tokens(model, opts, req.min_tokens)
 
     def cache_salt(request: Request, req) -> str | None:
         key = request.scope.get("kvql.api_key") if salt_per_key else None
@@ -142,6 +168,7 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         return own if req.cache_salt is None else f"{own}:{req.cache_salt}"
 
     def usage(completions, n: int, echo_only: bool = False) -> dict:
+        completions = sorted(completions, key=lambda c: (c.index, c.sample))
         prompt = sum(c.prompt_tokens for c in completions[::n])
         cached = sum(c.cached_tokens for c in completions[::n])
         generated = 0 if echo_only else sum(len(c.token_ids) for c in completions)
@@ -174,43 +201,98 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         """vLLM's `GenerateRequest` as its render endpoints answer it, less `sampling_params` (vLLM's
         engine options, which kvql's are not)."""
         return {"request_id": request_id, "token_ids": token_ids, "model": req.model, "stream": req.stream,
-                "stream_options": req.stream_options if req.stream else None, "cache_salt": req.cache_salt}
+                "stream_options": req.stream_options.model_dump() if req.stream and req.stream_options else None,
+                "cache_salt": req.cache_salt}
+
+    async def generate(flight, prompts, opts):
+        """`model.agenerate`, its groups kept in `flight` (timings, cancellation at shutdown)."""
+        groups = await model._asubmit(prompts, flight.on_update, **opts)
+        flight.groups.extend(groups)
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(g.future) for g in groups))
+        except BaseException:
+            for g in groups:
+                model.engine.cancel(g)
+            raise
+        return [c for r in results for c in r]
+
+    async def stream(flight, prompt, opts):
+        """`model.stream`, its group kept in `flight`."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_update(sample, text, token, completion):
+            flight.on_update()
+            loop.call_soon_threadsafe(queue.put_nowait, StreamChunk(sample, text, token, completion))
+
+        (group,) = await model._asubmit(prompt, on_update, **opts)
+        flight.groups.append(group)
+        group.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        try:
+            while (chunk := await queue.get()) is not None:
+                yield chunk
+            group.future.result()  # raise the request's error, if any
+        finally:
+            model.engine.cancel(group)  # no-op once it finished
 
     async def run(request: Request, prompts, opts):
         counters["requests"] += 1
-        with _request_errors():
-            return await _unless_disconnected(request, model.agenerate(prompts, **opts))
+        flight, out = metrics.flight(request.scope), []
+        try:
+            with _request_errors():
+                out = await _unless_disconnected(request, generate(flight, prompts, opts))
+        except concurrent.futures.CancelledError:
+            raise RequestError("the request was cancelled: the server is shutting down", status=503,
+                               kind="server_error") from None
+        finally:
+            flight.finish(out)
+        return out
 
-    async def streamed(request: Request, prompt, opts, deferred: DeferredStops | None, make_chunk):
+    async def streamed(request: Request, prompt, opts, deferred: DeferredStops | None, make_chunk,
+                       usage_chunk=None):
         """Server-sent events of one prompt's `n` samples: `make_chunk(sample, text, token_ids, completion,
-        first)` per engine step (`completion` set on a sample's last one, `first` on its first)."""
+        first)` per engine step (`completion` set on a sample's last one, `first` on its first); then, with
+        `usage_chunk` (stream_options.include_usage), `usage_chunk(completions)`."""
         counters["requests"] += 1
-        stream = model.stream(prompt, **opts)
-        with _request_errors():  # errors in the request surface before the 200 is sent
-            first = await _unless_disconnected(request, anext(stream, None))
+        flight = metrics.flight(request.scope)
+        chunks = stream(flight, prompt, opts)
+        try:
+            with _request_errors():  # errors in the request surface before the 200 is sent
+                first = await _unless_disconnected(request, anext(chunks, None))
+        except BaseException:
+            flight.finish([])
+            raise
         hold = deferred.hold if deferred is not None else 0
 
         async def events():
-            chunk, unfinished, sent = first, set(range(opts["n"])), {}
+            chunk, unfinished, sent, done = first, set(range(opts["n"])), {}, []
             try:
                 while chunk is not None:
                     s = sent.setdefault(chunk.sample, _Sent())
                     c = chunk.completion
                     if c is not None:
+                        done.append(c)
                         unfinished.discard(chunk.sample)
                         c = deferred.finish(c) if deferred is not None else c
                         text, ids = c.text[s.chars:], c.token_ids[s.ids:]
                     else:  # text that may still become a stop string the server matches is held back
                         s.text += chunk.text
                         text, ids = s.text[s.chars:max(s.chars, len(s.text) - hold)], [chunk.token_id]
-                    yield make_chunk(chunk.sample, text, ids, c, not s.started)
+                    event = make_chunk(chunk.sample, text, ids, c, not s.started)
+                    if usage_chunk is not None:
+                        event["usage"] = None  # OpenAI's: null in every chunk but the last
+                    yield event
                     s.started, s.chars, s.ids = True, s.chars + len(text), s.ids + len(ids)
-                    chunk = await anext(stream, None)
+                    chunk = await anext(chunks, None)
+                if usage_chunk is not None:
+                    yield usage_chunk(done)
             except Exception as e:  # the 200 is sent: say so in the stream, not by ending it silently
                 counters["errors"] += 1
                 request_fault = isinstance(e, (ValueError, TypeError))
-                yield {"error": {"message": str(e) if request_fault else "internal server error",
-                                 "type": "invalid_request_error" if request_fault else "server_error",
+                message = ("the request was cancelled: the server is shutting down"
+                           if isinstance(e, concurrent.futures.CancelledError)
+                           else str(e) if request_fault else "internal server error")
+                yield {"error": {"message": message, "type": "invalid_request_error" if request_fault else "server_error",
                                  "param": None, "code": None}}
                 for sample in sorted(unfinished):
                     failed = make_chunk(sample, "", [], None, sample not in sent)
@@ -218,8 +300,16 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
                         choice["finish_reason"] = "error"
                     yield failed
             finally:
-                await stream.aclose()  # a client that went away cancels its request
+                flight.finish(done)
+                await chunks.aclose()  # a client that went away cancels its request
         return _sse(events())
+
+    def usage_chunk(req, rid: str, created: int, kind: str, echo_only: bool = False):
+        """stream_options.include_usage: a last chunk with no choices and the request's usage (OpenAI's)."""
+        if req.stream_options is None or not req.stream_options.include_usage:
+            return None
+        return lambda completions: {"id": rid, "object": kind, "created": created, "model": name, "choices": [],
+                                    "usage": usage(completions, req.n, echo_only)}
 
     @app.get("/health")
     async def health():
@@ -277,7 +367,8 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
             p = prompts[0]
             return await streamed(request, p, opts, deferred, lambda sample, text, ids, c, first: {
                 "id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": [{"index": sample, **shown(p, c, text, ids, first)}]})
+                "choices": [{"index": sample, **shown(p, c, text, ids, first)}]},
+                usage_chunk(req, rid, created, "text_completion", echo_only))
         out = await run(request, prompts, opts)
         if deferred is not None:
             out = [deferred.finish(c) for c in out]
@@ -308,7 +399,8 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
                 if req.return_token_ids and first and sample == 0:
                     event["prompt_token_ids"] = ids
                 return event
-            return await streamed(request, ids, opts, deferred, make_chunk)
+            return await streamed(request, ids, opts, deferred, make_chunk,
+                                  usage_chunk(req, rid, created, "chat.completion.chunk"))
         out = await run(request, [ids], opts)
         if deferred is not None:
             out = [deferred.finish(c) for c in out]
@@ -343,28 +435,8 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         return rendered(req, f"chatcmpl-{uuid.uuid4().hex}", chat_ids(req))
 
     @app.get("/metrics")
-    async def metrics():
-        s = model.stats()
-        lines = [
-            ("kvql_requests_total", "counter", counters["requests"]),
-            ("kvql_request_errors_total", "counter", counters["errors"]),
-            ("kvql_prompt_tokens_total", "counter", s["prompt_tokens"]),
-            ("kvql_cached_tokens_total", "counter", s["cached_tokens"]),
-            ("kvql_computed_tokens_total", "counter", s["computed_tokens"]),
-            ("kvql_generated_tokens_total", "counter", s["generated_tokens"]),
-            ("kvql_cache_hit_rate", "gauge", s["hit_rate"]),
-            ("kvql_queue_depth", "gauge", s["waiting"]),
-            ("kvql_running_requests", "gauge", s["running"]),
-            ("kvql_preemptions_total", "counter", s["preemptions"]),
-            ("kvql_evicted_tokens_total", "counter", s["evictions"]),
-            ("kvql_cache_bytes", "gauge", s["cache_bytes"]),
-            ("kvql_cache_budget_bytes", "gauge", s["cache_budget_bytes"]),
-            ("kvql_locked_nodes", "gauge", s["locked_nodes"]),
-            ("kvql_free_slots", "gauge", s["free_slots"]),
-            ("kvql_pool_slots", "gauge", s["pool_slots"]),
-        ]
-        text = "".join(f"# TYPE {metric} {kind}\n{metric} {value}\n" for metric, kind, value in lines)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -381,6 +453,10 @@ def _request_errors():
         raise RequestError(str(e)) from None
     except RecursionError:
         raise RequestError("the constraint is nested too deeply") from None
+
+
+async def _now(fn, *args):
+    return fn(*args)
 
 
 async def _unless_disconnected(request: Request, awaitable):

@@ -34,7 +34,7 @@ def with_min_tokens(model, opts: dict, min_tokens: int) -> tuple[dict, DeferredS
     if min_tokens <= 0:
         return opts, None
     opts = dict(opts)
-    base = None
+    base = opts.pop("mask", None)  # e.g. logit_bias's, which already holds the constraint
     for kind, compile_ in _COMPILERS.items():
         value = opts.pop(kind, None)
         if value is not None:

@@ -22,8 +22,17 @@ field (`NO_OP_VALUES`): SGLang's `no_stop_trim` (false: a stop string is cut fro
 chat, vLLM's `continue_final_message` (false: the template opens a new assistant turn) and
 `include_reasoning` (true: nothing is left out), and SGLang's `separate_reasoning` and `stream_reasoning`
 (either value: they act on a reasoning parser's split, and kvql has none, like SGLang started without one).
+Fields the `openai` client, LangChain and LiteLLM send, with OpenAI's meaning: `frequency_penalty`,
+`presence_penalty` (0: off), `top_k` (vLLM's: -1 / 0 / none: off), `user` (accepted, not used),
+`max_completion_tokens` (an alias of `max_tokens`), `stream_options.include_usage` (a last chunk with
+`choices: []` and the usage). `logit_bias` (token id -> bias in [-100, 100]): kvql has no additive logit
+bias, so only the two values OpenAI documents as absolute are taken, implemented exactly as a mask
+(logit_bias.py): -100 bans the token, 100 restricts sampling to the tokens given 100; `{}` is no bias; any
+other value is a 400 naming the field. `min_p`: kvql's sampler has no min-p filter, and a mask cannot
+express one (it sees ids, not probabilities), so it is taken at 0 / null, or at any value with
+`temperature: 0` (greedy picks the most likely token, which min-p always keeps); else a 400.
 Any other field is refused with a 400 naming it: in particular the old `guided_*` fields, which
-some servers ignore silently.
+some servers ignore silently (the message names the spelling kvql takes, `RENAMED`).
 """
 
 from __future__ import annotations
@@ -84,6 +93,10 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
 class _Common(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -91,6 +104,8 @@ class _Common(_Strict):
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's: -1, 0 or none: every token
+    min_p: float | None = Field(default=None, ge=0, le=1)  # 0 / none, or any with temperature 0 (see above)
+    logit_bias: dict[str, float] | None = None  # token id -> -100 (banned) or 100 (only these); see above
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0)  # CTRL / transformers; 1: none (vLLM: any > 0)
@@ -98,8 +113,8 @@ class _Common(_Strict):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict | None = None
-    user: str | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, not used
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # vLLM's name: a cache partition
     structured_outputs: StructuredOutputs | None = None
     regex: str | None = None
@@ -159,11 +174,27 @@ NO_OP_VALUES = {
 }
 
 
+# fields other servers take, and kvql's spelling of them
+RENAMED = {
+    "guided_regex": "structured_outputs.regex",
+    "guided_json": "structured_outputs.json",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+}
+
+
 def parse_request(raw: bytes, cls: type[_Common]) -> _Common:
     """The request `cls` in the body `raw`, or a `RequestError` saying what is wrong and where."""
     body = parse_json(raw, "the request body")
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    for field, spelling in RENAMED.items():
+        if field in body:
+            instead = (f"use {spelling} (vLLM's current spelling)" if spelling else
+                       "kvql serve compiles every constraint with llguidance; leave it out")
+            raise RequestError(f"{field} is not supported: {instead}", field)
     try:
         req = cls.model_validate(body)
     except ValidationError as e:
@@ -173,6 +204,11 @@ def parse_request(raw: bytes, cls: type[_Common]) -> _Common:
         if value != accepted:
             raise RequestError(f"{field}: {json.dumps(value)} is not supported; kvql serve takes only "
                                f"{json.dumps(accepted)} ({instead})", field)
+    if req.min_p and req.temperature > 0:
+        raise RequestError(f"min_p {req.min_p} is not supported when sampling (temperature > 0): kvql's sampler "
+                           "has no min-p filter; use top_p or top_k, or min_p 0", "min_p")
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options is only allowed with stream: true", "stream_options")
     return req
 
 
