@@ -9,6 +9,8 @@ import sys
 import pytest
 
 import kvql
+from kvql.runtime.constraints import And, Atom, HolePlan
+from kvql.runtime.trace import Trace, TraceHole, TraceToken, save_all, where_text
 
 QUERY = '''
 "Question: what is the capital of France? [A] and then [B]" where len(TOKENS(A)) < 4 and len(TOKENS(B)) < 4
@@ -50,6 +52,7 @@ def test_json_and_html_forms_hold_the_same_counts(m, tmp_path):
     page = (tmp_path / "t.html").read_text()
     for kind in ("cached", "computed", "unsent"):
         assert page.count(f'data-served="{kind}"') == data["summary"][kind]
+    assert data["counts"] == r.trace.counts()
     assert "http" not in page.split("<body>")[1]  # self-contained: no external assets
 
 
@@ -69,3 +72,84 @@ def test_kvql_run_writes_a_trace_and_prints_stats(tmp_path, llama, tokenizer):
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "t.html").read_text().startswith("<!doctype html>")
     assert "computed" in out.stderr and "hit rate" in out.stderr
+
+
+def test_counts_add_up_by_origin_and_by_how_each_token_was_served(m):
+    kvql.run_sync(QUERY, model=m)
+    t = kvql.run_sync(QUERY, model=m).trace
+    c = t.counts()
+    for origin in ("prompt", "generated", "all"):
+        assert c[origin]["total"] == c[origin]["cached"] + c[origin]["computed"] + c[origin]["unsent"]
+    for k in ("cached", "computed", "unsent", "total"):
+        assert c["all"][k] == c["prompt"][k] + c["generated"][k]
+    assert c["all"]["total"] == len(t.tokens) and c["generated"]["total"] == t.summary()["generated"] > 0
+    assert c["generated"]["unsent"] > 0  # the last hole's value: no request ever sent it
+
+
+def test_the_models_own_output_reused_from_the_cache_counts_as_cached(m):
+    t = kvql.run_sync(QUERY, model=m).trace
+    # [A]'s value was made by the model; the request for [B] sent it back and the engine had its KV
+    a = [x for x in t.tokens if x.hole == "A"]
+    assert len(a) >= 2 and all(x.served == "cached" for x in a[:-1])
+    assert t.counts()["generated"]["cached"] >= len(a) - 1
+    page = t.to_html()
+    assert page.count('class="tok cached gen"') == t.counts()["generated"]["cached"]
+    assert "reused from the cache" in page
+
+
+def test_where_text_is_the_where_clause_as_written():
+    c = And((Atom("stops_at", "X", "\n"), Atom("len", "Y", ("tokens", "<", 4)), Atom("in", "X", ("a", "b"))))
+    assert where_text(c, "X") == "STOPS_AT(X, '\\n') and X in ['a', 'b']"
+    assert where_text(c, "Y") == "len(TOKENS(Y)) < 4"
+    assert where_text(None, "X") == "" and where_text(True, "X") == ""
+    plan = HolePlan()
+    plan.require("[0-9]+", "[N: int]")
+    assert where_text(Atom("len", "N", ("chars", "<", 5)), "N", plan) == "len(N) < 5 and [N: int]"
+
+
+def test_each_hole_shows_its_where_clause_not_an_internal_repr(m):
+    t = kvql.run_sync(QUERY, model=m).trace
+    assert [h.constraints for h in t.holes] == ["len(TOKENS(A)) < 4", "len(TOKENS(B)) < 4", "C in ['red', 'green']"]
+    page = t.to_html()
+    assert "HolePlan" not in page
+    assert "[C] where C in [&#x27;red&#x27;, &#x27;green&#x27;]" in page
+
+
+def test_a_query_trace_is_titled_with_its_name_model_inputs_and_date(make_model):
+    m = make_model(name="tiny-llama")
+
+    @kvql.query(model=m, is_async=False)
+    def greet(who):
+        '''lmql
+        "Hello {who}: [X]" where len(TOKENS(X)) < 3
+        '''
+
+    greet("Ada")
+    t = greet.last_trace
+    assert (t.query, t.model, t.inputs, t.sample) == ("greet", "tiny-llama", {"who": "Ada"}, 0)
+    page = t.to_html()
+    assert "<title>kvql trace: greet on tiny-llama</title>" in page
+    assert "who = Ada" in page and t.created[:4] in page and t.created[:2] == "20"
+
+
+def test_save_all_writes_one_section_per_sample(m, tmp_path):
+    q = kvql.query('''sample(n=3, temperature=1.0)
+"Say: [X]" where len(TOKENS(X)) < 4''', is_async=False)
+    q(model=m)
+    assert len(q.last_traces) == 3 and [t.sample for t in q.last_traces] == [0, 1, 2]
+    save_all(q.last_traces, tmp_path / "t.html")
+    save_all(q.last_traces, tmp_path / "t.json")
+    page = (tmp_path / "t.html").read_text()
+    assert page.count('<section class="sample"') == 3
+    assert all(f"Sample {k} of 3" in page for k in (1, 2, 3))
+    assert page.count("[X] where len(TOKENS(X)) &lt; 4") == 1  # the where clause once, in the header
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert [d["summary"] for d in data["traces"]] == [t.summary() for t in q.last_traces]
+
+
+def test_a_trace_built_by_hand_renders_with_defaults():
+    t = Trace([TraceToken(1, "a", "computed", None), TraceToken(2, "b", "unsent", "X")],
+              [TraceHole("X", "b", "", 1, 0.1)])
+    page = t.to_html()
+    assert "kvql trace: query on a model" in page and "[X] (no where clause)" in page
+    assert t.counts()["all"] == {"cached": 0, "computed": 1, "unsent": 1, "total": 2}
