@@ -241,7 +241,10 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         try:
             with _request_errors():
                 out = await _unless_disconnected(request, generate(flight, prompts, opts))
-        except concurrent.futures.CancelledError:
+        except (concurrent.futures.CancelledError, RequestError) as e:
+            # the engine's cancellation reaches an awaiting task as its own cancellation (a 499)
+            if isinstance(e, RequestError) and not (e.status == 499 and flight.cancelled):
+                raise
             raise RequestError("the request was cancelled: the server is shutting down", status=503,
                                kind="server_error") from None
         finally:

@@ -1,10 +1,31 @@
-"""`kvql serve`: its command-line flags and the process that serves one model over HTTP."""
+"""`kvql serve`: its command-line flags and the process that serves one model over HTTP.
+
+Start-up, in order: the flags and the port are checked (a port in use is one line and exit 1, before
+any model is loaded), a `loading ...` line, the load, one banner line (model, device, dtype, context
+length, KV cache in tokens and bytes), then `kvql serving NAME on URL`. Logs go to stderr through a
+thread of their own, so a slow reader of stderr never stalls the server.
+
+SIGINT/SIGTERM: stop accepting, let in-flight requests finish for `--shutdown-timeout` seconds, then
+cancel them (a second signal cancels them at once): a non-streaming one is answered 503, a stream ends
+with an error event and `[DONE]`; the engine stops and the process exits 0.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import json
+import logging
+import logging.handlers
+import os
+import queue
 import signal
+import socket
+import sys
+import time
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -14,6 +35,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the API (default: --model, which stays accepted as an alias)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="cap the context (prompt + generated tokens) below the model's own")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights' dtype; auto: the checkpoint's bfloat16/float16 where the device computes it "
+                        "natively (CUDA; a CPU with AVX-512 BF16 or AMX gets bfloat16), else float32")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) replacing the tokenizer's")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"), default="info",
+                   help="info: an access line per request and a throughput line every 10 s while busy")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGINT/SIGTERM, how long in-flight requests may finish before they are cancelled")
     p.add_argument("--api-key", action="append", metavar="KEY",
                    help="require Authorization: Bearer KEY on all but /health (repeatable: any of them)")
     p.add_argument("--salt-per-key", action="store_true",
@@ -27,18 +59,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args) -> None:
+    sock = _bind(args.host, args.port)  # before loading: a port in use fails at once
+    template = _chat_template(args.chat_template)
+    if args.max_model_len is not None and args.max_model_len < 2:
+        _fail(f"--max-model-len must be at least 2, got {args.max_model_len}")
+    listener = _log_to_stderr(args.log_level)
+    try:
+        _serve(args, sock, template)
+    except KeyboardInterrupt:  # during the load: nothing is served yet
+        print("kvql serve: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    finally:
+        _drain(listener)
+
+
+def _serve(args, sock: socket.socket, template: str | None) -> None:
+    import asyncio
+
+    import torch
     import uvicorn
 
     import kvql
     from .app import create_app
 
+    dtype = _dtype(args.dtype, args.model, args.device, torch)
+    print(f"kvql serve: loading {args.model} on {args.device} ({str(dtype).removeprefix('torch.')}) ...",
+          flush=True)
+    m = kvql.model(args.model, device=args.device, dtype=dtype, cache_budget=args.cache_budget)
+    if args.max_model_len is not None:
+        if args.max_model_len > m.context_length:
+            _fail(f"--max-model-len {args.max_model_len} is over the model's context of {m.context_length} tokens")
+        m.context_length = args.max_model_len
+    if template is not None:
+        m.tokenizer.chat_template = template
+    pool = m.engine.pool
+    print(f"kvql serve: model {m.name} | device {m.device} | dtype {str(m.hf_model.dtype).removeprefix('torch.')} | "
+          f"context {m.context_length} tokens | KV cache {pool.num_slots} tokens ({_size(pool.bytes)})", flush=True)
+    app = create_app(m, name=args.served_model_name, aliases=[args.model], api_key=args.api_key,
+                     salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
+                     max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap)
+    grace = max(0.0, args.shutdown_timeout)
+
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
-            # SIGINT/SIGTERM: stop accepting, let in-flight requests finish (30 s at most), shut down, exit 0
-            # (uvicorn's own handlers re-raise the signal afterwards, which exits non-zero)
+            # uvicorn's own handlers re-raise the signal afterwards, which exits non-zero: these exit 0
+            loop = asyncio.get_running_loop()
+
             def stop(*_):
-                self.force_exit = self.should_exit
+                if self.should_exit:  # the second signal: cancel what is in flight now
+                    loop.call_soon_threadsafe(app.state.shutdown)
                 self.should_exit = True
             previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
             try:
@@ -47,10 +117,118 @@ def serve(args) -> None:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
 
-    m = kvql.model(args.model, device=args.device, cache_budget=args.cache_budget)
-    app = create_app(m, name=args.served_model_name, aliases=[args.model], api_key=args.api_key,
-                     salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
-                     max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap)
+        async def shutdown(self, sockets=None):
+            logging.getLogger("kvql.server").info("shutting down: in-flight requests have %g s to finish", grace)
+            timer = asyncio.get_running_loop().call_later(grace, app.state.shutdown)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    quiet = args.log_level not in ("debug",)
     print(f"kvql serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                          timeout_graceful_shutdown=30)).run()
+    Server(uvicorn.Config(app, log_level="warning" if quiet else args.log_level, access_log=False,
+                          timeout_graceful_shutdown=grace + 10)).run(sockets=[sock])
+
+
+def _fail(message: str):
+    print(f"kvql serve: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now (uvicorn serves on it): a port in use is an error before any load."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        _fail(f"cannot resolve --host {host}: {e.strerror}")
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            _fail(f"port {port} on {host} is already in use (another server?); choose another with --port")
+        _fail(f"cannot listen on {host}:{port}: {e.strerror}")
+    sock.set_inheritable(True)
+    return sock
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself; checked to be Jinja before any load."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            value = f.read()
+    elif "{" not in value:
+        _fail(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    import jinja2
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        _fail(f"--chat-template is not a valid Jinja template: {e.message} (line {e.lineno})")
+    return value
+
+
+def _dtype(name: str, spec: str, device: str, torch):
+    """--dtype as a torch dtype; auto: see the flag's help."""
+    if name != "auto":
+        return getattr(torch, name)
+    saved = None
+    with contextlib.suppress(OSError, ValueError):
+        path = spec.removeprefix("local:")
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        saved = config.get("dtype") or config.get("torch_dtype")
+    if str(device).startswith("cuda"):
+        return torch.float16 if saved == "float16" else torch.bfloat16
+    if saved in ("bfloat16", "float16") and _cpu_has_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _cpu_has_bf16() -> bool:
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    return False
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+class _DroppingQueueHandler(logging.handlers.QueueHandler):
+    """Never waits: when 10,000 lines are waiting for stderr, more are dropped."""
+
+    def enqueue(self, record):
+        with contextlib.suppress(queue.Full):
+            self.queue.put_nowait(record)
+
+
+def _log_to_stderr(level: str) -> logging.handlers.QueueListener:
+    q: queue.Queue = queue.Queue(maxsize=10_000)
+    out = logging.StreamHandler(sys.stderr)
+    out.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    listener = logging.handlers.QueueListener(q, out)
+    listener.start()  # a daemon thread
+    for name in ("kvql.server", "kvql.access"):
+        logger = logging.getLogger(name)
+        logger.setLevel(level.upper())
+        logger.addHandler(_DroppingQueueHandler(q))
+        logger.propagate = False
+    return listener
+
+
+def _drain(listener, timeout: float = 1.0) -> None:
+    """Give the log thread `timeout` seconds to write what is waiting (not longer: stderr may be full)."""
+    deadline = time.monotonic() + timeout
+    while not listener.queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
