@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -42,3 +45,81 @@ def test_size_strings_are_parsed():
     assert parse_bytes("512MB") == 512 * 10**6 and parse_bytes("2GiB") == 2 * 2**30 and parse_bytes(1234) == 1234
     with pytest.raises(ValueError, match="size"):
         parse_bytes("lots")
+
+
+# --- Hugging Face Hub ids, first-load note, devices ------------------------------------------------------
+
+HUB_CODE = """
+import sys, kvql
+try:
+    m = kvql.model(sys.argv[1], cache_budget="1MB")
+except kvql.ModelLoadError as e:
+    print("ERROR", e)
+else:
+    print("LOADED", m.generate([[3, 4, 5, 6]], max_tokens=6)[0].token_ids)
+"""
+
+
+def run_hub(spec: str, hub_cache, offline: bool = True) -> str:
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache)}
+    env.pop("HF_HUB_OFFLINE", None)
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    out = subprocess.run([sys.executable, "-c", HUB_CODE, spec], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_a_hub_id_missing_offline_says_it_is_not_in_the_cache_and_how_to_get_it(tmp_path):
+    line = run_hub("kvql-test-org/no-such-model", tmp_path / "hub")
+    assert line.startswith("ERROR model 'kvql-test-org/no-such-model' is no local directory and not in the local "
+                           "Hugging Face cache")
+    assert str(tmp_path / "hub") in line and "HF_HUB_OFFLINE is set" in line
+    assert "hf download kvql-test-org/no-such-model" in line and "local model directory" in line
+
+
+def test_hub_ids_load_from_the_local_hugging_face_cache(tmp_path, llama, tokenizer):
+    """A model in the HF cache layout (models--ORG--NAME/snapshots/REV, refs/main) loads by its id, also
+    written local:ORG/NAME, without network; the same weights as its directory."""
+    repo = tmp_path / "hub" / "models--kvql-test-org--tiny"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    llama.save_pretrained(repo / "snapshots" / revision)
+    tokenizer.save_pretrained(repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    direct = run_hub(str(repo / "snapshots" / revision), tmp_path / "hub")
+    assert direct.startswith("LOADED")
+    assert run_hub("kvql-test-org/tiny", tmp_path / "hub") == direct
+    assert run_hub("local:kvql-test-org/tiny", tmp_path / "hub", offline=False) == direct  # cached: no network
+
+
+def test_a_spec_that_is_no_hub_id_says_what_was_tried():
+    with pytest.raises(ModelLoadError, match="Hugging Face Hub ids"):
+        resolve("./missing/dir/x")
+
+
+def test_first_load_note_says_what_the_embedded_model_conversion_writes_and_where(tmp_path, monkeypatch):
+    from kvql.backends.loader import first_load_note
+
+    monkeypatch.setenv("KVQL_CACHE_DIR", str(tmp_path))
+    note = first_load_note("smollm2-135m")
+    assert "GGUF" in note and "0.5 GB" in note and str(tmp_path / "smollm2-135m") in note
+    assert "KVQL_CACHE_DIR" in note
+    (tmp_path / "smollm2-135m").mkdir()
+    (tmp_path / "smollm2-135m" / "config.json").write_text("{}")
+    assert first_load_note("smollm2-135m") is None  # converted already: nothing to say
+    assert first_load_note(str(tmp_path)) is None
+
+
+def test_a_device_this_torch_cannot_use_is_refused_before_loading(tmp_path, llama, tokenizer):
+    import torch
+
+    llama.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    bad = "cuda:99" if torch.cuda.is_available() else "cuda"
+    with pytest.raises(ModelLoadError, match=f"device '{bad}'") as err:
+        kvql.model(str(tmp_path), device=bad)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ModelLoadError, match="unknown device 'gpu'"):
+        kvql.model(str(tmp_path), device="gpu")

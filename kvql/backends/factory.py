@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+import sys
+import time
+
 _random_models: dict = {}
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def banner(m) -> str:
+    """One line saying what was loaded: model, device, dtype, context length, KV cache in tokens and bytes
+    (for a remote model: the server and what prompts travel as)."""
+    engine = getattr(m, "engine", None)
+    if engine is None:
+        return repr(m)
+    dtype = str(m.hf_model.dtype).removeprefix("torch.")
+    return (f"model {m.name} · device {m.device} · {dtype} · context {m.context_length:,} tokens · "
+            f"KV cache {engine.pool.num_slots:,} tokens ({_size(engine.pool.bytes)})")
 
 
 def tokenizer(spec: str = "smollm2-135m"):
@@ -18,7 +39,8 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
     """Load a model for kvql's engine, or connect to a server.
 
     `spec`: `"smollm2-135m"` (the embedded default), a local Hugging Face model directory
-    (optionally `"local:PATH"`), or `"http(s)://HOST:PORT/v1"`: an OpenAI-compatible server (kvql serve,
+    (optionally `"local:PATH"`), a Hugging Face Hub id `"ORG/NAME"` (also `"local:ORG/NAME"`; from the
+    local Hugging Face cache, else downloaded: see `kvql.backends.loader`), or `"http(s)://HOST:PORT/v1"`: an OpenAI-compatible server (kvql serve,
     vLLM, SGLang) serving model `name`; `tokenizer=` (a tokenizer, a model directory or spec) makes
     queries keep and send token ids there (default: the served model's name, when it names a local
     model; see `kvql.backends.remote`). `cache_budget`: bytes of KV cache (int, or `"512MB"`, `"2GiB"`);
@@ -26,8 +48,22 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
 
     `"random"` (LMQL's test model, `seed=` as in LMQL; default 0) is a tiny random-weights Llama with
     SmolLM2's tokenizer (see `kvql.backends.loader.random_model`) and a 32 MB cache by default; calls with
-    the same arguments share one instance. `silent` is accepted for LMQL code (kvql prints nothing on load).
+    the same arguments share one instance. `silent=False` (LMQL's keyword; kvql's default is True) prints
+    progress to stderr: a "loading" line (saying so when the embedded model's first load converts its GGUF
+    file), then `banner(model)` with the seconds it took.
     """
+    if not silent:
+        from .loader import first_load_note
+
+        print(f"kvql: loading {spec} on {device} ...", file=sys.stderr, flush=True)
+        note = first_load_note(spec)
+        if note:
+            print(f"kvql: {note}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        m = model(spec, device=device, dtype=dtype, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
+                  max_running=max_running, name=name, api_key=api_key, tokenizer=tokenizer, seed=seed)
+        print(f"kvql: {banner(m)} · loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        return m
     if spec.startswith(("http://", "https://")):
         if seed is not None:
             raise TypeError("seed= is for the 'random' model; a server's model has fixed weights")

