@@ -1,10 +1,17 @@
-"""Command line: `kvql demo`, `kvql run FILE.lmql`, `kvql serve`, `kvql bench`, `kvql generate`."""
+"""Command line: `kvql demo`, `kvql run FILE.lmql`, `kvql serve`, `kvql bench`, `kvql generate`.
+
+Parsing arguments imports nothing heavy: torch and transformers are imported only by a command that
+loads a model, so `kvql --help` and argument errors return at once. `kvql run` checks the query's
+inputs before it loads anything.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 import time
+from pathlib import Path
 
 FEW_SHOT = """Answer each question with one word.
 Q: What is the capital of France?
@@ -23,13 +30,32 @@ QUESTIONS = ["What is the capital of Italy?", "What color is grass?", "How many 
              "What is the opposite of up?", "Which animal barks?", "What is frozen water called?",
              "What is the capital of Japan?", "How many wheels does a bicycle have?"]
 
+DEFAULT_MODEL = "smollm2-135m"
 
-def demo(args) -> None:
+
+class UsageError(ValueError):
+    """A mistake in the command line or its inputs, found before any model is loaded."""
+
+
+def version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvql")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def load(spec: str, args):
+    """The model for a command, with a loading line and the banner on stderr (see kvql.backends.factory)."""
     import kvql
 
-    t0 = time.perf_counter()
-    m = kvql.model(args.model, device=args.device)
-    print(f"loaded {m!r} in {time.perf_counter() - t0:.1f}s")
+    return kvql.model(spec, device=getattr(args, "device", "cpu"), cache_budget=getattr(args, "cache_budget", None),
+                      silent=False)
+
+
+def demo(args) -> None:
+    m = load(args.model, args)
     prompts = [f"{FEW_SHOT}Q: {q}\nA:" for q in QUESTIONS]
     for run in ("cold", "warm"):
         t0 = time.perf_counter()
@@ -46,55 +72,164 @@ def demo(args) -> None:
 
 
 def generate(args) -> None:
-    import kvql
-
-    m = kvql.model(args.model, device=args.device)
+    m = load(args.model, args)
     for c in m.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                         stop=args.stop or None):
         print(c.text)
     m.close()
 
 
-def run(args) -> None:
+# --- kvql run -------------------------------------------------------------------------------------
+
+def parse_inputs(items: list[str] | None) -> dict[str, str]:
+    inputs = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--input takes NAME=VALUE, got {item!r}")
+        inputs[key] = value
+    return inputs
+
+
+def parse_decoder(text: str) -> dict:
+    """`--decoder argmax` / `sample(n=3, temperature=0.8)` / `beam(3)` -> the run's decoder overrides."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        node = None
+    if isinstance(node, ast.Name):
+        return {"decoder": node.id}
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) <= 1:
+        try:
+            options = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+            if node.args:
+                options["n"] = ast.literal_eval(node.args[0])
+        except ValueError:
+            pass
+        else:
+            if len(options) == len(node.keywords) + len(node.args):
+                return {"decoder": node.func.id, **options}
+    raise UsageError(f"--decoder takes a decoder as a query writes it, e.g. argmax, 'sample(n=3, temperature=0.8)' "
+                     f"or 'beam(3)' (literal arguments); got {text!r}")
+
+
+def expected_inputs(q) -> list[str]:
+    """The names a query reads that it does not define: the inputs a run must be given."""
+    from kvql.query import UnresolvedVariable
+
+    try:
+        q.bind((), {})
+    except UnresolvedVariable as e:
+        return list(e.names)
+    return []
+
+
+def check_inputs(q, inputs: dict, file: str) -> None:
+    """UsageError naming the expected inputs when one is missing or not read by the query (a misspelling)."""
+    expected = expected_inputs(q)
+    missing = [n for n in expected if n not in inputs]
+    unknown = [n for n in inputs if n not in expected]
+    if not missing and not unknown:
+        return
+    wanted = ", ".join(expected) if expected else "none"
+    problems = []
+    if missing:
+        problems.append("missing " + ", ".join(f"--input {n}=..." for n in missing))
+    if unknown:
+        problems.append("unknown input " + ", ".join(repr(n) for n in unknown))
+    raise UsageError(f"query {file}: {'; '.join(problems)} (its inputs: {wanted})")
+
+
+def query_model_spec(q, inputs: dict, given: str | None) -> str | None:
+    """The model spec a run will use, when it is known without running anything: `--model`, the query's
+    `from "..."` literal, else the default; None when the `from` clause is an expression."""
+    if given:
+        return given
+    compiled = q._compiled_for(inputs)
+    if compiled.model is not None:
+        return compiled.model
+    return None if compiled.model_source else DEFAULT_MODEL
+
+
+def sample_path(path: Path, k: int) -> Path:
+    """The trace file of sample `k` (1-based): `t.html`, then `t-sample2.html`, `t-sample3.html`, ..."""
+    return path if k == 1 else path.with_name(f"{path.stem}-sample{k}{path.suffix}")
+
+
+def print_result(r) -> None:
     import kvql
 
-    with open(args.file) as f:
-        source = f.read()
-    inputs = {}
-    for item in args.input or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--input takes KEY=VALUE, got {item!r}")
-        inputs[key] = value
+    if isinstance(r, kvql.LMQLResult):
+        print(r.prompt)
+        for name, value in r.variables.items():
+            print(f"{name}: {value!r}")
+    else:
+        print(r)
+
+
+def run(args) -> None:
+    inputs = parse_inputs(args.input)
+    overrides = parse_decoder(args.decoder) if args.decoder else {}
+    if args.seed is not None:
+        overrides["seed"] = args.seed
+    if args.temperature is not None:
+        overrides["temperature"] = args.temperature
+    try:
+        source = Path(args.file).read_text(encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot read query file {args.file!r}: {e.strerror or e}") from None
+    import kvql
+
     q = kvql.Query(source, name=args.file)
-    result = q.run_sync(model=args.model, **inputs)
-    for r in result if isinstance(result, list) else [result]:
-        if isinstance(r, kvql.LMQLResult):
-            print(r.prompt)
-            for name, value in r.variables.items():
-                print(f"{name}: {value!r}")
-        else:
-            print(r)
-    trace = q.last_trace
+    check_inputs(q, inputs, args.file)
+    clash = sorted(set(inputs) & set(overrides))
+    if clash:
+        raise UsageError(f"input {clash[0]!r} is also a decoder option given by a flag; rename one of them")
+    if not q.output_variables:
+        model = args.model  # no hole: the query never needs its model, so none is loaded
+    else:
+        spec = query_model_spec(q, inputs, args.model)
+        model = load(spec, args) if spec and not spec.startswith(("http://", "https://")) else spec
+    result = q.run_sync(model=model, **overrides, **inputs)
+    traces = list(getattr(q, "last_traces", None) or [])
+    if isinstance(result, list) and len(traces) > 1 and len(result) == len(traces):
+        samples = result
+    elif isinstance(result, list) and len(result) == 1 and not any(traces):
+        samples = result  # a query without holes returns a one-element list, as in LMQL
+    else:
+        samples = [result]
+    for k, r in enumerate(samples, 1):
+        if len(samples) > 1:
+            print(f"--- sample {k}/{len(samples)} ---")
+        print_result(r)
     if args.trace:
-        if trace is None:
-            raise ValueError("no trace: the query ran on a remote model without a tokenizer (text prompts)")
-        trace.save(args.trace)
-        print(f"trace written to {args.trace}", file=sys.stderr)
-    if args.stats and trace is not None:
-        s = trace.summary()
-        print(f"tokens {s['tokens']}: cached {s['cached']}, computed {s['computed']}, generated {s['generated']}, "
-              f"never sent {s['unsent']}; hit rate {s['hit_rate']:.0%}; {s['seconds']:.2f} s", file=sys.stderr)
+        if not traces or any(t is None for t in traces):
+            raise UsageError("no trace: the query never called its model, or ran on a remote model without a "
+                             "tokenizer (text prompts)")
+        path = Path(args.trace)
+        written = []
+        for k, t in enumerate(traces, 1):
+            t.save(sample_path(path, k))
+            written.append(str(sample_path(path, k)))
+        print(f"trace written to {', '.join(written)}", file=sys.stderr)
+    if args.stats:
+        for k, t in enumerate(traces, 1):
+            if t is None:
+                continue
+            s = t.summary()
+            label = f"sample {k}/{len(traces)}: " if len(traces) > 1 else ""
+            print(f"{label}tokens {s['tokens']}: cached {s['cached']}, computed {s['computed']}, generated "
+                  f"{s['generated']}, never sent {s['unsent']}; hit rate {s['hit_rate']:.0%}; {s['seconds']:.2f} s",
+                  file=sys.stderr)
 
 
 def bench(args) -> None:
-    import kvql
     from kvql import bench as suite
 
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    m = kvql.model(args.model)
+    m = load(args.model, args)
     results = suite.run(m, args.workloads or suite.WORKLOADS, (2, 6) if args.quick else (2, 4, 8, 16, 32),
                         args.out, progress=True)
     suite.print_table(results)
@@ -102,18 +237,35 @@ def bench(args) -> None:
     m.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="kvql", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+MODEL_HELP = ("smollm2-135m (embedded), a local model directory, a Hugging Face Hub id ORG/NAME (from the local "
+              "HF cache, else downloaded), local:PATH_OR_ID, or http://HOST:PORT/v1")
+
+
+def parser() -> argparse.ArgumentParser:
+    p0 = argparse.ArgumentParser(prog="kvql", description=__doc__.split("\n")[0])
+    p0.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = p0.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="few-shot questions on the embedded model, cold then warm cache")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--cache-budget", default=None, metavar="SIZE",
+                   help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
     p.set_defaults(func=demo)
     p = sub.add_parser("run", help="run an LMQL query file")
     p.add_argument("file")
-    p.add_argument("--model", default=None, help="model spec (default: the query's own, else smollm2-135m)")
-    p.add_argument("--input", action="append", metavar="KEY=VALUE", help="an input of the query (repeatable)")
-    p.add_argument("--trace", metavar="FILE", help="write the run's trace: FILE.html (self-contained) or FILE.json")
+    p.add_argument("--model", default=None, help=f"default: the query's own (from ...), else {DEFAULT_MODEL}; "
+                                                 f"{MODEL_HELP}")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--cache-budget", default=None, metavar="SIZE",
+                   help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
+    p.add_argument("--input", action="append", metavar="NAME=VALUE", help="an input of the query (repeatable)")
+    p.add_argument("--decoder", metavar="DECODER",
+                   help="override the query's decoder: argmax, 'sample(n=3)', 'beam(n=2)', ...")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same samples)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write the run's trace: FILE.html (self-contained) or FILE.json; with several samples, "
+                        "sample k>1 goes to FILE-samplek.html")
     p.add_argument("--stats", action="store_true", help="print the run's cached / computed token counts")
     p.set_defaults(func=run)
     p = sub.add_parser("serve", help="OpenAI-compatible server sharing one model and its cache")
@@ -123,25 +275,34 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=launch.serve)
     p = sub.add_parser("bench", help="workloads side by side: kvql vs HF generate / generate_batch")
     p.add_argument("workloads", nargs="*", help="fewshot chat tot json classify (default: all)")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--quick", action="store_true", help="sizes 2 and 6 only: under 2 minutes on 2 cores")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.set_defaults(func=bench)
     p = sub.add_parser("generate", help="complete prompts")
     p.add_argument("prompt", nargs="+")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--cache-budget", default=None, metavar="SIZE",
+                   help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--stop", action="append")
     p.set_defaults(func=generate)
-    args = parser.parse_args(argv)
+    return p0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     try:
         args.func(args)
     except (ValueError, TypeError, RuntimeError, NameError, SyntaxError) as e:
         print(f"kvql: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("kvql: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
