@@ -10,13 +10,17 @@ answers of the previous one):
 Systems: kvql (all requests of a step at once), HF `generate` one request at a time, HF `generate_batch`
 (continuous batching). Reported per workload and size: queries/s, ratios to HF one-at-a-time, kvql's
 cache hit rate and the optimal hit rate (share of prompt tokens that an earlier prompt already held).
-Results go to `DIR/bench.json` and a plot `DIR/bench.png` (throughput vs number of queries per system).
+Answers equal: kvql's answers against HF one-at-a-time's, where both decode the same thing (greedy and
+unconstrained: fewshot, chat); tot samples, json and classify are constrained or sampled on one side only.
+Results go to `DIR/bench.json` and one figure `DIR/bench.png` (`plot`): a panel per workload, throughput vs
+number of queries per system, each kvql point annotated with its speed-up and hit rate, and a summary panel.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -55,6 +59,12 @@ def requests(workload: str, n: int):
 
 
 WORKLOADS = ("fewshot", "chat", "tot", "json", "classify")
+TITLES = {"fewshot": "few-shot QA, one shared prefix", "chat": "chat, the conversation grows",
+          "tot": "tree of thought, n sampled branches", "json": "JSON extraction under a schema",
+          "classify": "classification into 4 labels"}
+NAMES = {"hf_one_at_a_time": "transformers generate, one at a time", "hf_generate_batch": "transformers generate_batch",
+         "kvql": "kvql"}  # display names
+COMPARABLE = ("fewshot", "chat")  # greedy and unconstrained on both sides: answers should be equal
 
 
 def optimal_hit_rate(prompts: list[list[int]], histories: list[list[int]] | None = None) -> float:
@@ -73,29 +83,33 @@ def optimal_hit_rate(prompts: list[list[int]], histories: list[list[int]] | None
     return hit / total if total else 0.0
 
 
-def _run_kvql(model, reqs) -> tuple[list[list[int]], list[list[int]], int]:
-    """Run the workload on kvql; -> (prompt ids sent, prompt + generated ids of each, queries answered)."""
+def _run_kvql(model, reqs) -> tuple[list[list[int]], list[list[int]], int, list[str]]:
+    """Run the workload on kvql; -> (prompt ids sent, prompt + generated ids of each, queries answered,
+    answers)."""
     tok = model.tokenizer
     if reqs and "turn" in reqs[0]:  # chat: the conversation grows by each answer
-        convo, sent, histories = "", [], []
+        convo, sent, histories, answers = "", [], [], []
         for r in reqs:
             convo += r["prompt"]
             ids = tok.encode(convo)
             (c,) = model.generate([ids], max_tokens=r["max_tokens"])
             sent.append(ids)
             histories.append(ids + c.token_ids)
-            convo += c.text + "\n"
-        return sent, histories, len(reqs)
+            answers.append(tok.decode(c.token_ids, skip_special_tokens=True))
+            convo += answers[-1] + "\n"  # as the baseline continues it
+        return sent, histories, len(reqs), answers
     opts = {k: v for k, v in reqs[0].items() if k != "prompt"}
     ids = [tok.encode(r["prompt"]) for r in reqs]
     out = model.generate(ids, **opts)
     sent = [ids[c.index] for c in out]
-    return sent, [p + c.token_ids for p, c in zip(sent, out)], len(out)
+    answers = [tok.decode(c.token_ids, skip_special_tokens=True) for c in out]
+    return sent, [p + c.token_ids for p, c in zip(sent, out)], len(out), answers
 
 
 @torch.inference_mode()
-def _run_hf(hf, tok, reqs, batch: bool) -> int:
-    """Plain transformers: `generate` per request, or `generate_batch` for all of a step."""
+def _run_hf(hf, tok, reqs, batch: bool) -> tuple[int, list[str] | None]:
+    """Plain transformers: `generate` per request, or `generate_batch` for all of a step;
+    -> (queries answered, answers: one per query, one at a time only)."""
     from transformers import GenerationConfig
 
     def config(r):
@@ -104,16 +118,16 @@ def _run_hf(hf, tok, reqs, batch: bool) -> int:
                                 num_return_sequences=r.get("n", 1), pad_token_id=tok.eos_token_id,
                                 eos_token_id=tok.eos_token_id)
 
-    answered = 0
+    answers = []
     if reqs and "turn" in reqs[0]:
         convo = ""
         for r in reqs:
             convo += r["prompt"]
             ids = torch.tensor([tok.encode(convo)])
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config(r))
-            convo += tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) + "\n"
-            answered += 1
-        return answered
+            answers.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+            convo += answers[-1] + "\n"
+        return len(answers), answers
     if batch:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -121,17 +135,42 @@ def _run_hf(hf, tok, reqs, batch: bool) -> int:
         ids = [tok.encode(r["prompt"]) for r in reqs for _ in range(reqs[0].get("n", 1))]
         cfg = config(reqs[0])
         cfg.num_return_sequences = 1
-        return len(hf.generate_batch(ids, generation_config=cfg, continuous_batching_config=cb))
+        return len(hf.generate_batch(ids, generation_config=cfg, continuous_batching_config=cb)), None
     for r in reqs:
         ids = torch.tensor([tok.encode(r["prompt"])])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config(r))
-        answered += out.shape[0]
-    return answered
+        answers += [tok.decode(row[ids.shape[1]:], skip_special_tokens=True) for row in out]
+    return len(answers), answers
+
+
+def _meta(model) -> dict:
+    import transformers
+
+    return {"model": getattr(model, "name", "model"), "device": str(getattr(model, "device", "cpu")),
+            "dtype": str(model.hf_model.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+            "date": datetime.now().strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+def _warm_up(model, hf_batch) -> None:
+    """One small request per system before timing, so that no first point pays for one-time set-up."""
+    reqs = requests("fewshot", 1)
+    _run_kvql(model, reqs)
+    _run_hf(model.hf_model, model.tokenizer, reqs, batch=False)
+    if hf_batch is not None:
+        try:
+            _run_hf(hf_batch, model.tokenizer, reqs, batch=True)
+        except Exception:  # reported where it is measured
+            pass
+    model.clear_cache()
 
 
 def run(model, workloads=WORKLOADS, sizes=(2, 4, 8), out_dir: str | Path = "bench-results", progress: bool = True,
         batch_baseline: bool = True) -> dict:
-    """Run the suite on a kvql `Model` (its `hf_model` is the baseline's model); write JSON and PNG."""
+    """Run the suite on a kvql `Model` (its `hf_model` is the baseline's model); write JSON and PNG.
+    Each row: `n`; per system its queries/s (`kvql`, `hf_one_at_a_time`, `hf_generate_batch`) and wall
+    seconds (`seconds`); `kvql_vs_<system>` ratios of queries/s; kvql's `hit_rate` and the
+    `optimal_hit_rate`; `answers_equal` [equal, total] against one at a time (None: not comparable)."""
     import copy
 
     from tqdm.auto import tqdm
@@ -140,32 +179,38 @@ def run(model, workloads=WORKLOADS, sizes=(2, 4, 8), out_dir: str | Path = "benc
     if hf_batch is not None:
         hf_batch.set_attn_implementation("sdpa")
     systems = ["kvql", "hf_one_at_a_time"] + (["hf_generate_batch"] if batch_baseline else [])
-    results: dict = {"sizes": list(sizes), "workloads": {}}
+    results: dict = {"meta": _meta(model), "sizes": list(sizes), "systems": systems, "workloads": {}}
+    _warm_up(model, hf_batch)
     bar = tqdm(total=len(workloads) * len(sizes) * len(systems), desc="kvql bench", disable=not progress)
     for w in workloads:
         rows = []
         for n in sizes:
             reqs = requests(w, n)
-            row = {"n": n}
+            row = {"n": n, "seconds": {}}
             model.clear_cache()
             before = model.stats()
             t = time.perf_counter()
-            sent, histories, answered = _run_kvql(model, reqs)
-            row["kvql"] = answered / (time.perf_counter() - t)
+            sent, histories, answered, kvql_answers = _run_kvql(model, reqs)
+            row["seconds"]["kvql"] = time.perf_counter() - t
+            row["kvql"] = answered / row["seconds"]["kvql"]
             after = model.stats()
             prompt = after["prompt_tokens"] - before["prompt_tokens"]
             row["hit_rate"] = (after["cached_tokens"] - before["cached_tokens"]) / prompt if prompt else 0.0
             # forks of one prompt (tot) count it once, as the engine does
             unique = list({tuple(p): p for p in sent}.values()) if reqs[0].get("n", 1) > 1 else sent
             row["optimal_hit_rate"] = optimal_hit_rate(unique, None if unique is not sent else histories)
+            row["answers_equal"] = None
             bar.update(1)
             for system in systems[1:]:
                 t = time.perf_counter()
                 try:
-                    answered = _run_hf(hf_batch if system == "hf_generate_batch" else model.hf_model,
-                                       model.tokenizer, reqs, batch=system == "hf_generate_batch")
-                    row[system] = answered / (time.perf_counter() - t)
+                    answered, answers = _run_hf(hf_batch if system == "hf_generate_batch" else model.hf_model,
+                                                model.tokenizer, reqs, batch=system == "hf_generate_batch")
+                    row["seconds"][system] = time.perf_counter() - t
+                    row[system] = answered / row["seconds"][system]
                     row[f"kvql_vs_{system}"] = row["kvql"] / row[system]
+                    if system == "hf_one_at_a_time" and w in COMPARABLE and answers is not None:
+                        row["answers_equal"] = [sum(a == b for a, b in zip(kvql_answers, answers)), len(answers)]
                 except Exception as e:  # a baseline that cannot run here is reported, not hidden
                     row[system], row[f"{system}_error"] = None, f"{type(e).__name__}: {e}"[:300]
                 bar.update(1)
@@ -175,37 +220,120 @@ def run(model, workloads=WORKLOADS, sizes=(2, 4, 8), out_dir: str | Path = "benc
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=1))
-    _plot(results, systems, out / "bench.png")
+    plot(results, out / "bench.png")
     return results
 
 
-def _plot(results: dict, systems: list[str], path: Path) -> None:
-    import matplotlib
+def title(results: dict) -> str:
+    m = results.get("meta") or {}
+    return (f"kvql bench: {m.get('model', 'model')} on {m.get('device', '?')} ({m.get('dtype', '?')}), "
+            f"{m.get('threads', '?')} threads, {m.get('date', '')}").rstrip(", ")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def plot(results: dict, path: str | Path | None = None):
+    """One figure: a 2x3 grid, a panel per workload (queries/s vs number of queries, per system; each
+    kvql point annotated with its speed-up over one at a time and its cache hit rate) and a summary
+    panel (kvql's speed-up per workload at the largest size). Saved to `path` when given; returns the
+    matplotlib Figure."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
+
+    systems = [s for s in ("hf_one_at_a_time", "hf_generate_batch", "kvql") if s in results.get("systems", NAMES)]
+    style = {"kvql": dict(color="#1f77b4", linewidth=2.5, marker="o", zorder=3),
+             "hf_one_at_a_time": dict(color="#7f7f7f", linewidth=1.5, marker="s", linestyle="--"),
+             "hf_generate_batch": dict(color="#ff7f0e", linewidth=1.5, marker="^", linestyle="--")}
     names = list(results["workloads"])
-    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
-    for ax, w in zip(axes[0], names):
+    fig = Figure(figsize=(15, 8.8), layout="constrained")
+    axes = fig.subplots(2, 3).flatten()
+    for ax, w in zip(axes, names):
         rows = results["workloads"][w]
+        sizes = [r["n"] for r in rows]
+        top = 0.0
         for system in systems:
             points = [(r["n"], r[system]) for r in rows if r.get(system) is not None]
             if points:
-                ax.plot(*zip(*points), marker="o", label=system)
-        ax.set_title(w)
-        ax.set_xlabel("queries")
-        ax.set_ylabel("queries / s")
+                ax.plot(*zip(*points), label=NAMES[system], **style[system])
+                top = max(top, max(q for _, q in points))
+        for r in rows:
+            if r.get("kvql") is None:
+                continue
+            speedup = r.get("kvql_vs_hf_one_at_a_time")
+            label = (f"{speedup:.1f}x\n" if speedup else "") + f"hit {r['hit_rate']:.0%}"
+            ax.annotate(label, (r["n"], r["kvql"]), textcoords="offset points", xytext=(0, 7), ha="center",
+                        va="bottom", fontsize=8, color=style["kvql"]["color"])
+        ax.set_title(f"{w}: {TITLES.get(w, '')}".rstrip(": "), fontsize=11)
         ax.set_xscale("log", base=2)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlim(min(sizes) / 1.3, max(sizes) * 1.3)
+        ax.set_ylim(0, top * 1.3 if top > 0 else 1)
+        ax.set_xlabel("queries in the workload")
+        ax.set_ylabel("queries / s (higher is better)")
+        ax.grid(alpha=0.3)
+    for ax in axes[len(names):-1]:
+        ax.set_visible(False)
+    _summary_panel(axes[-1], results, names)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=10, frameon=False)
+    fig.suptitle(title(results) + "\nkvql points: speed-up over transformers generate one at a time, and kvql's "
+                 "cache hit rate", fontsize=13)
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig
+
+
+def _summary_panel(ax, results: dict, names: list[str]) -> None:
+    """kvql's speed-up over each baseline per workload, at the largest size run."""
+    n = max(results.get("sizes") or [r["n"] for w in names for r in results["workloads"][w]])
+    baselines = [s for s in ("hf_one_at_a_time", "hf_generate_batch") if s in results.get("systems", NAMES)]
+    width = 0.8 / max(len(baselines), 1)
+    top = 1.0
+    for k, system in enumerate(baselines):
+        xs, ys = [], []
+        for i, w in enumerate(names):
+            row = next((r for r in results["workloads"][w] if r["n"] == n), None)
+            if row and row.get(f"kvql_vs_{system}"):
+                xs.append(i + (k - (len(baselines) - 1) / 2) * width)
+                ys.append(row[f"kvql_vs_{system}"])
+        bars = ax.bar(xs, ys, width, color={"hf_one_at_a_time": "#7f7f7f", "hf_generate_batch": "#ff7f0e"}[system],
+                      label=f"vs {NAMES[system]}")
+        ax.bar_label(bars, fmt="%.1fx", fontsize=8)
+        top = max([top, *ys])
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylim(0, top * 1.45)
+    ax.set_title(f"kvql speed-up at n = {n} (1x: as fast)", fontsize=11)
+    ax.set_ylabel("speed-up (x)")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3, axis="y")
+
+
+def table(results: dict) -> str:
+    """The console table: a header, then per workload and size the baseline's seconds (transformers
+    generate one at a time), kvql's, the speed-ups, answers equal and the hit rate."""
+    lines = [title(results), "baseline: transformers generate, one at a time; speed-up: kvql's queries/s over "
+             "the baseline's; answers equal: kvql's answers vs the baseline's (n/a: constrained or sampled)", ""]
+    head = (f"{'workload':<9} {'n':>3} {'baseline s':>10} {'kvql s':>8} {'speed-up':>9} {'vs gen_batch':>12} "
+            f"{'answers equal':>13} {'hit rate':>8} {'optimal':>8}")
+    lines += [head, "-" * len(head)]
+
+    def fmt(v, spec, suffix=""):
+        return format(v, spec) + suffix if v is not None else "n/a"
+
+    for w, rows in results["workloads"].items():
+        for r in rows:
+            sec = r.get("seconds", {})
+            eq = r.get("answers_equal")
+            lines.append(f"{w:<9} {r['n']:>3} {fmt(sec.get('hf_one_at_a_time'), '.2f'):>10} "
+                         f"{fmt(sec.get('kvql'), '.2f'):>8} {fmt(r.get('kvql_vs_hf_one_at_a_time'), '.2f', 'x'):>9} "
+                         f"{fmt(r.get('kvql_vs_hf_generate_batch'), '.2f', 'x'):>12} "
+                         f"{(f'{eq[0]}/{eq[1]}' if eq else 'n/a'):>13} {r['hit_rate']:>8.2f} "
+                         f"{r['optimal_hit_rate']:>8.2f}")
+            for k, v in r.items():
+                if k.endswith("_error"):
+                    lines.append(f"    {NAMES.get(k[:-6], k[:-6])} failed: {v}")
+    return "\n".join(lines)
 
 
 def print_table(results: dict) -> None:
-    for w, rows in results["workloads"].items():
-        for r in rows:
-            others = "  ".join(f"vs {k[8:]} {v:5.2f}x" for k, v in r.items() if k.startswith("kvql_vs_"))
-            print(f"{w:<9} n={r['n']:<3} kvql {r['kvql']:7.2f} q/s  {others}  hit {r['hit_rate']:.2f} "
-                  f"(optimal {r['optimal_hit_rate']:.2f})")
+    print(table(results))
