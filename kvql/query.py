@@ -213,6 +213,9 @@ class Query(Program):
         results, contexts = await self.run_all(m, decoding, inputs, (module["__kvql_query__"], bool(compiled.returns)))
         # one per run; see kvql.runtime.trace (None for a run that never needed its model)
         self.last_traces = [ctx.trace() if ctx.model_used else None for ctx in contexts]
+        for k, trace in enumerate(self.last_traces):
+            if trace is not None:
+                trace.label(query=self.name, model=m.name, inputs=inputs, sample=k)
         for ctx in contexts:
             await output.report(output_writer, ctx.prompt, ctx.variables, len(ctx.ids) if ctx.model_used else 0)
         if certificate:

@@ -760,3 +760,19 @@ def test_a_choice_comes_out_in_its_canonical_tokenization(m, tokenizer):
         value = q(p=p)
         tokens = [t.id for t in q.last_trace.tokens if t.hole == "X"]
         assert value in choices and tokens == tokenizer.encode(value, add_special_tokens=False), (p, value, tokens)
+
+
+def test_a_trace_names_its_query_model_inputs_and_where_clause_as_written(m):
+    @lmql.query
+    def greet(who):
+        '''lmql
+        sample(n=2)
+        "Say hi to {who}:[X]" where len(TOKENS(X)) < 3 and STOPS_AT(X, ".")
+        '''
+
+    greet("Ada")
+    traces = greet.last_traces
+    assert [t.sample for t in traces] == [0, 1]
+    for t in traces:
+        assert (t.query, t.model, t.inputs) == ("greet", m.name, {"who": "Ada"})
+        assert [h.constraints for h in t.holes] == ["len(TOKENS(X)) < 3 and STOPS_AT(X, '.')"]

@@ -31,7 +31,7 @@ from .program import Program
 from .prompt import Prompt
 from .result import LMQLResult
 from .scoring import normalized
-from .trace import Trace, TraceHole
+from .trace import Trace, TraceHole, where_text
 
 FLOAT_REGEX = r" ?-?[0-9]+(\.[0-9]+)?"
 TEXT_MODE_MAX_TOKENS = 256
@@ -211,7 +211,8 @@ class Context:
             value, tokens, full, guard = await self._beam(name, plan, prompt, max_tokens)
         else:
             value, tokens, full, guard = await self._sample(name, plan, prompt, max_tokens)
-        self._hole_log.append(TraceHole(name, str(value), repr(plan), len(tokens), time.perf_counter() - started))
+        self._hole_log.append(TraceHole(name, str(value), where_text(constraint, name, plan), len(tokens),
+                                        time.perf_counter() - started))
         checked = plan.constrained(full, guard)
         self._check_value(name, plan, value, checked,
                           lambda: self._why_cut(name, plan, full, guard, tokens, max_tokens, bound))
