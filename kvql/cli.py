@@ -151,11 +151,6 @@ def query_model_spec(q, inputs: dict, given: str | None) -> str | None:
     return None if compiled.model_source else DEFAULT_MODEL
 
 
-def sample_path(path: Path, k: int) -> Path:
-    """The trace file of sample `k` (1-based): `t.html`, then `t-sample2.html`, `t-sample3.html`, ..."""
-    return path if k == 1 else path.with_name(f"{path.stem}-sample{k}{path.suffix}")
-
-
 def print_result(r) -> None:
     import kvql
 
@@ -206,12 +201,14 @@ def run(args) -> None:
         if not traces or any(t is None for t in traces):
             raise UsageError("no trace: the query never called its model, or ran on a remote model without a "
                              "tokenizer (text prompts)")
-        path = Path(args.trace)
-        written = []
-        for k, t in enumerate(traces, 1):
-            t.save(sample_path(path, k))
-            written.append(str(sample_path(path, k)))
-        print(f"trace written to {', '.join(written)}", file=sys.stderr)
+        if len(traces) == 1:
+            traces[0].save(args.trace)
+        else:
+            from kvql.runtime.trace import save_all
+
+            save_all(traces, args.trace)  # one file: a section per sample (JSON: {"traces": [...]})
+        print(f"trace written to {args.trace}" + (f" ({len(traces)} samples)" if len(traces) > 1 else ""),
+              file=sys.stderr)
     if args.stats:
         for k, t in enumerate(traces, 1):
             if t is None:
@@ -264,8 +261,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same samples)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature")
     p.add_argument("--trace", metavar="FILE",
-                   help="write the run's trace: FILE.html (self-contained) or FILE.json; with several samples, "
-                        "sample k>1 goes to FILE-samplek.html")
+                   help="write the run's trace: FILE.html (self-contained) or FILE.json; several samples go to "
+                        "one file, a section per sample")
     p.add_argument("--stats", action="store_true", help="print the run's cached / computed token counts")
     p.set_defaults(func=run)
     p = sub.add_parser("serve", help="OpenAI-compatible server sharing one model and its cache")

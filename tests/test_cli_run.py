@@ -44,20 +44,22 @@ def test_start_up_prints_a_loading_line_then_one_banner_line(tmp_path, model_dir
     assert "kvql: model" not in out.stdout  # stdout holds the result only
 
 
-def test_samples_are_labelled_and_each_gets_its_trace(tmp_path, model_dir):
+def test_samples_are_labelled_and_one_trace_file_holds_them_all(tmp_path, model_dir):
     (tmp_path / "s.lmql").write_text(SAMPLED)
     out = kvql("run", "s.lmql", "--model", str(model_dir), "--cache-budget", "1MiB", "--seed", "7",
                "--trace", "t.json", "--stats", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     labels = [x for x in out.stdout.splitlines() if x.startswith("--- sample")]
     assert labels == ["--- sample 1/3 ---", "--- sample 2/3 ---", "--- sample 3/3 ---"]
-    files = [tmp_path / "t.json", tmp_path / "t-sample2.json", tmp_path / "t-sample3.json"]
-    assert all(f.is_file() for f in files)
-    values = [json.loads(f.read_text())["holes"][0]["value"] for f in files]
+    traces = json.loads((tmp_path / "t.json").read_text())["traces"]
+    values = [t["holes"][0]["value"] for t in traces]
     printed = [eval(x.split(": ", 1)[1]) for x in out.stdout.splitlines() if x.startswith("X: ")]
-    assert values == printed  # each file is its own sample's trace
-    assert "sample 3/3: tokens" in out.stderr
-    assert not (tmp_path / "t-sample4.json").exists()
+    assert len(values) == 3 and values == printed  # each section is its own sample's trace, in order
+    assert "trace written to t.json (3 samples)" in out.stderr and "sample 3/3: tokens" in out.stderr
+    out = kvql("run", "s.lmql", "--model", str(model_dir), "--cache-budget", "1MiB", "--seed", "7",
+               "--trace", "t.html", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "t.html").read_text().count('<section class="sample"') == 3
 
 
 def test_seed_makes_samples_repeatable_and_the_decoder_flag_overrides_the_query(tmp_path, model_dir):
