@@ -34,7 +34,6 @@ import typing
 from dataclasses import dataclass, field
 
 import llguidance
-import llguidance.hf
 from llguidance import regex_to_lark
 
 INT_REGEX = r" ?-?[0-9]+"
@@ -627,6 +626,8 @@ def _matcher(lark: str) -> _Matcher:
 @functools.lru_cache(maxsize=8)
 def _pieces(tokenizer) -> tuple[frozenset[bytes], int]:
     """The byte strings of a Hugging Face tokenizer's ordinary tokens, and the longest one's length."""
+    import llguidance.hf  # imports transformers: only once a tokenizer is at hand
+
     ll = llguidance.hf.from_tokenizer(tokenizer)
     pieces = frozenset(ll.decode_bytes([i]) for i in range(ll.vocab_size) if not ll.is_special_token(i)) - {b""}
     return pieces, max(map(len, pieces), default=1)
