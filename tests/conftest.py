@@ -152,7 +152,7 @@ def free_port() -> int:
 def start_server(model_dir, port, *options, budget: str = "4MB"):
     """A `kvql serve` subprocess for `model_dir` on `port`, once its /health answers."""
     proc = subprocess.Popen([sys.executable, "-m", "kvql.cli", "serve", "--model", str(model_dir), "--port",
-                             str(port), "--cache-budget", budget, *options],
+                             str(port), "--cache-budget", budget, "--log-level", "warning", *options],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     for _ in range(600):
         try:
