@@ -17,6 +17,20 @@ Invariants (`check_integrity` asserts them between steps; tests call it):
 5. greedy output with the cache is token-identical to the uncached reference (tests/test_exactness.py);
 6. when no request is running, no node is locked; a finished, failed or cancelled request holds nothing.
 Request states and every slot and lock transition: memory.py.
+
+Jump-forward (`jump_forward`, on by default; for masks that opt in, `request.MaskFn`, as grammar
+masks do): after each appended token, while the request's mask allows exactly one token, that token
+is forced: it is appended at once (stop strings, `stop_fn`, `max_tokens`, EOS and streaming see it
+exactly as if it had been sampled), and the forced run is computed in the request's next forward as
+one chunk (scheduled like a prefill chunk), instead of one decode step per token. Outputs
+are the same as without it, sampled ones included: `sample` would pick the only allowed token, and
+`sampler.draw_forced` consumes the same random draw `sample` would. The mask is called once per
+history, as without it (the call that finds a choice is handed on to `sample`). A request that wants
+logprobs keeps its forced tokens pending (`Request.forced`) until the forward computed the rows
+that score them; they are then appended, with the logprob `sample` would have given them, computed
+from that forward's logits. Stops are then seen a forward later, so tokens after a stop may have been
+computed (their KV is cached under their own ids, never shown). `Request.forced_tokens` and the stat
+`forced_tokens` count the tokens appended this way (a forced EOS that ends the request included).
 """
 
 from __future__ import annotations
@@ -34,7 +48,7 @@ from .memory import Memory
 from .model_runner import ModelRunner
 from .radix_cache import RadixCache
 from .request import Request, RequestGroup, SamplingParams, State
-from .sampler import sample, token_logprobs
+from .sampler import draw_forced, forced_logprob, forced_token, sample, token_logprobs
 from .scheduler import Scheduler
 
 
@@ -65,7 +79,9 @@ class Engine:
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
         self.background = background  # False: the caller drives `step()` (tests, deterministic stagger)
+        self.jump_forward = True  # append tokens a constraint forces without a decode step each (module doc)
         self.generated_tokens = 0
+        self.forced_tokens = 0
         self.steps = 0
         self.mixed_steps = 0  # steps whose batch held both prefill chunks and decode steps
         self.max_batch_requests = 0
@@ -175,11 +191,11 @@ class Engine:
                 self.scheduler.commit(req, seg)
                 if seg.all_logits:
                     self._score_prompt(req, seg, logits)
-                if seg.needs_logits:
-                    rows[req] = logits[-1]
-            for req, row in rows.items():
+                if logits is not None:
+                    rows[req] = (seg, logits)
+            for req, (seg, logits) in rows.items():
                 if not req.group.closed:  # a sibling may have failed it earlier in this loop
-                    self._sample(req, row)
+                    self._advance(req, seg, logits)
 
     @staticmethod
     def _score_prompt(req: Request, seg, logits: torch.Tensor) -> None:
@@ -208,34 +224,87 @@ class Engine:
             group.cancelled = True
             self._fail(group, concurrent.futures.CancelledError(), keep=True)
 
-    def _sample(self, req: Request, logits: torch.Tensor) -> None:
-        """Pick `req`'s next token (and fork its `n - 1` siblings after the prompt). The request's
-        error boundary: whatever the caller supplied raises here fails this group alone, with its
-        KV kept in the tree (the forward was valid), and never the step."""
+    def _advance(self, req: Request, seg, logits: torch.Tensor) -> None:
+        """Use one segment's logits: append the pending forced tokens they score, then, at the end
+        of the request's tokens, sample its next token (and fork its `n - 1` siblings after the
+        prompt). The request's error boundary: whatever the caller supplied raises here fails this
+        group alone, with its KV kept in the tree (the forward was valid), and never the step."""
         group = req.group
         try:
-            token, logprob = sample(logits, req)
-            forks = []
-            if not req.forked:
-                req.forked = True
-                for i in range(1, req.params.n):
-                    sib = Request(group, i, self.tokenizer, self.device)
-                    forks.append((sib, *sample(logits, sib)))
-            for sib, _, _ in forks:  # share the prompt's KV: it is in the tree, each sibling locks it
-                sib.cached_tokens = req.cached_tokens
-                sib.prompt_logprobs = req.prompt_logprobs
-                group.requests.append(sib)
-                self.scheduler.fork(req, sib)
-            self._append(req, token, logprob)
-            for sib, tok, lp in forks:
-                if not group.closed:
-                    self._append(sib, tok, lp)
+            if req.forced:
+                self._replay(req, seg, logits)
+            if seg.needs_logits and req.state is State.RUNNING:
+                self._sample(req, logits[-1])
         except BaseException as e:  # even SystemExit from a callback must not end the engine thread
             e.add_note(f"kvql: request {req.rid} failed while sampling:\n{traceback.format_exc(limit=3)}")
             if not isinstance(e, Exception):  # asyncio and thread pools treat those as "stop the program"
                 wrapped = RuntimeError(f"a callback of request {req.rid} raised {e!r}")
                 wrapped.__cause__, e = e, wrapped
             self._fail(group, e, keep=True)
+
+    def _sample(self, req: Request, row: torch.Tensor) -> None:
+        """Sample `req`'s next token from `row` (forking its siblings after the prompt), then jump forward."""
+        group = req.group
+        req.vocab_size = row.numel()
+        token, logprob = sample(row, req)
+        forks = []
+        if not req.forked:
+            req.forked = True
+            for i in range(1, req.params.n):
+                sib = Request(group, i, self.tokenizer, self.device)
+                sib.vocab_size = row.numel()
+                forks.append((sib, *sample(row, sib)))
+        for sib, _, _ in forks:  # share the prompt's KV: it is in the tree, each sibling locks it
+            sib.cached_tokens = req.cached_tokens
+            sib.prompt_logprobs = req.prompt_logprobs
+            group.requests.append(sib)
+            self.scheduler.fork(req, sib)
+        self._append(req, token, logprob)
+        self._jump(req)
+        for sib, tok, lp in forks:
+            if not group.closed:
+                self._append(sib, tok, lp)
+                self._jump(sib)
+
+    def _jump(self, req: Request) -> None:
+        """Jump-forward: while the mask allows exactly one token after `req`'s tokens, take it (module
+        doc). The mask result that leaves a choice is kept for `sample` (`Request.next_allowed`)."""
+        p = req.params
+        if not self.jump_forward or not getattr(p.mask, "jump_forward", False):
+            return
+        keep_pending = p.logprobs is not None  # its forced tokens wait for the rows that score them
+        while req.state is State.RUNNING and len(req.output_ids) + len(req.forced) < p.max_tokens:
+            history = req.output_ids + req.forced
+            allowed = p.mask(list(history))
+            token = forced_token(allowed, req.vocab_size)
+            ends = token in self.eos_ids and not p.ignore_eos
+            if token is None or (ends and req.forced):  # a choice, or an end that waits for its turn
+                req.next_allowed = (len(history), allowed)
+                return
+            draw_forced(req, token, req.vocab_size)
+            self.forced_tokens += 1
+            req.forced_tokens += 1
+            if not ends or p.ignore_eos:
+                req.forced_at.append(len(history))
+            if keep_pending and not ends:
+                req.forced.append(token)
+            else:  # needs no logits: appended now, exactly as `sample` would have returned it
+                self._append(req, token, None)
+
+    def _replay(self, req: Request, seg, logits: torch.Tensor) -> None:
+        """Append the pending forced tokens whose scoring rows (the logits of the position before
+        each) this segment computed, with the logprob entry `sample` would have given them."""
+        end = seg.start + len(seg.token_ids)
+        first = end - logits.shape[0]  # the position of the first row
+        while req.forced and req.state is State.RUNNING:
+            at = req.replay_from  # the row that scores the first pending token
+            if not first <= at < end:
+                return
+            token = req.forced[0]
+            entry = forced_logprob(logits[at - first], req, token)
+            req.forced.pop(0)  # into output_ids: `tokens` stays the same sequence
+            self._append(req, token, entry)
+        # the run ended at a choice (its mask result waits in `next_allowed`) or at max_tokens
 
     def _append(self, req: Request, token: int, logprob) -> None:
         p = req.params
@@ -291,6 +360,7 @@ class Engine:
                 "cached_tokens": s.cached_tokens,
                 "computed_tokens": s.prompt_tokens - s.cached_tokens,
                 "generated_tokens": self.generated_tokens,
+                "forced_tokens": self.forced_tokens,
                 "forward_tokens": self.runner.forward_tokens,
                 "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
                 "cache_tokens": self.tree.total_tokens,

@@ -224,7 +224,10 @@ class Grammar:
 
 
 class _Mask:
-    """One mask function: a matcher that follows whichever history it is called with."""
+    """One mask function: a matcher that follows whichever history it is called with. It depends on
+    the ids alone, so the engine may ask it ahead (`jump_forward`, see `request.MaskFn`)."""
+
+    jump_forward = True
 
     def __init__(self, initial: llguidance.LLMatcher, vocab_size: int):
         self._initial = initial

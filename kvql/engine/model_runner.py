@@ -75,7 +75,8 @@ class PoolCache:
 class Segment:
     """New tokens of one request in a batch: `token_ids` at positions `start ...`, written to `new_slots`;
     `past_slots` hold the KV of its positions `0 .. start-1`. `needs_logits`: the logits of its last
-    token are wanted (to sample); `all_logits`: those of every token (prompt logprobs)."""
+    token are wanted (to sample); `all_logits`: those of every token (prompt logprobs); `logits_from`: those
+    of every position from there on (jump-forward's pending forced tokens: their logprobs)."""
 
     token_ids: list[int]
     start: int
@@ -83,6 +84,18 @@ class Segment:
     new_slots: torch.Tensor
     needs_logits: bool
     all_logits: bool = False
+    logits_from: int | None = None
+
+    @property
+    def logit_rows(self) -> int:
+        """How many trailing tokens' logits the forward returns."""
+        n = len(self.token_ids)
+        if self.all_logits:
+            return n
+        k = 1 if self.needs_logits else 0
+        if self.logits_from is not None:
+            k = max(k, min(n, self.start + n - self.logits_from))
+        return k
 
 
 class ModelRunner:
@@ -98,15 +111,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> list[torch.Tensor | None]:
-        """Run the batch; return, per segment, its float32 logits: `[len(token_ids), vocab]` with
-        `all_logits`, else `[1, vocab]` (its last token) with `needs_logits`, else None."""
+        """Run the batch; return, per segment, its float32 logits: those of its last `logit_rows`
+        tokens (`[len(token_ids), vocab]` with `all_logits`, `[1, vocab]` with `needs_logits` alone),
+        or None when it wants none."""
         dev = self.device
         ids, pos, rows, spans = [], [], [], []
         for s in segments:
             n = len(s.token_ids)
             ids.extend(s.token_ids)
             pos.append(torch.arange(s.start, s.start + n))
-            k = n if s.all_logits else 1 if s.needs_logits else 0
+            k = s.logit_rows
             spans.append((len(rows), len(rows) + k))
             rows.extend(range(len(ids) - k, len(ids)))
         buckets = plan(segments, self.groups, dev)

@@ -17,7 +17,12 @@ from .detokenizer import Detokenizer
 MaskFn = Callable[[list[int]], "torch.Tensor | None"]
 """Called with a sequence's generated token ids so far; returns a bool tensor `[vocab]` of allowed
 next tokens, or None for no restriction. Samples of one prompt share the function, so it must depend
-only on the ids it is given. If it raises, that request fails alone."""
+only on the ids it is given. If it raises, that request fails alone.
+
+A mask with a true attribute `jump_forward` (`Grammar.mask_fn()`'s have one) opts in to jump-forward
+(engine.py): it is then asked about a history as soon as that history exists, before the forward
+of its last token, so a token it forces is appended without a decode step of its own; a mask
+without it is asked only when the logits for that history are there."""
 
 
 StopFn = Callable[[list[int], str], bool]
@@ -129,6 +134,14 @@ class Request:
         self.prompt_ids = group.prompt_ids
         self.salt = group.salt
         self.output_ids: list[int] = []
+        # Jump-forward (engine.py): tokens the constraint forced, computed but not yet appended to
+        # `output_ids` (only for requests that want logprobs, whose entries need the forward's rows);
+        # they are part of `tokens`, so the scheduler computes them as one chunk
+        self.forced: list[int] = []
+        self.forced_tokens = 0  # how many tokens jump-forward appended without a decode step (an ending EOS too)
+        self.forced_at: list[int] = []  # their indices in `output_ids` (what a trace needs to show them apart)
+        self.next_allowed: tuple[int, object] | None = None  # (len(output_ids), mask result) already computed
+        self.vocab_size: int | None = None  # the model's logits width, from the first sampled row
         self.state = State.WAITING
         self.kv_slots = torch.empty(0, dtype=torch.long, device=device)
         self.tree_len = 0
@@ -153,11 +166,18 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Every token the model sees: prompt, output, then pending forced tokens."""
+        return self.prompt_ids + self.output_ids + self.forced
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + len(self.forced)
+
+    @property
+    def replay_from(self) -> int | None:
+        """The position whose logits predict the first pending forced token (None when none is
+        pending): from there on the forward returns every row, and nothing is served from the cache."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1 if self.forced else None
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -167,10 +187,14 @@ class Request:
     def max_cached(self) -> int:
         """How many leading tokens may be served from the cache. Invariant 3: never the last token, so
         its logits exist. A request still collecting prompt logprobs computes every position whose
-        logits it lacks (cached positions have none): at most the ones it already scored."""
+        logits it lacks (cached positions have none): at most the ones it already scored; so does one
+        with pending forced tokens (`replay_from`)."""
+        limit = self.num_tokens - 1
         if self.needs_prompt_logits:
-            return len(self.prompt_logprobs) - 1
-        return self.num_tokens - 1
+            limit = len(self.prompt_logprobs) - 1
+        if self.forced:
+            limit = min(limit, self.replay_from)
+        return limit
 
     def completion(self) -> Completion:
         return Completion(

@@ -26,7 +26,7 @@ def _penalize(logits: torch.Tensor, req: Request) -> torch.Tensor:
     p = req.params
     logits = logits.clone()
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.tokens)), dtype=torch.long, device=logits.device)
+        seen = torch.tensor(sorted(set(req.prompt_ids) | set(req.output_ids)), dtype=torch.long, device=logits.device)
         seen = seen[seen < logits.numel()]
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
@@ -39,6 +39,52 @@ def _penalize(logits: torch.Tensor, req: Request) -> torch.Tensor:
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy, as in vLLM: `logits / t` overflows to inf for tiny `t`."""
+
+
+def mask_for(req: Request):
+    """`req`'s mask for its next token: the result jump-forward already computed for this very
+    history (`req.next_allowed`), else a call of the mask function (each history is asked once)."""
+    known, req.next_allowed = req.next_allowed, None
+    if known is not None and known[0] == len(req.output_ids):
+        return known[1]
+    return req.params.mask(list(req.output_ids))
+
+
+def forced_token(allowed, vocab: int) -> int | None:
+    """The one token a mask result allows, when it allows exactly one that the model has; None otherwise
+    (no restriction, several tokens, none, or a mask `sample` would reject: it raises there)."""
+    if allowed is None:
+        return None
+    allowed = allowed.to(dtype=torch.bool).flatten()
+    if allowed.numel() > vocab:
+        return None
+    hits = allowed.nonzero()
+    return int(hits[0, 0]) if hits.shape[0] == 1 else None
+
+
+def draw_forced(req: Request, token: int, vocab: int) -> None:
+    """Consume exactly the random draw `sample` makes when its mask allows only `token`: its
+    distribution is then exactly one-hot (softmax of one finite logit among -inf; top-k and top-p keep
+    it), and a draw depends on the generator and that input alone. So seeded sampling with
+    jump-forward draws the same later tokens as without. Greedy requests draw nothing."""
+    if req.params.temperature >= GREEDY_BELOW:
+        probs = torch.zeros(vocab, dtype=torch.float32)
+        probs[token] = 1.0
+        drawn = int(torch.multinomial(probs, 1, generator=req.generator))
+        assert drawn == token
+
+
+def forced_logprob(logits: torch.Tensor, req: Request, token: int) -> TokenLogprob:
+    """The logprob entry `sample` would give a forced `token` from this float32 row: of the raw
+    distribution, or with `masked_logprobs` of the penalized one masked to `token` alone."""
+    p = req.params
+    if p.masked_logprobs:
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            logits = _penalize(logits, req)
+        only = torch.zeros(logits.numel(), dtype=torch.bool, device=logits.device)
+        only[token] = True
+        logits = logits.masked_fill(~only, float("-inf"))
+    return token_logprobs(logits[None], [token], p.logprobs)[0]
 
 
 def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None]:
@@ -56,7 +102,7 @@ def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None
     if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
         logits = _penalize(logits, req)
     if p.mask is not None:
-        allowed = p.mask(list(req.output_ids))
+        allowed = mask_for(req)
         if allowed is not None:
             logits = _apply_mask(logits, allowed)
     if p.temperature < GREEDY_BELOW:

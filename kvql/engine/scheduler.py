@@ -15,6 +15,10 @@ Decisions and why:
   they survive), and it returns to the front of the queue keeping its generated tokens.
 - Invariant 3: at most `len(tokens) - 1` tokens are served from the cache, so the last token is
   always computed and its logits exist (`Request.max_cached`).
+- Jump-forward (engine.py) appends tokens a constraint forces; they are computed as one multi-token
+  chunk of the running request, exactly like a prefill chunk. Pending forced tokens of a request
+  that wants logprobs need the logits of every position from `Request.replay_from`: it is never
+  served from the cache past there, and its segments return those rows.
 - Prompt logprobs need the logits of every prompt position, and cached positions have none: a request
   asking for them matches only the positions it already scored (none at first, some after a
   preemption mid-prompt), skips dedup, and still inserts its prompt into the tree for later requests.
@@ -105,7 +109,8 @@ class Scheduler:
     def _segment(req: Request, n: int) -> Segment:
         start = req.num_computed
         return Segment(req.tokens[start:start + n], start, req.kv_slots[:start], req.kv_slots[start:start + n],
-                       needs_logits=start + n == req.num_tokens, all_logits=req.needs_prompt_logits)
+                       needs_logits=start + n == req.num_tokens, all_logits=req.needs_prompt_logits,
+                       logits_from=req.replay_from)
 
     def _admit(self, batch: list, budget: int) -> None:
         if budget <= 0 or not self.waiting or len(self.running) >= self.max_running:
