@@ -296,7 +296,11 @@ class Model(Backend):
 
 def _continued(mask: MaskFn, prefix: list[int]) -> MaskFn:
     """`mask` for a value whose first tokens (`prefix`) are already in the prompt."""
-    return lambda generated: mask(prefix + generated)
+    def continued(generated: list[int]):
+        return mask(prefix + generated)
+
+    continued.jump_forward = getattr(mask, "jump_forward", False)  # asked ahead if `mask` may be
+    return continued
 
 
 def _no_end_before(mask: MaskFn | None, min_tokens: int, eos_ids, vocab: int) -> MaskFn:
@@ -308,6 +312,7 @@ def _no_end_before(mask: MaskFn | None, min_tokens: int, eos_ids, vocab: int) ->
             allowed[[e for e in eos_ids if e < allowed.numel()]] = False
         return allowed
 
+    masked.jump_forward = getattr(mask, "jump_forward", mask is None)  # a function of the ids alone
     return masked
 
 
@@ -317,4 +322,6 @@ def _forcing(token_ids: list[int], vocab: int) -> MaskFn:
         allowed = torch.zeros(vocab, dtype=torch.bool)
         allowed[token_ids[len(generated)]] = True
         return allowed
+
+    mask.jump_forward = True  # every token is forced: the continuation is computed in one forward
     return mask

@@ -56,6 +56,7 @@ class BiasMask:
 
     def __init__(self, allowed: torch.Tensor, base):
         self.allowed, self.base = allowed, base
+        self.jump_forward = getattr(base, "jump_forward", base is None)  # a function of the ids alone
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
         if self.base is None:

@@ -55,6 +55,7 @@ class NoEosBelow:
 
     def __init__(self, min_tokens: int, base, eos_ids, vocab_size: int):
         self.min_tokens, self.base = min_tokens, base
+        self.jump_forward = getattr(base, "jump_forward", base is None)  # a function of the ids alone
         self.no_eos = torch.ones(vocab_size, dtype=torch.bool)
         self.no_eos[[t for t in eos_ids if 0 <= t < vocab_size]] = False
 
