@@ -25,6 +25,7 @@ from .runtime.decoding import DECODER_OPTIONS, Decoding, decoding
 from .runtime.errors import QueryError, UnmetConstraint
 from .runtime.program import Program
 from .runtime.result import LMQLResult
+from .runtime.trace import label_all
 from . import certificate as certificates
 from . import output
 from .generations import generate, generate_sync, score, score_sync
@@ -213,9 +214,8 @@ class Query(Program):
         results, contexts = await self.run_all(m, decoding, inputs, (module["__kvql_query__"], bool(compiled.returns)))
         # one per run; see kvql.runtime.trace (None for a run that never needed its model)
         self.last_traces = [ctx.trace() if ctx.model_used else None for ctx in contexts]
-        for k, trace in enumerate(self.last_traces):
-            if trace is not None:
-                trace.label(query=self.name, model=m.name, inputs=inputs, sample=k)
+        label_all(self.last_traces + [r.trace for r in results if isinstance(r, LMQLResult)], query=self.name,
+                  inputs=inputs)
         for ctx in contexts:
             await output.report(output_writer, ctx.prompt, ctx.variables, len(ctx.ids) if ctx.model_used else 0)
         if certificate:

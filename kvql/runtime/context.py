@@ -476,7 +476,8 @@ class Context:
         tokens = self.buffer.trace_tokens()
         if tokens is None:
             return None
-        return Trace(tokens, list(self._hole_log), time.perf_counter() - self._started)
+        return Trace(tokens, list(self._hole_log), time.perf_counter() - self._started, model=self.model.name,
+                     sample=self.run_index)
 
     def result(self) -> LMQLResult:
         name, values = self.dist_clause or (None, None)
