@@ -54,10 +54,6 @@ CACHE_SALT = "cache_salt"
 TOKEN_GRAMMAR = "token_grammar"  # Lark grammars may name tokens by id (`<[123]>`, llguidance's syntax)
 CONSTRAINTS = ("regex", "choices", "json_schema", "grammar")  # each a capability of its own
 
-OPTIONS = frozenset({"max_tokens", "min_tokens", "stop", "stop_fn", "temperature", "top_p", "top_k",
-                     "repetition_penalty", "frequency_penalty", "presence_penalty", "n", "seed", "logprobs",
-                     "masked_logprobs", "ignore_eos", "cache_salt", "grammar_prefix", *CONSTRAINTS})
-
 
 def progress_bar(progress, total: int, desc: str = "Generating"):
     """The bar that a `progress=` option asks for, counting `total` completions (None when off).

@@ -54,7 +54,8 @@ class Model(Backend):
     (`kvql.backends.base`), with every capability. Thread-safe: calls from many threads or tasks share
     batches and the cache. LMQL's model methods (`generate_sync`, `score`, `score_sync`) come from `LLM`.
 
-    Beyond the contract it takes `mask` (a Python function of the generated ids -> allowed tokens)."""
+    Beyond the contract it takes `mask` (a Python function of the generated ids -> allowed tokens) and
+    `prompt_logprobs=k` (every prompt token's log-probability and top k, vLLM's option)."""
 
     capabilities = frozenset({base.TOKEN_IDS, base.SCORE, base.LOGPROBS, base.MASKED_LOGPROBS, base.MIN_TOKENS,
                               base.STOP_FN, base.SAMPLING, base.CACHE_SALT, base.TOKEN_GRAMMAR, *base.CONSTRAINTS})
