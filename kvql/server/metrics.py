@@ -144,7 +144,7 @@ class Flight:
 
 
 class AccessLog:
-    """ASGI middleware: one line per HTTP request once its response has been sent in full."""
+    """ASGI middleware: one line per HTTP request, as the last chunk of its response is sent."""
 
     def __init__(self, app):
         self.app = app
@@ -155,19 +155,23 @@ class AccessLog:
         start = time.perf_counter()
         scope["kvql.arrived"] = start
         record = scope["kvql.record"] = {"prompt": 0, "cached": 0, "generated": 0}
-        status = [500]
+        status, logged = [500], [False]
 
         async def sending(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-            await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
+                # logged before the last body chunk goes out: a client that has its whole response can
+                # rely on the line being there
+                logged[0] = True
                 log(scope, status[0], record, start)
+            await send(message)
 
         try:
             await self.app(scope, receive, sending)
         except BaseException:
-            log(scope, status[0], record, start)
+            if not logged[0]:
+                log(scope, status[0], record, start)
             raise
 
 
