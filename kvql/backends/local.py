@@ -217,8 +217,11 @@ class Model(Backend):
     async def agenerate(self, prompts, *, progress=False, **options) -> list[Completion]:
         """`generate` for asyncio; cancelling the awaiting task cancels the requests."""
         groups = await self._asubmit(prompts, **options)
-        bar = base.progress_bar(progress, sum(g.params.n for g in groups))
+        return await self._collect(groups, base.progress_bar(progress, sum(g.params.n for g in groups)))
 
+    async def _collect(self, groups: list[RequestGroup], bar=None) -> list[Completion]:
+        """The completions of submitted `groups`, prompt by prompt; if the caller is cancelled or one
+        group fails, every group is cancelled. `bar` (a tqdm bar, closed here) counts them."""
         async def done(g: RequestGroup) -> list[Completion]:
             try:
                 return await asyncio.wrap_future(g.future)
@@ -241,13 +244,23 @@ class Model(Backend):
         Leaving the loop early cancels the request."""
         if not isinstance(prompt, str) and not (isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt)):
             raise TypeError("stream() takes one prompt: a string or a list of token ids")
+        async for chunk in self._stream(prompt, options):
+            yield chunk
+
+    async def _stream(self, prompt, options: dict, on_token=None, on_group=None) -> AsyncIterator[StreamChunk]:
+        """`stream`, with the server's hooks: `on_token()` after each token (on the engine thread) and
+        `on_group(group)` once the request is queued."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def on_update(sample, text, token, completion):
+            if on_token is not None:
+                on_token()
             loop.call_soon_threadsafe(queue.put_nowait, StreamChunk(sample, text, token, completion))
 
         (group,) = await self._asubmit(prompt, on_update, **options)
+        if on_group is not None:
+            on_group(group)
         group.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
         try:
             while (chunk := await queue.get()) is not None:

@@ -40,7 +40,6 @@ from starlette.exceptions import HTTPException
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..backends.base import StreamChunk
 from ..backends.local import Model
 from .guard import Guard
 from .logit_bias import bias_mask
@@ -208,32 +207,11 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         """`model.agenerate`, its groups kept in `flight` (timings, cancellation at shutdown)."""
         groups = await model._asubmit(prompts, flight.on_update, **opts)
         flight.groups.extend(groups)
-        try:
-            results = await asyncio.gather(*(asyncio.wrap_future(g.future) for g in groups))
-        except BaseException:
-            for g in groups:
-                model.engine.cancel(g)
-            raise
-        return [c for r in results for c in r]
+        return await model._collect(groups)
 
-    async def stream(flight, prompt, opts):
+    def stream(flight, prompt, opts):
         """`model.stream`, its group kept in `flight`."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def on_update(sample, text, token, completion):
-            flight.on_update()
-            loop.call_soon_threadsafe(queue.put_nowait, StreamChunk(sample, text, token, completion))
-
-        (group,) = await model._asubmit(prompt, on_update, **opts)
-        flight.groups.append(group)
-        group.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
-        try:
-            while (chunk := await queue.get()) is not None:
-                yield chunk
-            group.future.result()  # raise the request's error, if any
-        finally:
-            model.engine.cancel(group)  # no-op once it finished
+        return model._stream(prompt, opts, flight.on_update, flight.groups.append)
 
     async def run(request: Request, prompts, opts):
         counters["requests"] += 1
