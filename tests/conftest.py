@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -19,6 +21,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 import uvicorn
 
 import kvql
+from kvql.server.app import create_app
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -154,16 +157,23 @@ def start_server(model_dir, port, *options, budget: str = "4MB"):
     proc = subprocess.Popen([sys.executable, "-m", "kvql.cli", "serve", "--model", str(model_dir), "--port",
                              str(port), "--cache-budget", budget, "--log-level", "warning", *options],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if wait_healthy(proc, port):
+        return proc
+    proc.kill()
+    raise AssertionError(f"server did not start: {proc.stdout.read().decode()[-2000:]}")
+
+
+def wait_healthy(proc, port: int) -> bool:
+    """Whether the server process `proc` answers /health on `port` within 60 s (False once it exits)."""
     for _ in range(600):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc
+                return True
         except httpx.TransportError:
             time.sleep(0.1)
         if proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError(f"server did not start: {proc.stdout.read().decode()[-2000:]}")
+            return False
+    return False
 
 
 @pytest.fixture(scope="session")
@@ -193,3 +203,24 @@ def each_backend(request, make_model, tokenizer):
     kvql.set_default_model(model)
     yield model
     kvql.set_default_model(None)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer, llama):
+    """An in-process server of the tiny Llama named "tiny", with CHAT_TEMPLATE, max_tokens capped at 64:
+    (its base URL, the model)."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = CHAT_TEMPLATE
+    model = kvql.Model(llama, tok, name="tiny", cache_budget=4 << 20)
+    with serving(create_app(model, max_tokens_cap=64)) as url:
+        yield url, model
+
+
+@pytest.fixture
+def client(served):
+    """The `openai` client of `served`."""
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="x", max_retries=0)

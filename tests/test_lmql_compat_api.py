@@ -40,12 +40,9 @@ def rnd():
 
 
 @pytest.fixture
-def tiny(make_model):
-    """The tiny model of conftest.py (a 512-token context), also the default model."""
-    m = make_model()
-    lmql.set_default_model(m)
-    yield m
-    lmql.set_default_model(None)
+def tiny(local):
+    """The tiny model of conftest.py (a 512-token context) on the local engine, also the default model."""
+    return local
 
 
 def printed(fn):

@@ -4,7 +4,6 @@ and raw payloads written out as langchain-openai sends them."""
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 
@@ -16,24 +15,8 @@ import kvql
 from kvql.server.app import create_app
 from conftest import serving
 
-TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 PROMPT = "Once upon a time"
 USER = [{"role": "user", "content": "Question: what is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def served(tokenizer, llama):
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = TEMPLATE
-    model = kvql.Model(llama, tok, name="tiny", cache_budget=4 << 20)
-    with serving(create_app(model, max_tokens_cap=64)) as url:
-        yield url, model
-
-
-@pytest.fixture
-def client(served):
-    return openai.OpenAI(base_url=served[0] + "/v1", api_key="x", max_retries=0)
 
 
 def post(served, body, path="/v1/chat/completions"):

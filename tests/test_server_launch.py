@@ -16,7 +16,7 @@ import httpx
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import free_port, start_server
+from conftest import free_port, wait_healthy
 
 SERVE = [sys.executable, "-m", "kvql.cli", "serve"]
 
@@ -57,12 +57,7 @@ def run_until_signal(model_dir, sig, *options, body, after: float = 1.0):
     proc = subprocess.Popen([*SERVE, "--model", str(model_dir), "--port", str(port), "--cache-budget", "64MB",
                              *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        assert wait_healthy(proc, port), proc.stderr.read()[-2000:]
         got = {}
 
         def client():
@@ -123,12 +118,7 @@ def test_banner_flags_and_access_log(long_model_dir, tmp_path):
                              "--served-model-name", "tiny", "--log-level", "info"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        assert wait_healthy(proc, port), proc.stderr.read()[-2000:]
         url = f"http://127.0.0.1:{port}/v1"
         assert httpx.get(url + "/models").json()["data"][0]["max_model_len"] == 300
         r = httpx.post(url + "/completions", json={"prompt": "Once", "max_tokens": 299})

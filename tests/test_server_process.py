@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest

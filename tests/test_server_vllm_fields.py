@@ -9,7 +9,6 @@ import json
 import re
 
 import httpx
-import openai
 import pytest
 import torch
 
@@ -17,23 +16,7 @@ import kvql
 from kvql.server.app import create_app
 from conftest import serving
 
-TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 TOKEN_ID = re.compile(r"token_id:(\d+)")
-
-
-@pytest.fixture(scope="module")
-def served(tokenizer, llama):
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = TEMPLATE
-    model = kvql.Model(llama, tok, name="tiny", cache_budget=4 << 20)
-    with serving(create_app(model, max_tokens_cap=64)) as url:
-        yield url, model
-
-
-@pytest.fixture
-def client(served):
-    return openai.OpenAI(base_url=served[0] + "/v1", api_key="x", max_retries=0)
 
 
 def post(served, body, path="/v1/completions"):
