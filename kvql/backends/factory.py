@@ -8,7 +8,8 @@ import time
 _random_models: dict = {}
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """Bytes for people: `4.0 GiB`, `12.5 MiB`, `512 B`."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
@@ -23,7 +24,7 @@ def banner(m) -> str:
         return repr(m)
     dtype = str(m.hf_model.dtype).removeprefix("torch.")
     return (f"model {m.name} · device {m.device} · {dtype} · context {m.context_length:,} tokens · "
-            f"KV cache {engine.pool.num_slots:,} tokens ({_size(engine.pool.bytes)})")
+            f"KV cache {engine.pool.num_slots:,} tokens ({size_text(engine.pool.bytes)})")
 
 
 def tokenizer(spec: str = "smollm2-135m"):

@@ -80,6 +80,7 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     import uvicorn
 
     import kvql
+    from ..backends.factory import size_text
     from .app import create_app
 
     dtype = _dtype(args.dtype, args.model, args.device, torch)
@@ -94,7 +95,7 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
         m.tokenizer.chat_template = template
     pool = m.engine.pool
     print(f"kvql serve: model {m.name} | device {m.device} | dtype {str(m.hf_model.dtype).removeprefix('torch.')} | "
-          f"context {m.context_length} tokens | KV cache {pool.num_slots} tokens ({_size(pool.bytes)})", flush=True)
+          f"context {m.context_length} tokens | KV cache {pool.num_slots} tokens ({size_text(pool.bytes)})", flush=True)
     app = create_app(m, name=args.served_model_name, aliases=[args.model], api_key=args.api_key,
                      salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
                      max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap)
@@ -196,13 +197,6 @@ def _cpu_has_bf16() -> bool:
             flags = f.read()
         return "avx512_bf16" in flags or "amx_bf16" in flags
     return False
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
 
 
 class _DroppingQueueHandler(logging.handlers.QueueHandler):
