@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from .backends.dtype import name as dtype_name
+
 PREFIX = "".join(f"Q: {q}\nA: {a}\n" for q, a in [
     ("What is the capital of France?", "Paris"), ("How many legs does a spider have?", "Eight"),
     ("What color is the sky?", "Blue"), ("What is 2 + 2?", "4"), ("Which animal barks?", "Dog")] * 3)
@@ -147,7 +149,7 @@ def _meta(model) -> dict:
     import transformers
 
     return {"model": getattr(model, "name", "model"), "device": str(getattr(model, "device", "cpu")),
-            "dtype": str(model.hf_model.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+            "dtype": dtype_name(model.hf_model.dtype), "threads": torch.get_num_threads(),
             "date": datetime.now().strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
             "transformers": transformers.__version__}
 

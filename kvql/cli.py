@@ -50,8 +50,8 @@ def load(spec: str, args):
     """The model for a command, with a loading line and the banner on stderr (see kvql.backends.factory)."""
     import kvql
 
-    return kvql.model(spec, device=getattr(args, "device", "cpu"), cache_budget=getattr(args, "cache_budget", None),
-                      silent=False)
+    return kvql.model(spec, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", None),
+                      cache_budget=getattr(args, "cache_budget", None), silent=False)
 
 
 def demo(args) -> None:
@@ -238,23 +238,30 @@ MODEL_HELP = ("smollm2-135m (embedded), a local model directory, a Hugging Face 
               "HF cache, else downloaded), local:PATH_OR_ID, or http://HOST:PORT/v1")
 
 
+def _model_options(p: argparse.ArgumentParser, model_default: str | None = DEFAULT_MODEL,
+                   model_help: str = MODEL_HELP) -> None:
+    """--model, --device, --dtype, --cache-budget: the local model a command loads."""
+    from .backends.dtype import NAMES
+
+    p.add_argument("--model", default=model_default, help=model_help)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", choices=NAMES, default=None,
+                   help="default: float32 (kvql's exact mode) on a CPU, bfloat16 on CUDA; auto: bfloat16 on CUDA "
+                        "and on a CPU with native bf16 matrix units (AMX-BF16 or AVX-512 BF16), else float32")
+    p.add_argument("--cache-budget", default=None, metavar="SIZE",
+                   help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
+
+
 def parser() -> argparse.ArgumentParser:
     p0 = argparse.ArgumentParser(prog="kvql", description=__doc__.split("\n")[0])
     p0.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p0.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="few-shot questions on the embedded model, cold then warm cache")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--cache-budget", default=None, metavar="SIZE",
-                   help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
+    _model_options(p)
     p.set_defaults(func=demo)
     p = sub.add_parser("run", help="run an LMQL query file")
     p.add_argument("file")
-    p.add_argument("--model", default=None, help=f"default: the query's own (from ...), else {DEFAULT_MODEL}; "
-                                                 f"{MODEL_HELP}")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--cache-budget", default=None, metavar="SIZE",
-                   help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
+    _model_options(p, None, f"default: the query's own (from ...), else {DEFAULT_MODEL}; {MODEL_HELP}")
     p.add_argument("--input", action="append", metavar="NAME=VALUE", help="an input of the query (repeatable)")
     p.add_argument("--decoder", metavar="DECODER",
                    help="override the query's decoder: argmax, 'sample(n=3)', 'beam(n=2)', ...")
@@ -272,17 +279,14 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=launch.serve)
     p = sub.add_parser("bench", help="workloads side by side: kvql vs HF generate / generate_batch")
     p.add_argument("workloads", nargs="*", help="fewshot chat tot json classify (default: all)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    _model_options(p)
     p.add_argument("--quick", action="store_true", help="sizes 2 and 6 only: under 2 minutes on 2 cores")
     p.add_argument("--out", default="bench-results")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.set_defaults(func=bench)
     p = sub.add_parser("generate", help="complete prompts")
     p.add_argument("prompt", nargs="+")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--cache-budget", default=None, metavar="SIZE",
-                   help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
+    _model_options(p)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--stop", action="append")

@@ -98,7 +98,7 @@ def free_port() -> int:
 def start_kvql() -> tuple[str, subprocess.Popen]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvql.cli", "serve", "--model", "smollm2-135m", "--port",
-                             str(port), "--cache-budget", "256MB"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                             str(port), "--cache-budget", "256MB", "--dtype", "float32"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     for _ in range(1200):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:

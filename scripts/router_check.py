@@ -216,7 +216,7 @@ def start_kvql_workers(tag: str, n: int, args) -> list[str]:
     for i in range(n):
         port = free_port()
         p = spawn(f"{tag}-w{i + 1}", [str(kvql_bin), "serve", "--model", MODEL, "--host", "127.0.0.1",
-                                      "--port", str(port), "--cache-budget", args.cache_budget],
+                                      "--port", str(port), "--cache-budget", args.cache_budget, "--dtype", "float32"],
                   env={"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
                        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         started.append((p, f"http://127.0.0.1:{port}"))

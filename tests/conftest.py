@@ -153,9 +153,11 @@ def free_port() -> int:
 
 
 def start_server(model_dir, port, *options, budget: str = "4MB"):
-    """A `kvql serve` subprocess for `model_dir` on `port`, once its /health answers."""
+    """A `kvql serve` subprocess for `model_dir` on `port` (float32, kvql's exact mode, unless `options` say
+    otherwise), once its /health answers."""
     proc = subprocess.Popen([sys.executable, "-m", "kvql.cli", "serve", "--model", str(model_dir), "--port",
-                             str(port), "--cache-budget", budget, "--log-level", "warning", *options],
+                             str(port), "--cache-budget", budget, "--log-level", "warning", "--dtype", "float32",
+                             *options],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if wait_healthy(proc, port):
         return proc

@@ -22,8 +22,9 @@ def banner(m) -> str:
     engine = getattr(m, "engine", None)
     if engine is None:
         return repr(m)
-    dtype = str(m.hf_model.dtype).removeprefix("torch.")
-    return (f"model {m.name} · device {m.device} · {dtype} · context {m.context_length:,} tokens · "
+    from .dtype import name
+
+    return (f"model {m.name} · device {m.device} · {name(m.hf_model.dtype)} · context {m.context_length:,} tokens · "
             f"KV cache {engine.pool.num_slots:,} tokens ({size_text(engine.pool.bytes)})")
 
 
@@ -46,6 +47,9 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
     queries keep and send token ids there (default: the served model's name, when it names a local
     model; see `kvql.backends.remote`). `cache_budget`: bytes of KV cache (int, or `"512MB"`, `"2GiB"`);
     default a quarter of free memory, at most 4 GiB (CPU) or half of free GPU memory (CUDA).
+    `dtype`: `"float32"` (kvql's exact mode), `"bfloat16"`, `"float16"`, `"auto"` (bfloat16 on CUDA and on
+    CPUs with native bf16 matrix units, else float32) or a `torch.dtype`; default float32 on a CPU and
+    bfloat16 on CUDA (see `kvql.backends.dtype`). Local models only.
 
     `"random"` (LMQL's test model, `seed=` as in LMQL; default 0) is a tiny random-weights Llama with
     SmolLM2's tokenizer (see `kvql.backends.loader.random_model`) and a 32 MB cache by default; calls with
@@ -68,13 +72,18 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
     if spec.startswith(("http://", "https://")):
         if seed is not None:
             raise TypeError("seed= is for the 'random' model; a server's model has fixed weights")
+        if dtype is not None:
+            raise TypeError("dtype= is for local models; a server computes in its own dtype (vLLM, kvql serve: --dtype)")
         from .remote import RemoteModel
 
         return RemoteModel(spec, name=name, api_key=api_key, tokenizer=tokenizer)
     if tokenizer is not None:
         raise TypeError("tokenizer= is for remote models; a local model uses its own")
+    from .dtype import resolve
     from .loader import load_hf, random_model
     from .local import Model
+
+    dtype = resolve(dtype, device)
 
     if spec == "random":
         key = (seed or 0, device, dtype, cache_budget, max_batch_tokens, max_running, name)

@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .dtype import resolve as resolve_dtype
+
 if TYPE_CHECKING:  # torch is imported when a model is loaded, not with this module
     import torch
 
@@ -172,7 +174,7 @@ def _source(spec: str):
 
 
 def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """Load `(model, tokenizer)` for `spec`; fp32 on CPU and bf16 on CUDA unless `dtype` is given."""
+    """Load `(model, tokenizer)` for `spec` in `dtype` (see `kvql.backends.dtype.resolve`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -189,8 +191,7 @@ def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype
             f"model {spec!r} has architecture {config.model_type!r}; kvql's engine runs "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} (standard attention with cache.update)")
     device = torch.device(device)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = resolve_dtype(dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
@@ -230,4 +231,4 @@ def random_model(seed: int = 0, *, device: str | torch.device = "cpu", dtype: to
         torch.manual_seed(int(seed))
         model = LlamaForCausalLM(config)
     device = torch.device(device)
-    return model.to(device=device, dtype=dtype or torch.float32).eval(), tokenizer
+    return model.to(device=device, dtype=resolve_dtype(dtype, device)).eval(), tokenizer

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import json
 import logging
 import logging.handlers
 import os
@@ -25,7 +24,7 @@ import socket
 import sys
 import time
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+from ..backends.dtype import NAMES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,9 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model's name in the API (default: --model, which stays accepted as an alias)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="cap the context (prompt + generated tokens) below the model's own")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="weights' dtype; auto: the checkpoint's bfloat16/float16 where the device computes it "
-                        "natively (CUDA; a CPU with AVX-512 BF16 or AMX gets bfloat16), else float32")
+    p.add_argument("--dtype", choices=NAMES, default="auto",
+                   help="auto (default): bfloat16 on CUDA and on a CPU with native bf16 matrix units (AMX-BF16 or "
+                        "AVX-512 BF16), else float32; float32 is kvql's exact mode")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) replacing the tokenizer's")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"), default="info",
@@ -76,15 +75,15 @@ def serve(args) -> None:
 def _serve(args, sock: socket.socket, template: str | None) -> None:
     import asyncio
 
-    import torch
     import uvicorn
 
     import kvql
+    from ..backends.dtype import name, resolve
     from ..backends.factory import size_text
     from .app import create_app
 
-    dtype = _dtype(args.dtype, args.model, args.device, torch)
-    print(f"kvql serve: loading {args.model} on {args.device} ({str(dtype).removeprefix('torch.')}) ...",
+    dtype = resolve(args.dtype, args.device)
+    print(f"kvql serve: loading {args.model} on {args.device} ({name(dtype)}) ...",
           flush=True)
     m = kvql.model(args.model, device=args.device, dtype=dtype, cache_budget=args.cache_budget)
     if args.max_model_len is not None:
@@ -94,7 +93,7 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     if template is not None:
         m.tokenizer.chat_template = template
     pool = m.engine.pool
-    print(f"kvql serve: model {m.name} | device {m.device} | dtype {str(m.hf_model.dtype).removeprefix('torch.')} | "
+    print(f"kvql serve: model {m.name} | device {m.device} | dtype {name(m.hf_model.dtype)} | "
           f"context {m.context_length} tokens | KV cache {pool.num_slots} tokens ({size_text(pool.bytes)})", flush=True)
     app = create_app(m, name=args.served_model_name, aliases=[args.model], api_key=args.api_key,
                      salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
@@ -172,31 +171,6 @@ def _chat_template(value: str | None) -> str | None:
     except jinja2.TemplateSyntaxError as e:
         _fail(f"--chat-template is not a valid Jinja template: {e.message} (line {e.lineno})")
     return value
-
-
-def _dtype(name: str, spec: str, device: str, torch):
-    """--dtype as a torch dtype; auto: see the flag's help."""
-    if name != "auto":
-        return getattr(torch, name)
-    saved = None
-    with contextlib.suppress(OSError, ValueError):
-        path = spec.removeprefix("local:")
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-        saved = config.get("dtype") or config.get("torch_dtype")
-    if str(device).startswith("cuda"):
-        return torch.float16 if saved == "float16" else torch.bfloat16
-    if saved in ("bfloat16", "float16") and _cpu_has_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
-def _cpu_has_bf16() -> bool:
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    return False
 
 
 class _DroppingQueueHandler(logging.handlers.QueueHandler):
