@@ -37,7 +37,8 @@ def tokenizer(spec: str = "smollm2-135m"):
 
 def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_budget: int | str | None = None,
           max_batch_tokens: int = 1024, max_running: int = 64, name: str | None = None, api_key: str | None = None,
-          tokenizer=None, seed: int | None = None, silent: bool = True):
+          tokenizer=None, seed: int | None = None, silent: bool = True, cache_dir=None,
+          cache_save_interval: float = 300.0):
     """Load a model for kvql's engine, or connect to a server.
 
     `spec`: `"smollm2-135m"` (the embedded default), a local Hugging Face model directory
@@ -50,6 +51,9 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
     `dtype`: `"float32"` (kvql's exact mode), `"bfloat16"`, `"float16"`, `"auto"` (bfloat16 on CUDA and on
     CPUs with native bf16 matrix units, else float32) or a `torch.dtype`; default float32 on a CPU and
     bfloat16 on CUDA (see `kvql.backends.dtype`). Local models only.
+    `cache_dir`: a directory that keeps the KV cache across restarts (loaded now if its snapshot is this
+    model's, dtype's and tokenizer's; saved on close / exit and every `cache_save_interval` seconds when
+    idle, 0: only on close; see `kvql.engine.cache_dir`). Local models only.
 
     `"random"` (LMQL's test model, `seed=` as in LMQL; default 0) is a tiny random-weights Llama with
     SmolLM2's tokenizer (see `kvql.backends.loader.random_model`) and a 32 MB cache by default; calls with
@@ -66,7 +70,8 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
             print(f"kvql: {note}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         m = model(spec, device=device, dtype=dtype, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
-                  max_running=max_running, name=name, api_key=api_key, tokenizer=tokenizer, seed=seed)
+                  max_running=max_running, name=name, api_key=api_key, tokenizer=tokenizer, seed=seed,
+                  cache_dir=cache_dir, cache_save_interval=cache_save_interval)
         print(f"kvql: {banner(m)} · loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return m
     if spec.startswith(("http://", "https://")):
@@ -74,6 +79,8 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
             raise TypeError("seed= is for the 'random' model; a server's model has fixed weights")
         if dtype is not None:
             raise TypeError("dtype= is for local models; a server computes in its own dtype (vLLM, kvql serve: --dtype)")
+        if cache_dir is not None:
+            raise TypeError("cache_dir= is for local models; a server keeps its own cache (kvql serve: --cache-dir)")
         from .remote import RemoteModel
 
         return RemoteModel(spec, name=name, api_key=api_key, tokenizer=tokenizer)
@@ -86,16 +93,17 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
     dtype = resolve(dtype, device)
 
     if spec == "random":
-        key = (seed or 0, device, dtype, cache_budget, max_batch_tokens, max_running, name)
+        key = (seed or 0, device, dtype, cache_budget, max_batch_tokens, max_running, name, cache_dir, cache_save_interval)
         shared = _random_models.get(key)
         if shared is None or shared.closed:
             hf_model, tok = random_model(seed or 0, device=device, dtype=dtype)
             shared = _random_models[key] = Model(hf_model, tok, name=name or "random",
                                                  cache_budget=cache_budget or "32MB",
-                                                 max_batch_tokens=max_batch_tokens, max_running=max_running)
+                                                 max_batch_tokens=max_batch_tokens, max_running=max_running,
+                                                 cache_dir=cache_dir, cache_save_interval=cache_save_interval)
         return shared
     if seed is not None:
         raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
     hf_model, tok = load_hf(spec, device=device, dtype=dtype)
     return Model(hf_model, tok, name=spec, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
-                 max_running=max_running)
+                 max_running=max_running, cache_dir=cache_dir, cache_save_interval=cache_save_interval)

@@ -11,6 +11,7 @@ from typing import AsyncIterator, Sequence
 import torch
 
 from ..completion import Completion
+from ..engine.cache_dir import CacheDir
 from ..engine.engine import Engine
 from ..engine.grammar import Grammar
 from ..engine.kv_pool import KVPool
@@ -55,13 +56,18 @@ class Model(Backend):
     batches and the cache. LMQL's model methods (`generate_sync`, `score`, `score_sync`) come from `LLM`.
 
     Beyond the contract it takes `mask` (a Python function of the generated ids -> allowed tokens) and
-    `prompt_logprobs=k` (every prompt token's log-probability and top k, vLLM's option)."""
+    `prompt_logprobs=k` (every prompt token's log-probability and top k, vLLM's option).
+
+    `cache_dir`: keep the KV cache across restarts: loaded from there now (when the snapshot is this
+    model's), saved on `close()` / exit and every `cache_save_interval` seconds when idle (0: only on
+    close); see `kvql.engine.cache_dir`. `save_cache(path)` / `load_cache(path)` do it explicitly."""
 
     capabilities = frozenset({base.TOKEN_IDS, base.SCORE, base.LOGPROBS, base.MASKED_LOGPROBS, base.MIN_TOKENS,
                               base.STOP_FN, base.SAMPLING, base.CACHE_SALT, base.TOKEN_GRAMMAR, *base.CONSTRAINTS})
 
     def __init__(self, hf_model, tokenizer, *, name: str = "model", cache_budget: int | str | None = None,
-                 max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True):
+                 max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True,
+                 cache_dir=None, cache_save_interval: float = 300.0):
         config = hf_model.config
         self.name = name
         self.hf_model = hf_model
@@ -83,6 +89,7 @@ class Model(Backend):
         self.eos_ids = frozenset(self.engine.eos_ids)
         # Grammars are immutable: the runs of a query (a map over many inputs) share one per constraint.
         self._compiled = functools.lru_cache(maxsize=256)(self._compile)
+        self.cache_dir = CacheDir(self.engine, cache_dir, cache_save_interval) if cache_dir is not None else None
 
     def _compile(self, kind: str, value) -> Grammar:
         return getattr(Grammar, _COMPILERS[kind])(self.tokenizer, list(value) if kind == "choices" else value)
@@ -294,7 +301,20 @@ class Model(Backend):
         """Assert the engine's invariants; `full=False` is the cheap slot count only."""
         self.engine.check_integrity(full)
 
+    def save_cache(self, path) -> dict:
+        """Write the cached tokens and their KV to the file `path` (atomically): `{tokens, nodes, bytes}`."""
+        return self.engine.save_cache(path)
+
+    def load_cache(self, path) -> dict:
+        """Replace the cache with the snapshot at `path` (keeping its most recently used part if the
+        budget is smaller): `{tokens, nodes, dropped}`. Raises `kvql.engine.snapshot.SnapshotError` (the
+        cache is then empty) for another model's, dtype's or tokenizer's snapshot or a damaged file, and
+        RuntimeError while requests are running."""
+        return self.engine.load_cache(path)
+
     def close(self) -> None:
+        if self.cache_dir is not None:
+            self.cache_dir.close()  # closes the engine, then saves
         self.engine.close()
 
     @property

@@ -2,8 +2,8 @@
 
 Requests are submitted from any thread; one engine thread runs `step()` while there is work, so
 calls from many threads or asyncio tasks are batched together. All engine state is touched only
-with `_state` held (the engine thread during a step; `stats()`, `clear_cache()` and
-`check_integrity()` between steps).
+with `_state` held (the engine thread during a step; `stats()`, `clear_cache()`, `save_cache()`,
+`load_cache()` and `check_integrity()` between steps).
 
 Invariants (`check_integrity` asserts them between steps; tests call it):
 1. a node's slots are never freed while a request locks the node or a descendant: a running
@@ -50,6 +50,7 @@ from .radix_cache import RadixCache
 from .request import Request, RequestGroup, SamplingParams, State
 from .sampler import draw_forced, forced_logprob, forced_token, sample, token_logprobs
 from .scheduler import Scheduler
+from . import snapshot
 
 
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -379,6 +380,25 @@ class Engine:
                 "max_batch_requests": self.max_batch_requests,
                 "forward_seconds": self.runner.forward_seconds,
             }
+
+    def fingerprint(self) -> dict[str, str]:
+        """What a snapshot must have been saved with to be loaded here (snapshot.fingerprint)."""
+        return snapshot.fingerprint(self.runner.model, self.tokenizer, self.pool)
+
+    def save_cache(self, path) -> dict:
+        """Write the radix tree and its KV to `path` (snapshot.save); the next step waits for it."""
+        with self._state:
+            return snapshot.save(self.tree, self.pool, path, self.fingerprint())
+
+    def load_cache(self, path) -> dict:
+        """Replace the cached tokens with the snapshot at `path` (snapshot.load), within the pool's
+        budget. Needs no request running (RuntimeError). SnapshotError if the snapshot is another
+        model's or damaged: the cache is then left empty."""
+        with self._state:
+            if self.scheduler.running:
+                raise RuntimeError(f"load_cache needs an idle engine; {len(self.scheduler.running)} requests are running")
+            self.tree.reset()
+            return snapshot.load(self.tree, self.pool, path, self.fingerprint())
 
     def check_integrity(self, full: bool = True) -> None:
         """Assert the invariants (module docstring). `full=False` checks only slot counts and the

@@ -113,6 +113,20 @@ class RadixCache:
             node = child
         return pos
 
+    def add_child(self, parent: Node | None, key: list[int], slots: torch.Tensor, salt: str | None = None) -> Node:
+        """Attach a new unlocked node under `parent` (None: the root of `salt`) and give the tree
+        `slots`, one per token of `key`; no child of `parent` may start with `key[0]`. For rebuilding a
+        saved tree (snapshot.py); `insert` is the way in for computed requests."""
+        parent = self._root(salt) if parent is None else parent
+        assert key and len(key) == slots.numel() and key[0] not in parent.children, "not a new edge"
+        node = parent.children[key[0]] = Node(list(key), slots, parent)
+        self.total_tokens += len(key)
+        return node
+
+    def touch(self, node: Node) -> None:
+        """Make `node` the most recently used (a saved LRU order is replayed oldest first)."""
+        node.last_access = next(_clock)
+
     def _split(self, child: Node, n: int) -> Node:
         """Cut `child` after `n` tokens; return the new upper node (same locks as `child`)."""
         upper = Node(child.key[:n], child.slots[:n], child.parent)

@@ -7,7 +7,8 @@ thread of their own, so a slow reader of stderr never stalls the server.
 
 SIGINT/SIGTERM: stop accepting, let in-flight requests finish for `--shutdown-timeout` seconds, then
 cancel them (a second signal cancels them at once): a non-streaming one is answered 503, a stream ends
-with an error event and `[DONE]`; the engine stops and the process exits 0.
+with an error event and `[DONE]`; the engine stops (with `--cache-dir`, its cache is saved there
+then: kvql.engine.cache_dir) and the process exits 0.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a host name accepted in the Host header besides IP addresses, localhost and --host "
                         "(repeatable; '*': any)")
     p.add_argument("--cache-budget", default=None, help="KV cache size, e.g. 512MB or 2GiB")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="keep the KV cache across restarts: loaded from DIR at start if it is this model's, "
+                        "saved there on shutdown and every --cache-save-interval seconds when idle")
+    p.add_argument("--cache-save-interval", type=float, default=300.0, metavar="SECONDS",
+                   help="with --cache-dir: seconds between saves while idle (0: only on shutdown)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-tokens-cap", type=int, default=4096)
 
@@ -85,7 +91,8 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     dtype = resolve(args.dtype, args.device)
     print(f"kvql serve: loading {args.model} on {args.device} ({name(dtype)}) ...",
           flush=True)
-    m = kvql.model(args.model, device=args.device, dtype=dtype, cache_budget=args.cache_budget)
+    m = kvql.model(args.model, device=args.device, dtype=dtype, cache_budget=args.cache_budget,
+                   cache_dir=args.cache_dir, cache_save_interval=args.cache_save_interval)
     if args.max_model_len is not None:
         if args.max_model_len > m.context_length:
             _fail(f"--max-model-len {args.max_model_len} is over the model's context of {m.context_length} tokens")
@@ -187,7 +194,7 @@ def _log_to_stderr(level: str) -> logging.handlers.QueueListener:
     out.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     listener = logging.handlers.QueueListener(q, out)
     listener.start()  # a daemon thread
-    for name in ("kvql.server", "kvql.access"):
+    for name in ("kvql.server", "kvql.access", "kvql.cache"):
         logger = logging.getLogger(name)
         logger.setLevel(level.upper())
         logger.addHandler(_DroppingQueueHandler(q))

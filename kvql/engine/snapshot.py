@@ -1,0 +1,353 @@
+"""Snapshot: the radix tree and the KV of its slots in one file, written and read back exactly.
+
+The file is a safetensors file (written here layer by layer, so saving never holds a second copy of
+the cache in memory; read with `safetensors.safe_open`):
+
+    tokens  int64 [T]        every node's key, concatenated (nodes in parent-before-child order)
+    parent  int64 [N]        index of each node's parent node, -1 under its salt's root
+    length  int64 [N]        tokens per node (>= 1)
+    salt    int64 [N]        index into the metadata's `salts` (the node's partition)
+    rank    int64 [N]        LRU order of the nodes: 0 is the least recently used
+    k.L, v.L [kv_heads, T, head_dim] (the pool's dtype)  the K and V of every token, layer L
+
+    metadata: kvql_format (FORMAT), fingerprint (JSON, `fingerprint()`), salts (JSON list),
+              checksum (CRC-32 of the header with checksum "00000000", then every data byte)
+
+Contract:
+- `save(tree, pool, path, fp)` writes every node of the tree, with the K/V of its slots; the caller
+  holds the engine between steps (no forward runs). Tree content is always computed KV (memory.py
+  inserts tokens only after their forward); nodes locked by running requests are saved too, since a
+  tree slot is never written again while the tree holds it. A running request's own slots (past its
+  `tree_len`) are not in the tree and never saved. The file appears atomically: it is written under
+  a temporary name in the same directory, fsynced, then renamed over `path`; a crash leaves the
+  old snapshot or none, never half of one.
+- `load(tree, pool, path, fp)` rebuilds the tree into an empty `tree`, taking slots from the pool's
+  free list, or raises `SnapshotError` (a one-line reason) and leaves tree and pool as they were:
+  another fingerprint (model, dtype, device, tokenizer, format), a truncated or corrupted file (the
+  checksum covers every byte but the checksum itself), or an inconsistent tree. Nothing is written
+  to the tree before the whole file is read and verified.
+- Budget: when the snapshot holds more tokens than the pool has free slots, the least recently used
+  leaves are dropped first (the last one cut to fit), as `RadixCache.evict` would have: what is kept
+  is the most recently used part and still a tree (a node is dropped only with all its children).
+- After `load`, LRU order among the loaded nodes is the saved one; every loaded node is unlocked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import torch
+
+from .kv_pool import KVPool
+from .radix_cache import Node, RadixCache
+
+FORMAT = "kvql-kv-snapshot-1"
+"""Bumped whenever the layout above changes: an older snapshot then starts cold."""
+
+SAMPLE = 4096
+"""Elements hashed per weight tensor (a fixed stride over the whole tensor): `fingerprint()`."""
+
+_STRUCTURE = ("tokens", "parent", "length", "salt", "rank")
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64"}
+_NO_CHECKSUM = "00000000"
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be used here; the message says why in one line."""
+
+
+# -- fingerprint ---------------------------------------------------------------------------------
+def fingerprint(hf_model, tokenizer, pool: KVPool) -> dict[str, str]:
+    """What must match for a snapshot's KV to be the KV this model would compute.
+
+    - `model`: SHA-256 over the config (minus names, paths, dtype and version fields) and, for every
+      tensor of the state dict in name order, its name, shape, dtype and a fixed strided sample of
+      `SAMPLE` elements spread over the whole tensor (first and last included). Hashing every weight
+      of a 135M model would take ~0.3 s per save; the sample takes milliseconds and tells any two
+      trained or randomly initialised models apart. Weights edited in a few places only (outside
+      the sample) go unnoticed: give such a model its own cache dir.
+    - `dtype` and `device` (the device type: KV computed by other kernels differs in the last bits),
+      `kv`: the pool's layer/head geometry, `tokenizer`: SHA-256 of the vocabulary (token -> id),
+      `format`: `FORMAT`.
+    """
+    h = hashlib.sha256()
+    config = {k: v for k, v in hf_model.config.to_dict().items()
+              if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, t in sorted(hf_model.state_dict().items()):
+            flat = t.detach().reshape(-1)
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+            if flat.numel():
+                m = min(SAMPLE, flat.numel())
+                index = torch.arange(m, device=flat.device) * (flat.numel() - 1) // max(m - 1, 1)
+                h.update(_bytes(flat[index].cpu()))
+    vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    layers, kv_heads, _, head_dim = pool.k.shape
+    return {"format": FORMAT, "model": h.hexdigest(), "dtype": str(pool.k.dtype).removeprefix("torch."),
+            "device": pool.device.type, "kv": f"{layers}x{kv_heads}x{head_dim}",
+            "tokenizer": hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()}
+
+
+def _bytes(t: torch.Tensor):
+    """The raw bytes of a CPU tensor, without a copy (any dtype, bfloat16 included)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+# -- save ----------------------------------------------------------------------------------------
+def save(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, str]) -> dict:
+    """Write the snapshot of `tree` to `path` atomically; `{"tokens", "nodes", "bytes"}`."""
+    path = Path(path)
+    nodes, parents, salts_of, salts = [], [], [], []
+    for salt, root in tree.roots.items():
+        si = len(salts)
+        salts.append(salt)
+        stack = [(child, -1) for child in root.children.values()]
+        while stack:  # parent before children
+            node, parent = stack.pop()
+            parents.append(parent)
+            salts_of.append(si)
+            stack.extend((c, len(nodes)) for c in node.children.values())
+            nodes.append(node)
+    order = sorted(range(len(nodes)), key=lambda i: nodes[i].last_access)
+    rank = [0] * len(nodes)
+    for r, i in enumerate(order):
+        rank[i] = r
+    tokens = [t for n in nodes for t in n.key]
+    slots = torch.cat([n.slots for n in nodes]) if nodes else torch.empty(0, dtype=torch.long, device=pool.device)
+    long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    structure = {"tokens": long(tokens), "parent": long(parents), "length": long([len(n.key) for n in nodes]),
+                 "salt": long(salts_of), "rank": long(rank)}
+    layers, kv_heads, _, head_dim = pool.k.shape
+    kv_shape, kv_dtype = [kv_heads, len(tokens), head_dim], _DTYPES[pool.k.dtype]
+    kv_bytes = kv_heads * len(tokens) * head_dim * pool.k.element_size()
+    entries = [(name, "I64", list(t.shape), t.numel() * 8) for name, t in structure.items()]
+    entries += [(f"{kv}.{layer}", kv_dtype, kv_shape, kv_bytes) for layer in range(layers) for kv in "kv"]
+    meta = {"kvql_format": FORMAT, "fingerprint": json.dumps(fp, sort_keys=True), "salts": json.dumps(salts)}
+    header = _header(meta, entries, _NO_CHECKSUM)
+
+    def chunks():
+        for t in structure.values():
+            yield _bytes(t)
+        for layer in range(layers):
+            for kv in (pool.k, pool.v):
+                yield _bytes(kv[layer].index_select(1, slots).cpu())
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(tree):x}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            crc = zlib.crc32(header)
+            for chunk in chunks():
+                f.write(chunk)
+                crc = zlib.crc32(chunk, crc)
+            f.seek(0)
+            f.write(_header(meta, entries, f"{crc:08x}"))  # the same length: only the checksum differs
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return {"tokens": len(tokens), "nodes": len(nodes), "bytes": path.stat().st_size}
+
+
+def _header(meta: dict[str, str], entries, checksum: str) -> bytes:
+    """The 8-byte length and the JSON header, padded with spaces to 8-byte alignment."""
+    info, offset = {"__metadata__": {**meta, "checksum": checksum}}, 0
+    for name, dtype, shape, nbytes in entries:
+        info[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(info, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# -- load ----------------------------------------------------------------------------------------
+def read_header(path: str | os.PathLike) -> tuple[dict, bytes]:
+    """The parsed header and its raw bytes (length prefix included) with the checksum zeroed."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise SnapshotError("truncated (no header)")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > min(size - 8, 1 << 28):
+            raise SnapshotError("truncated or corrupt (header length)")
+        raw = f.read(n)
+    try:
+        info = json.loads(raw)
+        meta = info["__metadata__"]
+        checksum = meta["checksum"]
+    except (ValueError, KeyError, TypeError):
+        raise SnapshotError("corrupt (unreadable header)") from None
+    field = f'"checksum":"{checksum}"'.encode()
+    if len(checksum) != len(_NO_CHECKSUM) or raw.count(field) != 1:
+        raise SnapshotError("corrupt (checksum field)")
+    zeroed = raw.replace(field, f'"checksum":"{_NO_CHECKSUM}"'.encode())
+    return info, prefix + zeroed
+
+
+def check_fingerprint(info: dict, fp: dict[str, str]) -> None:
+    """SnapshotError naming what differs when the snapshot's fingerprint is not `fp`."""
+    meta = info["__metadata__"]
+    if meta.get("kvql_format") != FORMAT:
+        raise SnapshotError(f"another snapshot format ({meta.get('kvql_format')!r}, this kvql reads {FORMAT!r})")
+    try:
+        saved = json.loads(meta["fingerprint"])
+    except (ValueError, KeyError):
+        raise SnapshotError("corrupt (fingerprint)") from None
+    differ = [k for k in fp if saved.get(k) != fp[k]]
+    if differ:
+        what = {"model": "another model", "dtype": f"dtype {saved.get('dtype')}, not {fp['dtype']}",
+                "device": f"device {saved.get('device')}, not {fp['device']}", "tokenizer": "another tokenizer"}
+        raise SnapshotError("saved for " + ", ".join(what.get(k, f"another {k}") for k in differ))
+
+
+def load(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, str]) -> dict:
+    """Rebuild the saved tree into the empty `tree`; `{"tokens", "nodes", "dropped"}` (tokens that
+    did not fit in the pool's free slots). SnapshotError (nothing changed) if the file cannot be used."""
+    from safetensors import safe_open
+
+    assert tree.total_tokens == 0, "load into an empty tree"
+    info, header = read_header(path)
+    check_fingerprint(info, fp)
+    names = sorted((k for k in info if k != "__metadata__"), key=lambda k: info[k]["data_offsets"][0])
+    layers, kv_heads, _, head_dim = pool.k.shape
+    expected = {*_STRUCTURE, *(f"{kv}.{i}" for i in range(layers) for kv in "kv")}
+    if set(names) != expected or set(names[:len(_STRUCTURE)]) != set(_STRUCTURE):
+        raise SnapshotError("corrupt (tensor names)")
+    try:
+        salts = json.loads(info["__metadata__"]["salts"])
+    except (ValueError, KeyError):
+        raise SnapshotError("corrupt (salts)") from None
+    crc = zlib.crc32(header)
+    dest = None
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            structure = {}
+            for name in names[:len(_STRUCTURE)]:
+                structure[name] = t = f.get_tensor(name)
+                crc = zlib.crc32(_bytes(t), crc)
+            plan = _plan(structure, salts, pool.num_free)
+            dest = pool.alloc(plan.kept_tokens)
+            keep = plan.keep_index.to(pool.device)
+            for name in names[len(_STRUCTURE):]:
+                t = f.get_tensor(name)
+                if list(t.shape) != [kv_heads, plan.total, head_dim] or t.dtype != pool.k.dtype:
+                    raise SnapshotError(f"corrupt (shape of {name})")
+                crc = zlib.crc32(_bytes(t), crc)
+                kv, layer = name.split(".")
+                target = (pool.k if kv == "k" else pool.v)[int(layer)]
+                target.index_copy_(1, dest, t.to(pool.device).index_select(1, keep))
+    except SnapshotError:
+        _give_back(pool, dest)
+        raise
+    except Exception as e:  # safetensors' own errors on a truncated or mangled file
+        _give_back(pool, dest)
+        raise SnapshotError(f"truncated or corrupt ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    if f"{crc:08x}" != info["__metadata__"]["checksum"]:
+        _give_back(pool, dest)
+        raise SnapshotError("corrupt (checksum mismatch)")
+    _build(tree, plan, dest, salts)
+    return {"tokens": plan.kept_tokens, "nodes": plan.kept_nodes, "dropped": plan.total - plan.kept_tokens}
+
+
+def _give_back(pool: KVPool, dest: torch.Tensor | None) -> None:
+    if dest is not None:
+        pool.free(dest)
+
+
+class _Plan:
+    """Which saved tokens to load: `keep[i]` leading tokens of node i (0: dropped)."""
+
+    def __init__(self, tokens, parent, length, salt, rank, keep):
+        self.tokens, self.parent, self.length, self.salt, self.rank, self.keep = tokens, parent, length, salt, rank, keep
+        self.total = len(tokens)
+        self.start = [0] * len(length)
+        for i in range(1, len(length)):
+            self.start[i] = self.start[i - 1] + length[i - 1]
+        self.kept_tokens = sum(keep)
+        self.kept_nodes = sum(1 for k in keep if k)
+        parts = [torch.arange(s, s + k) for s, k in zip(self.start, keep) if k]
+        self.keep_index = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+
+def _plan(structure: dict[str, torch.Tensor], salts: list, free: int) -> _Plan:
+    """Check the saved tree's shape, then choose what fits in `free` slots: LRU leaves dropped first."""
+    try:
+        tokens, parent, length, salt, rank = (structure[k].tolist() for k in _STRUCTURE)
+    except Exception:
+        raise SnapshotError("corrupt (tree arrays)") from None
+    n = len(parent)
+    if not (len(length) == len(salt) == len(rank) == n and sum(length) == len(tokens)
+            and all(x >= 1 for x in length) and sorted(rank) == list(range(n))
+            and all(-1 <= p < i for i, p in enumerate(parent)) and all(0 <= s < len(salts) for s in salt)
+            and all(isinstance(s, (str, type(None))) for s in salts) and len({json.dumps(s) for s in salts}) == len(salts)):
+        raise SnapshotError("corrupt (tree structure)")
+    start, first = 0, set()
+    for i in range(n):
+        edge = (parent[i], salt[i] if parent[i] < 0 else None, tokens[start])
+        if edge in first or (parent[i] >= 0 and salt[parent[i]] != salt[i]):
+            raise SnapshotError("corrupt (tree structure)")
+        first.add(edge)
+        start += length[i]
+    keep = list(length)
+    excess = len(tokens) - free
+    if excess > 0:
+        children = [0] * n
+        for p in parent:
+            if p >= 0:
+                children[p] += 1
+        heap = [(rank[i], i) for i in range(n) if children[i] == 0]
+        heapq.heapify(heap)
+        while excess > 0 and heap:
+            _, i = heapq.heappop(heap)
+            if keep[i] > excess:  # the least recent leaf still needed: keep its head
+                keep[i] -= excess
+                break
+            excess -= keep[i]
+            keep[i] = 0
+            p = parent[i]
+            if p >= 0:
+                children[p] -= 1
+                if children[p] == 0:
+                    heapq.heappush(heap, (rank[p], p))
+    return _Plan(tokens, parent, length, salt, rank, keep)
+
+
+def _build(tree: RadixCache, plan: _Plan, dest: torch.Tensor, salts: list) -> None:
+    """Attach the kept nodes (parents first) with their new slots, then replay the saved LRU order."""
+    made: dict[int, Node] = {}
+    offset = 0
+    for i, k in enumerate(plan.keep):
+        if not k:
+            continue
+        key = plan.tokens[plan.start[i]:plan.start[i] + k]
+        p = plan.parent[i]
+        made[i] = tree.add_child(made[p] if p >= 0 else None, key, dest[offset:offset + k], salts[plan.salt[i]])
+        offset += k
+    for i in sorted(made, key=lambda i: plan.rank[i]):
+        tree.touch(made[i])
