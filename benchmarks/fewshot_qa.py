@@ -1,4 +1,4 @@
-"""Few-shot QA benchmark: kvql vs Hugging Face generation on SmolLM2-135M-Instruct (CPU, fp32, greedy).
+"""Few-shot QA benchmark: kvql vs Hugging Face generation on SmolLM2-135M-Instruct (CPU, fp32 or bf16, greedy).
 
 What is measured
 ----------------
@@ -29,7 +29,10 @@ torch runs on 1 thread by default (--threads), because on a shared 2-core machin
 whenever the other core is busy (single prefills were seen to take 0.5 s or 8 s).
 Results are also written to benchmarks/results/fewshot_qa.json.
 
-Usage: python benchmarks/fewshot_qa.py [--questions 24] [--quick]
+With --dtype bfloat16 every system computes in bf16 (the reference is then the uncached bf16 one-at-a-time
+answers), and kvql in float32 runs the shared workload cold too: bf16/fp32 speed and answers agreement.
+
+Usage: python benchmarks/fewshot_qa.py [--questions 24] [--quick] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -269,6 +272,20 @@ def print_table(title, rows):
               f"{fmt(r.get('overhead_ratio'), '10.2f')}")
 
 
+def fp32_comparison(prompts, cold_texts, cold_wall, ref, base) -> dict:
+    """kvql cold in float32 on the same prompts (its own model, loaded here and dropped after): its row, with
+    the speed-up of the bf16 cold run over it and how many bf16 answers equal its answers."""
+    m32 = kvql.model(MODEL, device="cpu", dtype=torch.float32)
+    m32.generate(["Q: What is 1+1?\nA:"], max_tokens=MAX_NEW, stop=["\n"])
+    m32.clear_cache()
+    out, w, st = kvql_run(m32, prompts)
+    m32.close()
+    r = row("kvql_cold_float32", out, w, ref, base, {"hit_rate": st.get("hit_rate")})
+    r["bf16_speedup"] = w / cold_wall
+    r["bf16_equal_fp32"] = [sum(answer(a) == answer(b) for a, b in zip(cold_texts, out)), len(out)]
+    return r
+
+
 # ----------------------------------------------------------------------------------------------- main
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -278,14 +295,18 @@ def main():
                     help="torch CPU threads (default 1: on a shared 2-core machine 2 threads stall badly "
                          "whenever the other core is busy; 0 = torch's default)")
     ap.add_argument("--skip-kvql", action="store_true", help="HF baselines only")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="every system computes in this dtype, so the reference is the uncached one-at-a-time "
+                         "answers in it; with bfloat16, kvql in float32 runs too, for bf16/fp32 speed and agreement")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     n = min(8 if args.quick else args.questions, len(QUESTIONS))
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     t_start = time.perf_counter()
 
-    model, tok = load_hf(MODEL, device="cpu", dtype=torch.float32)  # the HF baselines' copy
+    model, tok = load_hf(MODEL, device="cpu", dtype=dtype)  # the HF baselines' copy
     model.eval()
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -302,7 +323,7 @@ def main():
           f"tokens, tok(prefix)+tok(suffix)==tok(prompt): {boundary_ok}; torch threads {torch.get_num_threads()}")
 
     tiny = ["Q: What is 1+1?\nA:"]
-    results = {"config": {"model": MODEL, "questions": n, "max_new_tokens": MAX_NEW, "dtype": "float32",
+    results = {"config": {"model": MODEL, "questions": n, "max_new_tokens": MAX_NEW, "dtype": args.dtype,
                           "prefix_tokens": len(pre_ids), "boundary_ok": boundary_ok,
                           "torch_threads": torch.get_num_threads()}}
     rows = []
@@ -338,19 +359,27 @@ def main():
     m, kvql_error = None, None
     if not args.skip_kvql:
         try:
-            m = kvql.model(MODEL, device="cpu", dtype=torch.float32)
+            m = kvql.model(MODEL, device="cpu", dtype=dtype)
             m.generate(tiny, max_tokens=MAX_NEW, stop=["\n"])
             m.clear_cache()
             for label in ("kvql_cold", "kvql_warm"):
                 out, w, st = kvql_run(m, prompts)
+                if label == "kvql_cold":
+                    cold = out, w
                 fs = st.get("forward_seconds")
                 rows.append(row(label, out, w, ref, base, {"hit_rate": st.get("hit_rate"), "stats": st,
                                                            "overhead_ratio": w / fs if fs else None}))
         except Exception as e:
             kvql_error = f"{type(e).__name__}: {e}"[:300]
             rows.append({"system": "kvql", "error": kvql_error})
+    if m is not None and kvql_error is None and dtype != torch.float32:
+        rows.append(fp32_comparison(prompts, *cold, ref, base))
     results["shared"] = rows
-    print_table(f"Shared few-shot prefix ({n} questions; reference = hf_one_at_a_time answers)", rows)
+    print_table(f"Shared few-shot prefix ({n} questions, {args.dtype}; reference = hf_one_at_a_time answers)", rows)
+    if rows[-1]["system"] == "kvql_cold_float32":
+        f = rows[-1]
+        print(f"  kvql {args.dtype} cold is {f['bf16_speedup']:.2f}x kvql float32 cold; its answers equal float32's on "
+              f"{f['bf16_equal_fp32'][0]}/{f['bf16_equal_fp32'][1]}")
     for r in rows:
         if r.get("stats"):
             print(f"  {r['system']} stats: {r['stats']}")

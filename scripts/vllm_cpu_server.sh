@@ -19,7 +19,7 @@
 #
 # Settings (environment): VLLM_VENV, VLLM_MODEL_DIR, VLLM_RUN_DIR (pid + log files, default /tmp/kvql-vllm),
 # VLLM_START_TIMEOUT (seconds to wait for /health, default 180), VLLM_CPU_OMP_THREADS_BIND (default 0-1),
-# VLLM_CPU_KVCACHE_SPACE (GiB, default 1), VLLM_SO_BACKEND (structured outputs, default guidance), VLLM_EXTRA_ARGS (appended to the server's arguments, e.g.
+# VLLM_CPU_KVCACHE_SPACE (GiB, default 1), VLLM_DTYPE (default float32), VLLM_SO_BACKEND (structured outputs, default guidance), VLLM_EXTRA_ARGS (appended to the server's arguments, e.g.
 # "--block-size 32": the CPU default is 128-token blocks, and prefix caching reuses whole blocks only).
 # A server already running on PORT (started by this script) is kept as it is, whatever the settings.
 set -euo pipefail
@@ -155,7 +155,7 @@ start() {
             --model "$dir" --served-model-name "$SERVED_NAME" \
             --host 127.0.0.1 --port "$port" \
             --max-model-len 2048 --enable-prefix-caching --enable-prompt-tokens-details \
-            --enforce-eager --dtype float32 --structured-outputs-config.backend "$SO_BACKEND" ${VLLM_EXTRA_ARGS:-} \
+            --enforce-eager --dtype "${VLLM_DTYPE:-float32}" --structured-outputs-config.backend "$SO_BACKEND" ${VLLM_EXTRA_ARGS:-} \
         </dev/null >"$logf" 2>&1 &
     echo $! >"$pidf"
     local deadline=$((SECONDS + START_TIMEOUT))

@@ -38,6 +38,8 @@ ENGINE = [
     ("kvql_cached_tokens", "counter", "Prompt tokens served from the prefix cache", "cached_tokens"),
     ("kvql_computed_tokens", "counter", "Prompt tokens computed (not cached)", "computed_tokens"),
     ("kvql_generated_tokens", "counter", "Tokens generated", "generated_tokens"),
+    ("kvql_forced_tokens", "counter", "Generated tokens a constraint forced (jump-forward)", "forced_tokens"),
+    ("kvql_forward_seconds", "counter", "Seconds spent inside the model's forward", "forward_seconds"),
     ("kvql_cache_hit_rate", "gauge", "Cached / prompt tokens since start", "hit_rate"),
     ("kvql_queue_depth", "gauge", "Requests waiting for admission", "waiting"),
     ("kvql_running_requests", "gauge", "Requests in the running batch", "running"),

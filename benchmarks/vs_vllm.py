@@ -1,0 +1,222 @@
+"""`kvql serve` vs vLLM (CPU build, prefix caching on) over HTTP: the same client, model and dtype, per workload.
+
+For each dtype (float32, bfloat16), one after the other in this one run:
+  1. the reference: `kvql.model(dtype=D)` in this process, every request alone with the cache cleared
+     before it (uncached, one at a time); in float32 that is the exact answer (tests prove it equals plain
+     transformers), in bfloat16 the rounding of a solo forward;
+  2. a fresh `kvql serve --dtype D` (torch on --threads threads), then a fresh vLLM (`--dtype D`,
+     scripts/vllm_cpu_server.sh, the same number of OpenMP threads), each measured on the workloads below,
+     the same requests sent the same way (httpx, all 24 at once, raw /v1/completions bodies).
+Workloads (24 concurrent greedy requests each; --quick: 8):
+  fewshot_cold   a ~290-token few-shot prefix + one question each, 10 new tokens, stop "\\n" (fresh server)
+  fewshot_warm   the same requests again
+  unshared       ~330-token prompts of differently shuffled facts: no common prefix beyond a few tokens
+  long_doc       one ~1,500-token document shared by all, a different question each, 10 new tokens
+  long_answers   the few-shot prefix, 96 new tokens each (ignore_eos)
+  json           the few-shot prefix, a JSON schema (structured_outputs.json on both servers), <= 48 tokens
+Printed per dtype and workload: each server's wall seconds, vLLM time / kvql time (> 1: kvql faster),
+answers equal to the reference (per server), and kvql's overhead: wall / seconds inside its model forward
+(from /metrics; the server's overlapping requests make it a whole-workload figure). A figure
+(vs_vllm.png: the ratios, one bar per workload and dtype) and vs_vllm.json go to benchmarks/results/.
+
+Usage: python benchmarks/vs_vllm.py [--quick] [--dtypes float32,bfloat16] [--threads 2] [--no-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+from fewshot_qa import PREFIX, QUESTIONS, SHOTS, answer, no_sharing_prompts, qa  # noqa: E402
+from serve_http import free_port, wait_healthy  # noqa: E402
+
+NAME = "smollm2-135m"
+WORKLOADS = ("fewshot_cold", "fewshot_warm", "unshared", "long_doc", "long_answers", "json")
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 24},
+                                           "confident": {"type": "boolean"}},
+          "required": ["answer", "confident"], "additionalProperties": False}
+DOC = "Reference notes.\n" + "".join(
+    "".join(qa(q, a) for q, a in random.Random(seed).sample(SHOTS + QUESTIONS, len(SHOTS + QUESTIONS)))
+    for seed in range(4))
+
+
+def requests(tok, n: int) -> dict[str, list[dict]]:
+    """The request bodies of each workload (without `model`); fewshot_warm repeats fewshot_cold."""
+    questions = [q for q, _ in QUESTIONS]
+    short = {"max_tokens": 10, "temperature": 0, "stop": ["\n"]}
+    fewshot = [{"prompt": PREFIX + qa(questions[j % len(questions)]), **short} for j in range(n)]
+    return {
+        "fewshot_cold": fewshot,
+        "fewshot_warm": fewshot,
+        "unshared": [{"prompt": p, **short} for p in no_sharing_prompts(tok, n, 330)],
+        "long_doc": [{"prompt": DOC + "\nAnswer from the notes.\n" + qa(questions[(j + 7) % len(questions)]), **short}
+                     for j in range(n)],
+        "long_answers": [{"prompt": PREFIX + qa(questions[(j + 3) % len(questions)]), "max_tokens": 96,
+                          "temperature": 0, "ignore_eos": True} for j in range(n)],
+        "json": [{"prompt": PREFIX + qa(questions[(j + 5) % len(questions)]) + " As JSON:", "max_tokens": 48,
+                  "temperature": 0, "structured_outputs": {"json": SCHEMA}} for j in range(n)],
+    }
+
+
+def same(workload: str, a: str, b: str) -> bool:
+    return answer(a) == answer(b) if workload in ("fewshot_cold", "fewshot_warm", "unshared", "long_doc") else a == b
+
+
+def reference(dtype: str, reqs: dict) -> dict[str, list[str]]:
+    """Every request alone on an empty cache, in this process."""
+    import kvql
+
+    m = kvql.model(NAME, dtype=dtype)
+    out = {}
+    for w, bodies in reqs.items():
+        if w == "fewshot_warm":
+            out[w] = out["fewshot_cold"]
+            continue
+        texts = []
+        for b in bodies:
+            m.clear_cache()
+            kw = {"max_tokens": b["max_tokens"], "stop": b.get("stop"), "ignore_eos": b.get("ignore_eos", False)}
+            if "structured_outputs" in b:
+                kw["json_schema"] = b["structured_outputs"]["json"]
+            [c] = m.generate(b["prompt"], **kw)
+            texts.append(c.text)
+        out[w] = texts
+    m.close()
+    return out
+
+
+async def _fire(url: str, bodies: list[dict]) -> tuple[float, list[str]]:
+    async with httpx.AsyncClient(timeout=1200, limits=httpx.Limits(max_connections=len(bodies) + 4)) as client:
+        async def one(body):
+            r = await client.post(url + "/v1/completions", json={"model": NAME, **body})
+            r.raise_for_status()
+            return r.json()["choices"][0]["text"]
+
+        t = time.perf_counter()
+        texts = await asyncio.gather(*(one(b) for b in bodies))
+        return time.perf_counter() - t, list(texts)
+
+
+def _forward_seconds(url: str) -> float | None:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("kvql_forward_seconds_total "):
+            return float(line.split()[1])
+    return None
+
+
+def measure(label: str, url: str, reqs: dict, ref: dict) -> dict:
+    rows = {}
+    for w in WORKLOADS:
+        before = _forward_seconds(url)
+        wall, texts = asyncio.run(_fire(url, reqs[w]))
+        after = _forward_seconds(url)
+        equal = sum(same(w, a, b) for a, b in zip(texts, ref[w]))
+        rows[w] = {"wall_s": wall, "answers_equal": [equal, len(texts)]}
+        if before is not None and after is not None and after > before:
+            rows[w]["overhead"] = wall / (after - before)
+        extra = f"  wall/forward {rows[w]['overhead']:.2f}" if "overhead" in rows[w] else ""
+        print(f"  {label:<5} {w:<13} {wall:7.2f} s  answers equal {equal}/{len(texts)}{extra}", flush=True)
+    return rows
+
+
+def run_kvql(dtype: str, threads: int, reqs: dict, ref: dict) -> dict:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen([sys.executable, "-m", "kvql.cli", "serve", "--model", NAME, "--port", str(port),
+                             "--dtype", dtype, "--cache-budget", "1GiB", "--log-level", "warning"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        return measure("kvql", f"http://127.0.0.1:{port}", reqs, ref)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def run_vllm(dtype: str, threads: int, reqs: dict, ref: dict) -> dict:
+    port = free_port()
+    script = str(ROOT / "scripts" / "vllm_cpu_server.sh")
+    env = {**os.environ, "VLLM_DTYPE": dtype, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    subprocess.run(["bash", script, "start", str(port)], env=env, check=True)
+    try:
+        return measure("vLLM", f"http://127.0.0.1:{port}", reqs, ref)
+    finally:
+        subprocess.run(["bash", script, "stop", str(port)], check=False)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = [d for d in results if "vllm" in results[d]]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / max(1, len(dtypes))
+    for i, d in enumerate(dtypes):
+        ratios = [results[d]["vllm"][w]["wall_s"] / results[d]["kvql"][w]["wall_s"] for w in WORKLOADS]
+        bars = ax.bar([x + i * width for x in range(len(WORKLOADS))], ratios, width, label=d)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks([x + width * (len(dtypes) - 1) / 2 for x in range(len(WORKLOADS))], WORKLOADS)
+    ax.set_ylabel("vLLM time / kvql time (> 1: kvql faster)")
+    ax.set_title("kvql serve vs vLLM CPU, SmolLM2-135M, same client and dtype")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="8 requests per workload instead of 24")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads of each server")
+    ap.add_argument("--no-vllm", action="store_true", help="kvql serve only (no ratios)")
+    args = ap.parse_args()
+    from kvql.backends.loader import load_tokenizer
+
+    tok = load_tokenizer(NAME)
+    reqs = requests(tok, 8 if args.quick else 24)
+    results: dict = {}
+    for dtype in args.dtypes.split(","):
+        print(f"\n== {dtype}: reference (each request alone, uncached) ...", flush=True)
+        t = time.perf_counter()
+        ref = reference(dtype, reqs)
+        print(f"   reference took {time.perf_counter() - t:.0f} s", flush=True)
+        results[dtype] = {"kvql": run_kvql(dtype, args.threads, reqs, ref)}
+        if not args.no_vllm:
+            results[dtype]["vllm"] = run_vllm(dtype, args.threads, reqs, ref)
+    print("\nvLLM time / kvql time (> 1: kvql faster); answers equal to the uncached solo reference, kvql | vLLM")
+    print(f"{'workload':<14}" + "".join(f"{d:>30}" for d in results))
+    for w in WORKLOADS:
+        cells = []
+        for d, r in results.items():
+            k = r["kvql"][w]
+            v = r.get("vllm", {}).get(w)
+            ratio = f"{v['wall_s'] / k['wall_s']:.2f}x" if v else "-"
+            eq = f"{k['answers_equal'][0]}|{v['answers_equal'][0] if v else '-'}/{k['answers_equal'][1]}"
+            over = f"{k['overhead']:.2f}" if "overhead" in k else "-"
+            cells.append(f"{ratio:>8} {eq:>10} ovh {over:>5}")
+        print(f"{w:<14}" + "".join(f"{c:>30}" for c in cells))
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    (out / "vs_vllm.json").write_text(json.dumps(results, indent=2))
+    if not args.no_vllm:
+        plot(results, out / "vs_vllm.png")
+    print(f"wrote {out / 'vs_vllm.json'}" + ("" if args.no_vllm else f" and {out / 'vs_vllm.png'}"))
+
+
+if __name__ == "__main__":
+    main()
