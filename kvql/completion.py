@@ -24,6 +24,10 @@ class Completion:
     `prompt_logprobs` (when asked for): one entry per prompt token, None for the first (nothing
     precedes it), then each token's logprob given the tokens before it, with the `k` most likely
     alternatives at that position; every sample of a prompt carries the same list.
+    Token healing (`heal=True`): `healed` is the text of the last `healed_prompt_tokens` prompt tokens, which
+    were backed up (not sent: `prompt_tokens` excludes them) and generated again; `token_ids` spell `healed`
+    + `text` (up to a stop), and their first `healed_output_tokens` lie wholly inside `healed` (they are not
+    the value's: `max_tokens` and `min_tokens` count the others). `text` excludes `healed`.
     """
 
     text: str
@@ -36,3 +40,6 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | None = None  # the stop string that ended the sequence, if one did
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    healed: str = ""
+    healed_prompt_tokens: int = 0
+    healed_output_tokens: int = 0

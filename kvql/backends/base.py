@@ -25,7 +25,12 @@ Generation options (every backend accepts these names; unknown ones raise TypeEr
     of the constrained distribution), ignore_eos=False, cache_salt=None; at most one constraint:
     regex, choices, json_schema, grammar (Lark, llguidance dialect: `&` and `~` allowed); and
     grammar_prefix=0: the constraint's value began that many tokens before the end of the prompt (the
-    last `grammar_prefix` prompt tokens are the start of the constrained value; beam search uses it).
+    last `grammar_prefix` prompt tokens are the start of the constrained value; beam search uses it);
+    heal=False (token healing, needs `HEAL`): back up the prompt's last token(s) and generate them again, the
+    text constrained to start with theirs and then to meet the constraint (one grammar), so a token may
+    span the prompt's end ("A: " + " yes"); `text`, stops, `max_tokens` and `min_tokens` are the value's
+    (after that text; `Completion.healed` says what was backed up). Off by default: the prompt's last tokens
+    change. The rule of how many: `kvql.engine.healing`.
 `generate`, `complete` and `agenerate` also take progress=False: True shows a tqdm bar of completions
 done / total on stderr, as vLLM's `LLM.generate(use_tqdm=True)` does; a callable is called as tqdm is
 (`functools.partial(tqdm, file=f)`, vLLM's other `use_tqdm` form). See `progress_bar`.
@@ -52,6 +57,7 @@ STOP_FN = "stop_fn"
 SAMPLING = "sampling"            # top_k and the repetition / frequency / presence penalties
 CACHE_SALT = "cache_salt"
 TOKEN_GRAMMAR = "token_grammar"  # Lark grammars may name tokens by id (`<[123]>`, llguidance's syntax)
+HEAL = "heal"                    # token healing (the heal option)
 CONSTRAINTS = ("regex", "choices", "json_schema", "grammar")  # each a capability of its own
 
 

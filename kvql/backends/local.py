@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import re
 from typing import AsyncIterator, Sequence
@@ -13,6 +14,7 @@ import torch
 from ..completion import Completion
 from ..engine.cache_dir import CacheDir
 from ..engine.engine import Engine
+from ..engine import healing
 from ..engine.grammar import Grammar
 from ..engine.kv_pool import KVPool
 from ..engine.request import MaskFn, RequestGroup, SamplingParams, StopFn
@@ -63,7 +65,8 @@ class Model(Backend):
     close); see `kvql.engine.cache_dir`. `save_cache(path)` / `load_cache(path)` do it explicitly."""
 
     capabilities = frozenset({base.TOKEN_IDS, base.SCORE, base.LOGPROBS, base.MASKED_LOGPROBS, base.MIN_TOKENS,
-                              base.STOP_FN, base.SAMPLING, base.CACHE_SALT, base.TOKEN_GRAMMAR, *base.CONSTRAINTS})
+                              base.STOP_FN, base.SAMPLING, base.CACHE_SALT, base.TOKEN_GRAMMAR, base.HEAL,
+                              *base.CONSTRAINTS})
 
     def __init__(self, hf_model, tokenizer, *, name: str = "model", cache_budget: int | str | None = None,
                  max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True,
@@ -143,8 +146,10 @@ class Model(Backend):
                  logprobs: int | None = None, mask: MaskFn | None = None, regex: str | None = None,
                  choices: list[str] | None = None, json_schema: dict | str | None = None, grammar: str | None = None,
                  grammar_prefix: int = 0, stop_fn: StopFn | None = None, masked_logprobs: bool = False,
-                 ignore_eos: bool = False, cache_salt: str | None = None, prompt_logprobs: int | None = None):
-        """Check every option and compile the constraint; nothing is queued yet. -> (ids, params, salt)."""
+                 ignore_eos: bool = False, cache_salt: str | None = None, prompt_logprobs: int | None = None,
+                 heal: bool = False):
+        """Check every option and compile the constraint; nothing is queued yet. -> (ids, params, salt);
+        with `heal`, params is a list (one per prompt: each backs up its own tokens)."""
         constraints = {k: v for k, v in (("mask", mask), ("regex", regex), ("choices", choices),
                                          ("json_schema", json_schema), ("grammar", grammar)) if v is not None}
         if len(constraints) > 1:
@@ -153,15 +158,18 @@ class Model(Backend):
             raise ValueError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
         if not isinstance(grammar_prefix, int) or grammar_prefix < 0:
             raise ValueError(f"grammar_prefix must be an integer >= 0, got {grammar_prefix!r}")
+        if heal and (mask is not None or grammar_prefix):
+            raise ValueError("heal=True does not combine with mask= or grammar_prefix= (both read the generated "
+                             "ids, which then start inside the prompt)")
         all_ids = self._prompt_ids(prompts)
-        if constraints and "mask" not in constraints:
+        if constraints and "mask" not in constraints and not heal:
             (kind, value), = constraints.items()
             mask = self._grammar(kind, value).mask_fn()
         if grammar_prefix:
             if mask is None or len(all_ids) != 1 or grammar_prefix > len(all_ids[0]):
                 raise ValueError("grammar_prefix needs a constraint, one prompt, and at most the prompt's tokens")
             mask = _continued(mask, all_ids[0][len(all_ids[0]) - grammar_prefix:])
-        if min_tokens:
+        if min_tokens and not heal:
             mask = _no_end_before(mask, min_tokens, self.eos_ids, self.vocab_size)
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
@@ -172,13 +180,39 @@ class Model(Backend):
         params.validate()
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if heal:
+            all_ids, params = self._heal(all_ids, params, constraints, min_tokens)
         for i, ids in enumerate(all_ids):
-            self._check_fits(ids, params, i)
+            self._check_fits(ids, params[i] if isinstance(params, list) else params, i)
         return all_ids, params, cache_salt
+
+    def _heal(self, all_ids, params: SamplingParams, constraints: dict, min_tokens: int):
+        """heal=True: each prompt's healed ids and parameters (`kvql.engine.healing`); a prompt with
+        nothing to heal keeps its own, with the constraint as given."""
+        h = healing.healer(self.tokenizer)
+        kind, value = next(iter(constraints.items()), (None, None))
+        out_ids, out_params = [], []
+        for ids in all_ids:
+            heal = h.heal(ids, params.max_tokens, min_tokens, params.stop_fn)
+            if heal is None:
+                plain = (kind, value) if kind != "choices" else \
+                    ("grammar", healing.canonical_choices(self.tokenizer, value))  # as healed choices are
+                mask = self._grammar(*plain).mask_fn() if kind else None
+                if min_tokens:
+                    mask = _no_end_before(mask, min_tokens, self.eos_ids, self.vocab_size)
+                out_ids.append(ids)
+                out_params.append(dataclasses.replace(params, mask=mask))
+                continue
+            ids = ids[:-heal.tokens]
+            mask = self._grammar("grammar", heal.constraint(self.tokenizer, kind, value)).mask_fn() if kind else None
+            out_ids.append(ids)
+            out_params.append(heal.apply(params, mask, self.eos_ids, self.vocab_size, self.context_length, len(ids)))
+        return out_ids, out_params
 
     def _enqueue(self, prepared, on_update=None) -> list[RequestGroup]:
         all_ids, params, cache_salt = prepared
-        return [self.engine.submit(ids, params, index=i, on_update=on_update, cache_salt=cache_salt)
+        return [self.engine.submit(ids, params[i] if isinstance(params, list) else params, index=i,
+                                   on_update=on_update, cache_salt=cache_salt)
                 for i, ids in enumerate(all_ids)]
 
     def _submit(self, prompts, on_update=None, **options) -> list[RequestGroup]:
@@ -188,7 +222,7 @@ class Model(Backend):
         """`_submit` for asyncio: a constraint to compile (ms, at worst the sandbox's time limit) is
         compiled on a worker thread, so it never holds up the event loop that serves other requests;
         nothing is queued if the caller is cancelled meanwhile."""
-        if any(options.get(k) is not None for k in base.CONSTRAINTS):
+        if options.get("heal") or any(options.get(k) is not None for k in base.CONSTRAINTS):
             prepared = await asyncio.to_thread(self._prepare, prompts, **options)
         else:
             prepared = self._prepare(prompts, **options)

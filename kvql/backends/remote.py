@@ -120,6 +120,9 @@ class RemoteModel(Backend):
         if capability == base.TOKEN_IDS:
             return (f"it needs the model's tokenizer, and none was found under the served name {self.name!r}: "
                     "pass kvql.model(url, tokenizer=MODEL_DIR_OR_SPEC)")
+        if capability == base.HEAL:
+            return ("kvql's remote client does not heal tokens (it would back up the prompt's last tokens and "
+                    "count the value's tokens itself); run the query on a local model, or without healing")
         if capability == base.MASKED_LOGPROBS:
             return "servers return log-probabilities of the unconstrained distribution only"
         return f"{self.kind} servers do not offer it"
@@ -141,8 +144,11 @@ class RemoteModel(Backend):
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0, n: int = 1, seed: int | None = None,
                  logprobs: int | None = None, masked_logprobs: bool = False, ignore_eos: bool = False,
-                 cache_salt: str | None = None, grammar_prefix: int = 0, **constraints) -> tuple[dict, object]:
+                 cache_salt: str | None = None, grammar_prefix: int = 0, heal: bool = False,
+                 **constraints) -> tuple[dict, object]:
         """Check every option against this server; -> (the `completions.create` arguments, stop_fn)."""
+        if heal:
+            self.require(base.HEAL, "token healing (heal=True, HEAL(X), token_healing=True)")
         for key in _CALLBACKS:
             if constraints.pop(key, None) is not None:
                 raise Unsupported(f"{key} is a Python callback and cannot run on {self.describe()}; "

@@ -9,10 +9,13 @@ class Detokenizer:
     `text` never contains a stop string: once one appears (possibly spanning several tokens), the
     text is cut before it and `stopped` is set. `pop_stream_delta()` returns only text that can no
     longer become part of a stop string or of an incomplete UTF-8 character.
+    `skip`: text the first tokens spell before the text proper (token healing's backed-up prompt text):
+    it is left out of `text`, so stop strings are searched, and text streamed, after it only.
     """
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], skip: str = ""):
         self.tokenizer = tokenizer
+        self._skip = skip
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
@@ -35,7 +38,11 @@ class Detokenizer:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return  # an incomplete character: wait for the next token
         searched_from = max(0, len(self.text) - self.hold)
-        self.text += full[len(prefix):]
+        new = full[len(prefix):]
+        if self._skip:  # whole characters on both sides: the skipped text is complete UTF-8
+            cut = min(len(self._skip), len(new))
+            self._skip, new = self._skip[cut:], new[cut:]
+        self.text += new
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, searched_from)) >= 0]
         if hits:

@@ -48,6 +48,7 @@ class SamplingParams:
     stop_fn: StopFn | None = None
     masked_logprobs: bool = False  # logprobs of the masked distribution (beam search) instead of the raw one
     ignore_eos: bool = False
+    healing: object = None  # token healing (kvql.engine.healing.Healing): its text starts the output, not `text`
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -152,7 +153,8 @@ class Request:
         # entry i: logprob of prompt token i given tokens < i, filled as the prompt is computed (shared by forks)
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] if self.params.prompt_logprobs is not None else None)
-        self.detok = Detokenizer(tokenizer, list(self.params.stop))
+        healed = self.params.healing.text if self.params.healing is not None else ""
+        self.detok = Detokenizer(tokenizer, list(self.params.stop), skip=healed)
         self.finish_reason: str | None = None
         self.forked = sample > 0
         seed = self.params.seed
@@ -197,7 +199,7 @@ class Request:
         return limit
 
     def completion(self) -> Completion:
-        return Completion(
+        c = Completion(
             text=self.detok.text,
             token_ids=list(self.output_ids),
             finish_reason=self.finish_reason or "length",
@@ -209,3 +211,4 @@ class Request:
             stop_reason=self.detok.stop_string,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )
+        return c if self.params.healing is None else self.params.healing.finish(c)

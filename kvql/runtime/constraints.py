@@ -149,6 +149,11 @@ def TYPE(var, t) -> Atom:
     return Atom("type", name, t)
 
 
+def HEAL(var) -> Atom:
+    """`HEAL(V)`: token healing for hole V (the backend contract's `heal` option); combines with other conditions by `and`."""
+    return Atom("heal", _var(var, "HEAL"))
+
+
 def TOKENS(var) -> Tokens:
     return Tokens(Var(_var(var, "TOKENS")))
 
@@ -220,7 +225,8 @@ def IN(a, b, negate: bool = False):
     return Not(atom) if negate else atom
 
 
-BUILDERS = {"STOPS_AT": STOPS_AT, "STOPS_BEFORE": STOPS_BEFORE, "INT": INT, "REGEX": REGEX, "TOKENS": TOKENS}
+BUILDERS = {"STOPS_AT": STOPS_AT, "STOPS_BEFORE": STOPS_BEFORE, "INT": INT, "REGEX": REGEX, "TOKENS": TOKENS,
+            "HEAL": HEAL}
 
 
 # -- types: dataclasses as JSON ------------------------------------------------------------------
@@ -286,6 +292,7 @@ def describe(node) -> str:
         "startswith": lambda: f"{v}.startswith({arg!r})",
         "len": lambda: f"len({'TOKENS(' + v + ')' if arg[0] == 'tokens' else v}) {arg[1]} {arg[2]}",
         "type": lambda: f"type({v}) is {_name(arg)}",
+        "heal": lambda: f"HEAL({v})",
     }[node.kind]()
 
 
@@ -364,7 +371,7 @@ def _regexable(node: Node) -> bool:
         return all(_regexable(i) for i in node.items)
     if isinstance(node, Not):
         return _regexable(node.item)
-    return node.kind not in ("stops_at", "stops_before", "type") and not (node.kind == "len" and node.arg[0] == "tokens")
+    return node.kind not in ("stops_at", "stops_before", "type", "heal") and not (node.kind == "len" and node.arg[0] == "tokens")
 
 
 def _ending(node) -> bool:
@@ -397,6 +404,7 @@ class HolePlan:
     as_int: bool = False  # a top-level INT(V): the program sees an int, as in LMQL
     as_float: bool = False  # [V: float]: the program sees a float
     value_type: object = None  # `type(V) is T`: JSON under type_schema(T), the program sees a T
+    heal: bool = False  # HEAL(V): token healing (the prompt's last tokens are generated again)
 
     def require(self, regex: str, condition: str) -> None:
         self.terms.append(_slashed(regex))
@@ -525,6 +533,8 @@ def plan_for(constraint, name: str) -> HolePlan:
                 plan.min_tokens, plan.floor = n + 1 if op == ">" else n, describe(c)
             if op == "!=":
                 raise ConstraintError(f"cannot enforce {describe(c)}: len(TOKENS({name})) != n is not supported")
+        elif isinstance(c, Atom) and c.kind == "heal":
+            plan.heal = True
         elif isinstance(c, Atom) and c.kind == "type":
             plan.value_type = c.arg
             plan.conditions.append(describe(c))
@@ -539,8 +549,8 @@ def plan_for(constraint, name: str) -> HolePlan:
             if finite is not None:
                 plan.choices = finite if plan.choices is None else plan.choices & finite
         else:
-            raise ConstraintError(f"cannot enforce {describe(c)}: STOPS_AT, STOPS_BEFORE, len(TOKENS()) and "
-                                  "type() combine with other conditions only through a top-level 'and' (an 'or' "
+            raise ConstraintError(f"cannot enforce {describe(c)}: STOPS_AT, STOPS_BEFORE, len(TOKENS()), HEAL() "
+                                  "and type() combine with other conditions only through a top-level 'and' (an 'or' "
                                   "may join stop phrases and token bounds)")
     if plan.value_type is not None and plan.terms:
         raise ConstraintError(f"cannot enforce {plan.describe()} together: a type constraint combines only "

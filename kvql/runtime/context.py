@@ -54,11 +54,16 @@ def _stop_name(name: str, stop: Stop) -> str:
     return f"{'STOPS_AT' if stop.include else 'STOPS_BEFORE'}({name}, {stop.phrase!r})"
 
 
-def _constraint(plan: HolePlan, model) -> dict:
+def _constraint(plan: HolePlan, model, heal: bool = False) -> dict:
     """The hole's grammar as one backend constraint option: a value among finitely many choices in their
     canonical tokenizations where the backend reads token ids in grammars; else a plain regex where one
-    says it all (every server takes those), else the Lark grammar (intersections, complements, JSON)."""
-    if base.TOKEN_GRAMMAR in model.capabilities:
+    says it all (every server takes those), else the Lark grammar (intersections, complements, JSON).
+    Healed (`heal`), such a value goes as `choices`: the backend tokenizes the backed-up text + each choice."""
+    if heal:
+        choices = plan.admitted()
+        if choices:
+            return {"choices": choices}
+    elif base.TOKEN_GRAMMAR in model.capabilities:
         tokens = plan.token_lark(model.tokenizer)
         if tokens is not None:
             return {"grammar": tokens}
@@ -88,6 +93,7 @@ class Context:
         self.dist_clause: tuple[str, list] | None = None
         self.cached_tokens = 0
         self.computed_tokens = 0
+        self._healed: tuple[int, str, list[int]] | None = None  # the last hole's healing, for its value's tokens
 
     @functools.cached_property
     def buffer(self) -> Prompt:
@@ -152,8 +158,9 @@ class Context:
             self._add(self._wrapper(self._role, first=False)[1])
             self._role = None
 
-    def _append_value(self, value: str, token_ids: list[int] | None, hole: str | None = None) -> None:
-        self.buffer.add_value(value, token_ids, hole)
+    def _append_value(self, value: str, token_ids: list[int] | None, hole: str | None = None,
+                      healed: tuple[int, str] | None = None) -> None:
+        self.buffer.add_value(value, token_ids, hole, healed)
         self._shown += value
 
     def sent(self, n: int, cached: int) -> None:
@@ -202,15 +209,26 @@ class Context:
             which = "its constraint can never hold" if len(plan.conditions) == 1 else \
                 "its constraints cannot all hold"
             raise UnmetConstraint(name, f"{which}: {plan.describe()}")
+        heal = plan.heal or self.decoding.heal
+        if heal:
+            how = f"HEAL({name})" if plan.heal else "token_healing=True"
+            if self.decoding.beam:
+                raise QueryError(f"{name}: token healing ({how}) does not combine with the {self.decoding.name} "
+                                 "decoder (its beams extend the prompt token by token)")
+            try:
+                self.model.require(base.HEAL, f"token healing of {name} ({how})")
+            except base.Unsupported as e:
+                raise QueryError(str(e)) from None
         self.buffer.ensure_start()
         prompt = self.buffer.flush()
         started = time.perf_counter()
         max_tokens, bound = self._budget(name, plan)
         self._check_room(name, plan, max_tokens, bound)
+        self._healed = None
         if self.decoding.beam:
             value, tokens, full, guard = await self._beam(name, plan, prompt, max_tokens)
         else:
-            value, tokens, full, guard = await self._sample(name, plan, prompt, max_tokens)
+            value, tokens, full, guard = await self._sample(name, plan, prompt, max_tokens, heal)
         self._hole_log.append(TraceHole(name, str(value), where_text(constraint, name, plan), len(tokens),
                                         time.perf_counter() - started))
         checked = plan.constrained(full, guard)
@@ -294,8 +312,8 @@ class Context:
     def _finish_hole(self, name, plan, value, tokens, post):
         text = value
         chain = Chain(post)
-        if chain.streams:
-            self._stream(chain, text, tokens)
+        if chain.streams:  # a healed value's first token also spells prompt text: shown whole at the end
+            self._stream(chain, text, None if self._healed else tokens)
         if plan.as_int or plan.as_float:
             try:
                 value = (int if plan.as_int else float)(value.strip())
@@ -312,7 +330,12 @@ class Context:
         if chain:  # [@f @g X] is f(g(X)), as Python applies stacked decorators
             value, shown = chain.post(value, shown, self)
         changed = plan.as_int or plan.as_float or shown != text
-        self._append_value(shown, None if changed else tokens, name)
+        healed, self._healed = self._healed, None
+        if healed is not None:  # the backed-up prompt tokens go, the tokens generated in their place come
+            k, prefix, generated = healed
+            self._append_value(shown, None if changed else generated, name, (k, prefix))
+        else:
+            self._append_value(shown, None if changed else tokens, name)
         self.variables[name] = value
         return value
 
@@ -331,15 +354,17 @@ class Context:
         base_seed = self.decoding.seed if self.decoding.seed is not None else random.getrandbits(32)
         return hash((base_seed, self.run_index, self._holes)) & 0x7FFFFFFF
 
-    async def _sample(self, name, plan, prompt, max_tokens):
-        """-> (value, token ids, generated text up to where the value ended, guard chars)."""
+    async def _sample(self, name, plan, prompt, max_tokens, heal: bool = False):
+        """-> (value, the value's token ids, generated text up to where the value ended, guard chars)."""
         greedy = self.decoding.name == "argmax"
         seed = self._seed()
         self._holes += 1
         guard = {"chars": 0 if not plan.min_tokens else None}
-        constraint = _constraint(plan, self.model)
+        constraint = _constraint(plan, self.model, heal)
         options = dict(max_tokens=max_tokens, temperature=0.0 if greedy else self.decoding.temperature, seed=seed,
                        **self.decoding.sampling, **constraint)
+        if heal:
+            options["heal"] = True
         if plan.min_tokens:
             options["min_tokens"] = plan.min_tokens
         if plan.stops and (plan.min_tokens or plan.min_chars):
@@ -362,9 +387,12 @@ class Context:
             raise UnmetConstraint(name, "no token could continue its value under all its constraints "
                                         f"({' and '.join(plan.conditions + bounds)}): {e}") from e
         self.count([c])
-        self.sent(len(self.buffer), c.cached_tokens)
+        self.sent(len(self.buffer) - c.healed_prompt_tokens, c.cached_tokens)
+        tokens = c.token_ids[c.healed_output_tokens:]  # the value's: a token spanning the healed text counts
+        if c.healed_prompt_tokens:
+            self._healed = (c.healed_prompt_tokens, c.healed, list(c.token_ids))
         full = c.text + c.stop_reason if isinstance(c.stop_reason, str) else c.text
-        return plan.cut(full, guard["chars"]), c.token_ids, full, guard["chars"]
+        return plan.cut(full, guard["chars"]), tokens, full, guard["chars"]
 
     async def _beam(self, name, plan, prompt, max_tokens):
         try:
@@ -393,6 +421,9 @@ class Context:
             plan = plan_for(constraint, name)
         except ConstraintError as e:
             raise QueryError(f"constraint on {name}: {e}") from None
+        if plan.heal:
+            raise QueryError(f"cannot heal [{name}: {getattr(query, 'name', 'query')}] (HEAL({name})): a nested "
+                             "query's value is what it returns; heal the holes inside it")
         if plan.stops:  # the nested query decides where its own values end
             raise QueryError(f"cannot enforce {_stop_name(name, plan.stops[0])} on [{name}: "
                              f"{getattr(query, 'name', 'query')}]: a nested query's value is what it returns; put "

@@ -21,8 +21,8 @@ BEAM_OPTIONS = ("num_beams", "k", "b", "subdecoder", "budget", "kappa", "beta", 
                 "top_k_continuations", "alpha", "prune", "inject_stop", "return_first")
 """Options of LMQL's beam-family decoders: `num_beams` / `k` / `b` set the width; the tuning knobs of
 best_k / beam_var / var (LMQL's experimental decoders) are accepted and have no effect."""
-DECODER_OPTIONS = frozenset({"n", "temperature", "max_len", "seed", *SAMPLING_OPTIONS, *IGNORED_OPTIONS,
-                             *BEAM_OPTIONS})
+DECODER_OPTIONS = frozenset({"n", "temperature", "max_len", "seed", "token_healing", *SAMPLING_OPTIONS,
+                             *IGNORED_OPTIONS, *BEAM_OPTIONS})
 
 
 @dataclass
@@ -42,6 +42,7 @@ class Decoding:
     sampling: dict = field(default_factory=dict)  # top_k, top_p and the penalties, for the engine
     width: int = 1
     sampled: bool = False
+    heal: bool = False  # token_healing=True: every hole is healed, as HEAL(V) heals one (the backend contract's heal option)
 
     @property
     def beam(self) -> bool:
@@ -71,9 +72,12 @@ def decoding(name: str, opts: dict) -> Decoding:
     sampling = {k: opts[k] for k in SAMPLING_OPTIONS if opts.get(k) is not None}
     temperature = float(opts.get("temperature", 1.0))
     _check_sampling(temperature, sampling)
+    heal = opts.get("token_healing", False)
+    if not isinstance(heal, bool):
+        raise ValueError(f"token_healing must be True or False, got {heal!r}")
     sampled = name == "beam_sample" or (name == "var" and opts.get("subdecoder", "sample") == "sample")
     return Decoding(name, n, temperature, int(opts.get("max_len", DEFAULT_MAX_LEN)), opts.get("seed"),
-                    sampling=sampling, width=width, sampled=sampled)
+                    sampling=sampling, width=width, sampled=sampled, heal=heal)
 
 
 def _check_sampling(temperature: float, sampling: dict) -> None:

@@ -45,12 +45,19 @@ class Prompt:
             tok = self.tokenizer
             self._extend([tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id], None)
 
-    def add_value(self, value: str, token_ids: list[int] | None, hole: str | None) -> None:
-        """A hole's value: its own tokens when they spell it (their KV is already cached), else re-encoded."""
+    def add_value(self, value: str, token_ids: list[int] | None, hole: str | None,
+                  healed: tuple[int, str] | None = None) -> None:
+        """A hole's value: its own tokens when they spell it (their KV is already cached), else re-encoded.
+        `healed` (k, text): token healing generated the prompt's last k tokens (their text) again, so they
+        are replaced: by `token_ids` when these spell text + value, else by text + value re-encoded."""
         self.flush()
         self.text += value
         if self.ids is None:
             return
+        if healed is not None:
+            k, prefix = healed
+            del self.ids[-k:], self.served[-k:], self.hole_of[-k:]
+            value = prefix + value
         if token_ids is not None and self.tokenizer.decode(token_ids) == value:
             self._extend(token_ids, hole)
         else:
