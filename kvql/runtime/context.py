@@ -223,7 +223,7 @@ class Context:
         prompt = self.buffer.flush()
         started = time.perf_counter()
         max_tokens, bound = self._budget(name, plan)
-        self._check_room(name, plan, max_tokens, bound)
+        self._check_room(name, plan, max_tokens, bound, heal)
         self._healed = None
         if self.decoding.beam:
             value, tokens, full, guard = await self._beam(name, plan, prompt, max_tokens)
@@ -258,7 +258,7 @@ class Context:
         max_tokens = min(plan.max_tokens or limit, limit)
         return max_tokens, f"{plan.cap} allows" if plan.max_tokens == max_tokens else default
 
-    def _check_room(self, name: str, plan: HolePlan, max_tokens: int, bound: str) -> None:
+    def _check_room(self, name: str, plan: HolePlan, max_tokens: int, bound: str, heal: bool = False) -> None:
         """Refuse, before generating, a hole that certainly cannot get a valid value in `max_tokens`
         tokens. Only certain cases: a token lower bound above it or above the bytes of every
         choice, every choice needing more tokens in its shortest tokenization, or a length needing
@@ -273,7 +273,7 @@ class Context:
         tok = self.model.tokenizer
         if tok is None:  # the checks below count the tokenizer's tokens
             return
-        if plan.choices:
+        if plan.choices and not heal:  # healed, one token may spell backed-up text and several of the value's
             need = math.inf
             for choice in plan.choices:
                 need = min(need, fewest_tokens(tok, choice))
