@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import kvql
 from conftest import free_port, random_prompts, reference_greedy, start_server, tiny_model
+from kvql.engine import snapshot
 from kvql.engine.cache_dir import SNAPSHOT
 from kvql.engine.snapshot import SnapshotError, read_header
 
@@ -128,6 +129,51 @@ def test_a_snapshot_taken_while_requests_run_holds_only_computed_tree_content(ma
     assert sum(c.cached_tokens for c in out) > 0
     assert [c.token_ids for c in out] == expected(llama, tokenizer, prompts, 6)
     assert [g.future.result()[0].token_ids for g in groups] == [c.token_ids for c in out]
+
+
+def test_a_save_that_sees_an_eviction_between_layers_is_dropped_and_redone_holding_the_engine(make_model, llama,
+                                                                                              tokenizer, tmp_path):
+    prompts = random_prompts(seed=13, count=6, vocab=len(tokenizer))
+    m = make_model()
+    m.generate(prompts, max_tokens=4)
+    engine = m.engine
+
+    class StepsBetweenLayers:
+        """The engine's lock, with a step that evicts a leaf between the second and third layer gathers."""
+        entered = 0
+
+        def __enter__(self):
+            engine._state.acquire()
+            self.entered += 1
+            if self.entered == 3:
+                engine.tree.evict(1)
+
+        def __exit__(self, *exc):
+            engine._state.release()
+
+    with pytest.raises(snapshot.CacheChanged):
+        snapshot.write(engine.tree, engine.pool, tmp_path / "snap", engine.fingerprint(), StepsBetweenLayers())
+    assert list(tmp_path.iterdir()) == []  # its temporary file is gone
+    saved = m.save_cache(tmp_path / "snap")
+    b = make_model()
+    assert b.load_cache(tmp_path / "snap")["tokens"] == saved["tokens"] == engine.tree.total_tokens
+    b.check_integrity()
+    out = b.generate(prompts, max_tokens=4)
+    assert [c.token_ids for c in out] == expected(llama, tokenizer, prompts, 4)
+
+
+def test_saves_while_requests_run_give_loadable_exact_snapshots(make_model, llama, tokenizer, tmp_path):
+    prompts = random_prompts(seed=17, count=16, vocab=len(tokenizer))
+    m = make_model(cache_tokens=600)  # small: requests evict while the saves run
+    pending = m._submit(prompts, max_tokens=8)
+    saves = [m.save_cache(tmp_path / f"snap{i}") for i in range(3)]
+    done = [g.future.result()[0].token_ids for g in pending]
+    assert done == expected(llama, tokenizer, prompts, 8)
+    for i, saved in enumerate(saves):
+        b = make_model()
+        assert b.load_cache(tmp_path / f"snap{i}")["tokens"] == saved["tokens"]
+        b.check_integrity()
+        assert [c.token_ids for c in b.generate(prompts[:4], max_tokens=8)] == done[:4]
 
 
 def test_load_cache_refuses_another_models_snapshot_and_leaves_the_cache_empty(make_model, tokenizer, tmp_path):

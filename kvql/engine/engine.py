@@ -92,6 +92,7 @@ class Engine:
         self._cancels: list[RequestGroup] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._fingerprint: dict[str, str] | None = None  # of model, dtype, tokenizer: snapshot.py
         _engines.add(self)
 
     # -- submission (any thread) ---------------------------------------------------------------
@@ -382,13 +383,22 @@ class Engine:
             }
 
     def fingerprint(self) -> dict[str, str]:
-        """What a snapshot must have been saved with to be loaded here (snapshot.fingerprint)."""
-        return snapshot.fingerprint(self.runner.model, self.tokenizer, self.pool)
+        """What a snapshot must have been saved with to be loaded here (snapshot.fingerprint); computed
+        once: weights changed under a live engine would make its cache stale anyway."""
+        if self._fingerprint is None:
+            self._fingerprint = snapshot.fingerprint(self.runner.model, self.tokenizer, self.pool)
+        return self._fingerprint
 
     def save_cache(self, path) -> dict:
-        """Write the radix tree and its KV to `path` (snapshot.save); the next step waits for it."""
-        with self._state:
-            return snapshot.save(self.tree, self.pool, path, self.fingerprint())
+        """Write the radix tree and its KV to `path` (snapshot.save). Steps run between the layers'
+        gathers (snapshot.write); if they evict meanwhile, the save starts again holding the engine."""
+        fp = self.fingerprint()
+        try:
+            pending = snapshot.write(self.tree, self.pool, path, fp, self._state)
+        except snapshot.CacheChanged:
+            with self._state:
+                pending = snapshot.write(self.tree, self.pool, path, fp, self._state)
+        return pending.commit()
 
     def load_cache(self, path) -> dict:
         """Replace the cached tokens with the snapshot at `path` (snapshot.load), within the pool's

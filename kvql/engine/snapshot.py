@@ -14,13 +14,15 @@ the cache in memory; read with `safetensors.safe_open`):
               checksum (CRC-32 of the header with checksum "00000000", then every data byte)
 
 Contract:
-- `save(tree, pool, path, fp)` writes every node of the tree, with the K/V of its slots; the caller
-  holds the engine between steps (no forward runs). Tree content is always computed KV (memory.py
-  inserts tokens only after their forward); nodes locked by running requests are saved too, since a
-  tree slot is never written again while the tree holds it. A running request's own slots (past its
+- `save(tree, pool, path, fp)` writes every node of the tree, with the K/V of its slots. The caller
+  holds the engine between steps (no forward runs) during `write`, the part that reads tree and
+  pool; `Pending.commit()` (fsync and rename: most of the time on a slow disk) needs neither. Tree
+  content is always computed KV (memory.py inserts tokens only after their forward); nodes locked
+  by running requests are saved too, since a tree slot is never written again while the tree holds
+  it (saving only unlocked nodes would cut the tree above them). A running request's own slots (past its
   `tree_len`) are not in the tree and never saved. The file appears atomically: it is written under
-  a temporary name in the same directory, fsynced, then renamed over `path`; a crash leaves the
-  old snapshot or none, never half of one.
+  a temporary name in the same directory (unique per save, mode 0600: it holds prompts' tokens),
+  fsynced, then renamed over `path`; a crash leaves the old snapshot or none, never half of one.
 - `load(tree, pool, path, fp)` rebuilds the tree into an empty `tree`, taking slots from the pool's
   free list, or raises `SnapshotError` (a one-line reason) and leaves tree and pool as they were:
   another fingerprint (model, dtype, device, tokenizer, format), a truncated or corrupted file (the
@@ -34,11 +36,13 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import json
 import os
 import struct
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -88,7 +92,7 @@ def fingerprint(hf_model, tokenizer, pool: KVPool) -> dict[str, str]:
             if flat.numel():
                 m = min(SAMPLE, flat.numel())
                 index = torch.arange(m, device=flat.device) * (flat.numel() - 1) // max(m - 1, 1)
-                h.update(_bytes(flat[index].cpu()))
+                h.update(_bytes(flat.index_select(0, index).cpu()))  # (`flat[index]`: 100x slower)
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
     layers, kv_heads, _, head_dim = pool.k.shape
     return {"format": FORMAT, "model": h.hexdigest(), "dtype": str(pool.k.dtype).removeprefix("torch."),
@@ -104,7 +108,88 @@ def _bytes(t: torch.Tensor):
 # -- save ----------------------------------------------------------------------------------------
 def save(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, str]) -> dict:
     """Write the snapshot of `tree` to `path` atomically; `{"tokens", "nodes", "bytes"}`."""
+    return write(tree, pool, path, fp).commit()
+
+
+class Pending:
+    """A snapshot written under a temporary name; `commit()` makes it durable and puts it at its path
+    (it needs neither tree nor pool: the engine may step meanwhile), `discard()` removes it."""
+
+    def __init__(self, tmp: Path, path: Path, info: dict):
+        self.tmp, self.path, self.info = tmp, path, info
+
+    def commit(self) -> dict:
+        try:
+            with open(self.tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        _fsync_dir(self.path.parent)
+        return {**self.info, "bytes": self.path.stat().st_size}
+
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+
+def write(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, str],
+          lock=contextlib.nullcontext()) -> Pending:
+    """Write the snapshot of `tree` next to `path` under a temporary name (the first half of `save`).
+
+    `lock` (the engine's, taken between steps) is held while the tree is read, and again while each
+    layer's K/V is gathered, not while it is written: the engine steps between layers. A tree slot
+    keeps its K/V until the tree lets go of it, which only eviction does, so the slots read first are
+    still the tree's as long as `tree.evicted_tokens` has not moved; if it has, `CacheChanged` is
+    raised (the temporary file removed) and the caller may write again holding `lock` throughout."""
     path = Path(path)
+    with lock:
+        evicted = tree.evicted_tokens
+        structure, slots, salts = _tree_arrays(tree, pool)
+    layers, kv_heads, _, head_dim = pool.k.shape
+    n_tokens = structure["tokens"].numel()
+    kv_shape, kv_dtype = [kv_heads, n_tokens, head_dim], _DTYPES[pool.k.dtype]
+    kv_bytes = kv_heads * n_tokens * head_dim * pool.k.element_size()
+    entries = [(name, "I64", list(t.shape), t.numel() * 8) for name, t in structure.items()]
+    entries += [(f"{kv}.{layer}", kv_dtype, kv_shape, kv_bytes) for layer in range(layers) for kv in "kv"]
+    meta = {"kvql_format": FORMAT, "fingerprint": json.dumps(fp, sort_keys=True), "salts": json.dumps(salts)}
+    header = _header(meta, entries, _NO_CHECKSUM)
+
+    def chunks():
+        for t in structure.values():
+            yield _bytes(t)
+        for layer in range(layers):
+            for kv in (pool.k, pool.v):
+                with lock:
+                    if tree.evicted_tokens != evicted:
+                        raise CacheChanged("the cache evicted tokens during the save")
+                    part = kv[layer].index_select(1, slots).cpu()  # a copy: the pool may change after
+                yield _bytes(part)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # one per save
+    tmp = Path(tmp)
+    try:
+        with open(fd, "wb") as f:
+            f.write(header)
+            crc = zlib.crc32(header)
+            for chunk in chunks():
+                f.write(chunk)
+                crc = zlib.crc32(chunk, crc)
+            f.seek(0)
+            f.write(_header(meta, entries, f"{crc:08x}"))  # the same length: only the checksum differs
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return Pending(tmp, path, {"tokens": n_tokens, "nodes": structure["parent"].numel()})
+
+
+class CacheChanged(RuntimeError):
+    """The tree evicted tokens while `write` was not holding the engine: the snapshot was dropped."""
+
+
+def _tree_arrays(tree: RadixCache, pool: KVPool) -> tuple[dict[str, torch.Tensor], torch.Tensor, list]:
+    """The structure tensors (module doc), the slots of every token in the same order, the salts."""
     nodes, parents, salts_of, salts = [], [], [], []
     for salt, root in tree.roots.items():
         si = len(salts)
@@ -125,40 +210,7 @@ def save(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, 
     long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     structure = {"tokens": long(tokens), "parent": long(parents), "length": long([len(n.key) for n in nodes]),
                  "salt": long(salts_of), "rank": long(rank)}
-    layers, kv_heads, _, head_dim = pool.k.shape
-    kv_shape, kv_dtype = [kv_heads, len(tokens), head_dim], _DTYPES[pool.k.dtype]
-    kv_bytes = kv_heads * len(tokens) * head_dim * pool.k.element_size()
-    entries = [(name, "I64", list(t.shape), t.numel() * 8) for name, t in structure.items()]
-    entries += [(f"{kv}.{layer}", kv_dtype, kv_shape, kv_bytes) for layer in range(layers) for kv in "kv"]
-    meta = {"kvql_format": FORMAT, "fingerprint": json.dumps(fp, sort_keys=True), "salts": json.dumps(salts)}
-    header = _header(meta, entries, _NO_CHECKSUM)
-
-    def chunks():
-        for t in structure.values():
-            yield _bytes(t)
-        for layer in range(layers):
-            for kv in (pool.k, pool.v):
-                yield _bytes(kv[layer].index_select(1, slots).cpu())
-
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(tree):x}.tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header)
-            crc = zlib.crc32(header)
-            for chunk in chunks():
-                f.write(chunk)
-                crc = zlib.crc32(chunk, crc)
-            f.seek(0)
-            f.write(_header(meta, entries, f"{crc:08x}"))  # the same length: only the checksum differs
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return {"tokens": len(tokens), "nodes": len(nodes), "bytes": path.stat().st_size}
+    return structure, slots, salts
 
 
 def _header(meta: dict[str, str], entries, checksum: str) -> bytes:
@@ -261,7 +313,8 @@ def load(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, 
                 crc = zlib.crc32(_bytes(t), crc)
                 kv, layer = name.split(".")
                 target = (pool.k if kv == "k" else pool.v)[int(layer)]
-                target.index_copy_(1, dest, t.to(pool.device).index_select(1, keep))
+                t = t.to(pool.device)
+                target.index_copy_(1, dest, t if plan.kept_tokens == plan.total else t.index_select(1, keep))
     except SnapshotError:
         _give_back(pool, dest)
         raise
