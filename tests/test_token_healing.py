@@ -133,6 +133,20 @@ def test_regex_json_and_lark_constraints_compose_with_healing(make_model):
     assert re.fullmatch(r"[a-pr-z]{3,6}", c.text)
 
 
+def test_a_healed_stream_yields_the_value_without_the_backed_up_text(make_model):
+    import asyncio
+
+    m = make_model()
+
+    async def streamed():
+        chunks = [c async for c in m.stream(MID_WORD, max_tokens=6, heal=True, ignore_eos=True, stop=["e"])]
+        return "".join(c.text for c in chunks), chunks[-1].completion
+
+    text, last = asyncio.run(streamed())
+    (c,) = m.generate([MID_WORD], max_tokens=6, heal=True, ignore_eos=True, stop=["e"])
+    assert text == last.text == c.text and last.healed == "pi" and last.token_ids == c.token_ids
+
+
 def test_heal_refuses_a_python_mask_and_grammar_prefix(make_model):
     m = make_model()
     with pytest.raises(ValueError, match="heal=True does not combine"):
