@@ -1,0 +1,271 @@
+"""Forward overhead: kvql's `ModelRunner.forward` vs a plain transformers forward of the same batch.
+
+What is measured (SmolLM2-135M, CPU, each dtype in --dtypes; one process, side by side)
+-------------------------------------------------------------------------------------
+- decode: one batch-B decode step (one new token per request) at C tokens of context each.
+  kvql: `ModelRunner.forward` over B segments whose past is in the KV pool; each request's past is a
+  prompt of C - D tokens (one contiguous slot run, as a fresh pool hands them out) plus D tokens decoded
+  B-at-a-time (their slots interleave with the other requests', as in the engine).
+  plain: the model's own forward of `input_ids [B, 1]` over a contiguous `DynamicCache` of `[B, C]`
+  (equal lengths: no padding, no mask; the cache is cropped back after each step).
+- prefill: B prompts of C tokens, no cache, in one forward. kvql: `ModelRunner.forward` over B segments
+  (tokens flattened to [1, B*C]); plain: `input_ids [B, C]` (causal SDPA, no mask). Both return the
+  logits of each prompt's last token only.
+Timings alternate kvql / plain in each repeat; medians are reported, and the ratio kvql / plain of the
+medians (targets from issue 12: decode <= 1.2, prefill <= 1.1, i.e. prefill tokens/s >= 1/1.1 of plain).
+
+Per-part timings (kvql, from torch.profiler over a few extra steps, ms per step; the profiler itself
+adds some overhead to every op): plan (building the attention plan, a manual timer), gather (K/V
+index_select from the pool), cat (torch.cat: rotary's rotate_half, and the plain forward's DynamicCache
+update), write (index_copy_ of new K/V into the pool), sdpa (SDPA kernels), linear
+(matmuls), rest (everything else inside the forward: norms, rotary, activations, python). The plain
+forward is split the same way (its "gather" is the DynamicCache's torch.cat).
+
+Batch invariance (--invariance N, default 24): N fuzz prompts (random token ids sharing prefixes of 0,
+5, 17 or 40 tokens, as tests/test_exactness.py's) generated greedily (16 tokens) by kvql's engine all at
+once, vs each prompt alone on an empty cache, vs the uncached reference (a plain forward of the whole
+sequence per token); counted for the batch-invariant attention (default in reduced precision) and the
+merging one (default in fp32), with the time of the batched generate of each.
+
+The machine is shared and noisy: only ratios inside one run mean much. Usage:
+    .venv/bin/python benchmarks/forward_overhead.py [--dtypes float32,bfloat16] [--batch 24] [--context 330]
+        [--decoded 32] [--repeats 15] [--prefill-repeats 3] [--threads 1] [--no-profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from kvql.backends.loader import load_hf
+from kvql.engine import attention_plan
+from kvql.engine.kv_pool import KVPool
+from kvql.engine.model_runner import ModelRunner, Segment
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def seconds(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def side_by_side(fns: dict, repeats: int) -> dict:
+    """Median seconds of each function, calls alternating within each repeat."""
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            times[k].append(seconds(fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+PARTS = {
+    "gather": ("aten::index_select",),
+    "cat": ("aten::cat",),
+    "write": ("aten::index_copy_",),
+    "sdpa": ("aten::scaled_dot_product_attention",),
+    "linear": ("aten::linear",),
+}
+
+
+def profile_parts(fn, steps: int) -> dict:
+    """ms per step of each part of PARTS (cpu_time_total of the named ops) and of the whole forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        total = time.perf_counter() - t
+    avg = {e.key: e.cpu_time_total / 1e3 / steps for e in prof.key_averages()}
+    parts = {k: sum(avg.get(op, 0.0) for op in ops) for k, ops in PARTS.items()}
+    parts["total"] = total * 1e3 / steps
+    return parts
+
+
+def fuzz_prompts(seed: int, count: int, vocab: int, prefix_lengths=(0, 5, 17, 40), suffix=(1, 12)):
+    g = torch.Generator().manual_seed(seed)
+    bases = [torch.randint(100, vocab, (max(prefix_lengths),), generator=g).tolist() for _ in range(3)]
+    prompts = []
+    for i in range(count):
+        k = prefix_lengths[int(torch.randint(len(prefix_lengths), (1,), generator=g))]
+        n = int(torch.randint(suffix[0], suffix[1] + 1, (1,), generator=g))
+        prompts.append(bases[i % 3][:k] + torch.randint(100, vocab, (n,), generator=g).tolist())
+    return prompts
+
+
+@torch.inference_mode()
+def reference_greedy(hf, prompt: list[int], max_tokens: int, eos: int | None) -> list[int]:
+    ids, out = list(prompt), []
+    for _ in range(max_tokens):
+        tok = int(torch.argmax(hf(input_ids=torch.tensor([ids])).logits[0, -1]))
+        if tok == eos:
+            break
+        out.append(tok)
+        ids.append(tok)
+    return out
+
+
+def invariance(hf, tokenizer, count: int, max_tokens: int = 16) -> dict:
+    """Greedy outputs of `count` fuzz prompts batched vs alone vs the uncached reference, per attention mode."""
+    import kvql
+
+    prompts = fuzz_prompts(1, count, hf.config.vocab_size)
+    eos = tokenizer.eos_token_id
+    ref = [reference_greedy(hf, p, max_tokens, eos) for p in prompts]
+    m = kvql.Model(hf, tokenizer, cache_budget="256MB", background=False)
+    result = {}
+    try:
+        for mode in (True, False):
+            m.engine.runner.batch_invariant = mode
+            m.clear_cache()
+            t = time.perf_counter()
+            batched = [c.token_ids for c in m.generate(prompts, max_tokens=max_tokens)]
+            took = time.perf_counter() - t
+            alone = []
+            for p in prompts:
+                m.clear_cache()
+                alone.append(m.generate([p], max_tokens=max_tokens)[0].token_ids)
+            result["invariant" if mode else "merging"] = {
+                "batched_eq_alone": sum(a == b for a, b in zip(batched, alone)),
+                "batched_eq_reference": sum(a == b for a, b in zip(batched, ref)),
+                "alone_eq_reference": sum(a == b for a, b in zip(alone, ref)),
+                "batched_seconds": took}
+    finally:
+        m.close()
+    return result
+
+
+@torch.inference_mode()
+def run_dtype(name: str, args) -> dict:
+    dtype = DTYPES[name]
+    hf, tokenizer = load_hf(args.model, dtype=dtype)
+    if args.skip_timing:
+        return {"dtype": name, "invariance": invariance(hf, tokenizer, args.invariance)}
+    cfg = hf.config
+    B, C, D = args.batch, args.context, min(args.decoded, args.context - 1)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    pool = KVPool(num_layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
+                  num_slots=B * (C + 1) + B * (C + 1), dtype=dtype, device="cpu")
+    runner = ModelRunner(hf, pool)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(100, cfg.vocab_size - 100, (B, C + 1), generator=g)
+    empty = torch.empty(0, dtype=torch.long)
+
+    # -- prefill: B prompts of C tokens in one forward ------------------------------------------
+    pre_slots = [pool.alloc(C) for _ in range(B)]
+    pre_segments = [Segment(tokens[i, :C].tolist(), 0, empty, pre_slots[i], True) for i in range(B)]
+    prefill = {
+        "kvql": lambda: runner.forward(pre_segments),
+        "plain": lambda: hf(input_ids=tokens[:, :C], logits_to_keep=1),
+    }
+    k = min(B, 4)  # warm-up, and the profiled prefill: the first k prompts
+    small = {"kvql": lambda: runner.forward(pre_segments[:k]),
+             "plain": lambda: hf(input_ids=tokens[:k, :C], logits_to_keep=1)}
+    for fn in small.values():
+        fn()
+    pre = side_by_side(prefill, args.prefill_repeats) if args.prefill_repeats else None
+
+    # -- decode: the past of request i is a prompt run of C - D slots plus D interleaved decode slots --
+    P = C - D
+    slots = [pool.alloc(P) for _ in range(B)]
+    runner.forward([Segment(tokens[i, :P].tolist(), 0, empty, slots[i], True) for i in range(B)])
+    for d in range(D + 1):
+        new = [pool.alloc(1) for _ in range(B)]
+        step = [Segment([int(tokens[i, P + d])], P + d, slots[i], new[i], True) for i in range(B)]
+        if d < D:
+            runner.forward(step)
+            slots = [torch.cat([slots[i], new[i]]) for i in range(B)]
+    decode_segments = step  # token C of each request over its C cached slots
+    cache = DynamicCache(config=cfg)
+    hf(input_ids=tokens[:, :C], cache=cache, logits_to_keep=1)
+    step_ids, step_pos = tokens[:, C:C + 1], torch.full((B, 1), C)
+
+    def plain_decode():
+        out = hf(input_ids=step_ids, position_ids=step_pos, cache=cache)
+        cache.crop(-1)
+        return out.logits[:, -1].float()
+
+    decode = {"kvql": lambda: runner.forward(decode_segments), "plain": plain_decode}
+    kv_logits = torch.cat(decode["kvql"]())
+    diff = float((kv_logits - plain_decode()).abs().max())
+    dec = side_by_side(decode, args.repeats)
+
+    result = {"dtype": name, "prefill": pre, "decode": dec, "decode_max_abs_logit_diff": diff,
+              "prefill_tokens_per_s": pre and {k: B * C / v for k, v in pre.items()}}
+    plan_times = [seconds(lambda: attention_plan.plan(decode_segments, runner.groups, pool.device))
+                  for _ in range(args.repeats)]
+    pre_plan = [seconds(lambda: attention_plan.plan(pre_segments[:k], runner.groups, pool.device))
+                for _ in range(3)]
+    if args.profile:
+        result["decode_parts"] = {"kvql": profile_parts(decode["kvql"], 5), "plain": profile_parts(plain_decode, 5)}
+        result["prefill_parts"] = {"kvql": profile_parts(small["kvql"], 1), "plain": profile_parts(small["plain"], 1)}
+        result["decode_parts"]["kvql"]["plan"] = statistics.median(plan_times) * 1e3
+        result["prefill_parts"]["kvql"]["plan"] = statistics.median(pre_plan) * 1e3
+    if args.invariance:
+        result["invariance"] = invariance(hf, tokenizer, args.invariance)
+    return result
+
+
+def report(r: dict, args) -> None:
+    B, C = args.batch, args.context
+    print(f"\n== {r['dtype']} ==  (batch {B}, context {C}, threads {torch.get_num_threads()})")
+    d, p = r.get("decode"), r.get("prefill")
+    if d:
+        print(f"decode step   kvql {d['kvql'] * 1e3:8.1f} ms   plain {d['plain'] * 1e3:8.1f} ms   "
+              f"kvql/plain {d['kvql'] / d['plain']:.2f}  (target <= 1.20)   max |logit diff| {r['decode_max_abs_logit_diff']:.2e}")
+    tps = r.get("prefill_tokens_per_s")
+    if tps:
+        print(f"prefill       kvql {tps['kvql']:8.0f} tok/s plain {tps['plain']:8.0f} tok/s "
+              f"kvql/plain time {p['kvql'] / p['plain']:.2f}  (target <= 1.10)")
+    for what in ("decode_parts", "prefill_parts"):
+        if what not in r:
+            continue
+        print(f"  {what.split('_')[0]} parts, ms/step (profiled{'' if what == 'decode_parts' else f', {min(B, 4)} prompts'}):")
+        for who, parts in r[what].items():
+            named = sum(v for k, v in parts.items() if k != "total")
+            cols = "  ".join(f"{k} {parts[k]:7.1f}" for k in ("plan", "gather", "cat", "write", "sdpa", "linear") if k in parts)
+            print(f"    {who:5s} total {parts['total']:7.1f}  {cols}  rest {parts['total'] - named:7.1f}")
+    if "invariance" in r:
+        print(f"  batch invariance ({args.invariance} fuzz prompts, 16 greedy tokens; attention mode):")
+        for mode, c in r["invariance"].items():
+            print(f"  {mode:9s} batched==alone {c['batched_eq_alone']:2d}/{args.invariance}  "
+                  f"batched==uncached reference {c['batched_eq_reference']:2d}  "
+                  f"alone==reference {c['alone_eq_reference']:2d}  batched generate {c['batched_seconds']:.2f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batch", type=int, default=24)
+    ap.add_argument("--context", type=int, default=330)
+    ap.add_argument("--decoded", type=int, default=32, help="tokens of each context decoded step by step")
+    ap.add_argument("--repeats", type=int, default=15, help="decode repeats (medians)")
+    ap.add_argument("--prefill-repeats", type=int, default=3, help="0: no full-size prefill timing")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: on a shared 2-core machine 2 threads stall when the other core is busy)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false")
+    ap.add_argument("--skip-timing", action="store_true", help="only the batch-invariance count")
+    ap.add_argument("--invariance", type=int, default=24, help="fuzz prompts for the batch-invariance count (0: skip)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    results = [run_dtype(name.strip(), args) for name in args.dtypes.split(",")]
+    for r in results:
+        report(r, args)
+    print("\nsummary (kvql / plain time; decode target <= 1.20, prefill <= 1.10):")
+    for r in results:
+        if "decode" not in r:
+            continue
+        pre = r["prefill"] and f"{r['prefill']['kvql'] / r['prefill']['plain']:.2f}"
+        print(f"  {r['dtype']:9s} decode {r['decode']['kvql'] / r['decode']['plain']:.2f}   prefill {pre or '-'}")
+
+
+if __name__ == "__main__":
+    main()
