@@ -188,6 +188,33 @@ def test_load_cache_refuses_another_models_snapshot_and_leaves_the_cache_empty(m
     b.check_integrity()
 
 
+_made: dict = {}
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7), cut=st.booleans())
+def test_any_flipped_bit_or_truncation_is_refused_and_leaves_an_empty_valid_cache(make_model, tokenizer, tmp_path,
+                                                                                  where, bit, cut):
+    good = tmp_path / "good"
+    if tmp_path not in _made:  # one snapshot and one loading model for all examples
+        a = make_model()
+        a.generate(random_prompts(seed=19, count=4, vocab=len(tokenizer)), max_tokens=3, cache_salt="s")
+        a.save_cache(good)
+        _made[tmp_path] = make_model()
+    b = _made[tmp_path]
+    data = bytearray(good.read_bytes())
+    at = int(where * len(data))
+    if cut:
+        del data[at:]
+    else:
+        data[at] ^= 1 << bit
+    (tmp_path / "bad").write_bytes(bytes(data))
+    with pytest.raises(SnapshotError):
+        b.load_cache(tmp_path / "bad")
+    assert b.engine.tree.total_tokens == 0
+    b.check_integrity()
+
+
 # -- cache_dir: load at start, save on close, cold on anything wrong ----------------------------------
 def test_cache_dir_saves_on_close_and_loads_on_start(make_model, llama, tokenizer, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="kvql.cache")

@@ -32,7 +32,7 @@ _open: "weakref.WeakSet[CacheDir]" = weakref.WeakSet()
 
 @atexit.register
 def _close_all() -> None:
-    # Registered after engine.py's own handler, so it runs first: the engines are still whole.
+    # Before or after engine.py's own handler: closing an engine twice is a no-op, a closed one still saves.
     for cache in list(_open):
         cache.close()
 
@@ -42,7 +42,7 @@ class CacheDir:
         if save_interval < 0:
             raise ValueError(f"cache_save_interval must be >= 0 seconds, got {save_interval!r}")
         self.engine = engine
-        self.path = Path(directory) / SNAPSHOT
+        self.path = Path(directory).expanduser() / SNAPSHOT
         self.save_interval = float(save_interval)
         self.saves = 0
         self._lock = threading.Lock()  # one save at a time; close() once

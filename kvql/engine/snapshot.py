@@ -251,12 +251,13 @@ def read_header(path: str | os.PathLike) -> tuple[dict, bytes]:
         raw = f.read(n)
     try:
         info = json.loads(raw)
-        meta = info["__metadata__"]
-        checksum = meta["checksum"]
+        checksum = info["__metadata__"]["checksum"]
     except (ValueError, KeyError, TypeError):
         raise SnapshotError("corrupt (unreadable header)") from None
+    if not isinstance(checksum, str) or len(checksum) != len(_NO_CHECKSUM):
+        raise SnapshotError("corrupt (checksum field)")
     field = f'"checksum":"{checksum}"'.encode()
-    if len(checksum) != len(_NO_CHECKSUM) or raw.count(field) != 1:
+    if raw.count(field) != 1:
         raise SnapshotError("corrupt (checksum field)")
     zeroed = raw.replace(field, f'"checksum":"{_NO_CHECKSUM}"'.encode())
     return info, prefix + zeroed
@@ -286,7 +287,10 @@ def load(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, 
     assert tree.total_tokens == 0, "load into an empty tree"
     info, header = read_header(path)
     check_fingerprint(info, fp)
-    names = sorted((k for k in info if k != "__metadata__"), key=lambda k: info[k]["data_offsets"][0])
+    try:
+        names = sorted((k for k in info if k != "__metadata__"), key=lambda k: int(info[k]["data_offsets"][0]))
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise SnapshotError("corrupt (tensor offsets)") from None
     layers, kv_heads, _, head_dim = pool.k.shape
     expected = {*_STRUCTURE, *(f"{kv}.{i}" for i in range(layers) for kv in "kv")}
     if set(names) != expected or set(names[:len(_STRUCTURE)]) != set(_STRUCTURE):
@@ -320,7 +324,8 @@ def load(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, 
         raise
     except Exception as e:  # safetensors' own errors on a truncated or mangled file
         _give_back(pool, dest)
-        raise SnapshotError(f"truncated or corrupt ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+        why = (str(e).splitlines() or [""])[0][:120]
+        raise SnapshotError(f"truncated or corrupt ({type(e).__name__}: {why})") from None
     if f"{crc:08x}" != info["__metadata__"]["checksum"]:
         _give_back(pool, dest)
         raise SnapshotError("corrupt (checksum mismatch)")
