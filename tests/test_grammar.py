@@ -251,3 +251,23 @@ def test_a_compile_over_the_time_limit_is_refused(tokenizer):
     with pytest.raises(ValueError, match="took longer than 0.001 s"):
         grammar_sandbox.check(tokenizer, llguidance.LLMatcher.grammar_from_regex("(a{1000}){1000}"), timeout=0.001)
     assert Grammar.regex(tokenizer, "[a-z]+").mask_fn()([]).any()
+
+
+def test_a_constraint_text_is_compiled_once_per_tokenizer(tokenizer, monkeypatch):
+    """The second Grammar of the same text skips the sandbox and the compile, and masks as the first does;
+    an invalid text's error is remembered too (a client repeating it costs no compile)."""
+    from kvql.engine import grammar as grammar_module
+
+    checks = []
+    real = grammar_module.grammar_sandbox.check
+    monkeypatch.setattr(grammar_module.grammar_sandbox, "check", lambda tok, text: checks.append(text) or real(tok, text))
+    pattern = r"[0-9]{3}-cached-once"
+    a, b = Grammar.regex(tokenizer, pattern), Grammar.regex(tokenizer, pattern)
+    assert len(checks) == 1
+    digits = tokenizer.encode("12", add_special_tokens=False)
+    assert torch.equal(a.mask_fn()(digits), b.mask_fn()(digits))
+    assert torch.equal(a.mask_fn()([]), b.mask_fn()(digits[:0]))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="unclosed group"):
+            Grammar.regex(tokenizer, "(cached-error")
+    assert len(checks) == 2

@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Callable
 
 import llguidance
@@ -54,20 +55,49 @@ MAX_BYTES = 256 * 1024
 MAX_DEPTH = 64
 COMPILE_STACK = 256 * 2**20
 _stack_size_lock = threading.Lock()
-_ll_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+COMPILED_PER_TOKENIZER = 256  # compiled grammars kept per tokenizer, least recently used dropped first
+_ll_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> _TokenizerState
 _ll_tokenizers_lock = threading.Lock()
+
+
+class _TokenizerState:
+    """llguidance's view of one tokenizer and the grammars compiled for it: grammar text -> (initial
+    matcher, None) or (None, llguidance's error). Requests repeat their constraints (one JSON schema for
+    many requests), and a compile costs a sandbox round trip plus the compile (~5 ms); an initial matcher
+    is never advanced (each mask function deep-copies it), so one serves every request of that text."""
+
+    def __init__(self, ll: llguidance.LLTokenizer):
+        self.ll = ll
+        self.compiled: OrderedDict[str, tuple] = OrderedDict()
+
+    def lookup(self, text: str) -> tuple | None:
+        with _ll_tokenizers_lock:
+            found = self.compiled.get(text)
+            if found is not None:
+                self.compiled.move_to_end(text)
+            return found
+
+    def store(self, text: str, result: tuple) -> None:
+        with _ll_tokenizers_lock:
+            self.compiled[text] = result
+            while len(self.compiled) > COMPILED_PER_TOKENIZER:
+                self.compiled.popitem(last=False)
 
 
 def _ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
     """llguidance's view of a Hugging Face fast tokenizer, built once per tokenizer object (~0.5 s for
     a 49k vocabulary)."""
+    return _state(tokenizer).ll
+
+
+def _state(tokenizer) -> _TokenizerState:
     with _ll_tokenizers_lock:
-        ll = _ll_tokenizers.get(tokenizer)
-        if ll is None:
+        state = _ll_tokenizers.get(tokenizer)
+        if state is None:
             if tokenizer.eos_token_id is None:
                 raise ValueError("the tokenizer has no EOS token, which a grammar needs to end the output")
-            ll = _ll_tokenizers[tokenizer] = llguidance.hf.from_tokenizer(tokenizer)
-        return ll
+            state = _ll_tokenizers[tokenizer] = _TokenizerState(llguidance.hf.from_tokenizer(tokenizer))
+        return state
 
 
 def _json_depth(value) -> int:
@@ -128,13 +158,20 @@ class Grammar:
 
     def __init__(self, tokenizer, build, what: str):
         """`build()` returns llguidance's grammar text. It is compiled in the sandbox process first,
-        then here, on a big stack."""
-        self._ll = _ll_tokenizer(tokenizer)
+        then here, on a big stack; a text compiled before for this tokenizer is not compiled again."""
+        state = _state(tokenizer)
+        self._ll = state.ll
         text = _on_big_stack(build)
-        error = grammar_sandbox.check(tokenizer, text)
-        if error is None:
-            self._initial = _on_big_stack(lambda: llguidance.LLMatcher(self._ll, text, log_level=0, limits=_LIMITS))
-            error = self._initial.get_error() if self._initial.is_error() else None
+        found = state.lookup(text)
+        if found is None:
+            error = grammar_sandbox.check(tokenizer, text)
+            initial = None
+            if error is None:
+                initial = _on_big_stack(lambda: llguidance.LLMatcher(self._ll, text, log_level=0, limits=_LIMITS))
+                error = initial.get_error() if initial.is_error() else None
+            found = (None, error) if error is not None else (initial, None)
+            state.store(text, found)
+        self._initial, error = found
         if error is not None:
             raise ValueError(f"invalid {what}: {_plain_error(error, 0)}")
         self.vocab_size: int = self._ll.vocab_size
