@@ -10,6 +10,23 @@ batched SDPA call per bucket and layer.
 Cost model for merging (in query-key pairs): a cluster costs `queries * keys`, plus `COPY_COST` per
 gathered key slot. A segment joins the cluster before it (segments sorted by their slots, so sharers
 are adjacent) when the merged cost is at most the cost of keeping both apart.
+
+Segments without a past (a prompt computed from its first token) need no pool at all: their keys are
+exactly their own new tokens, which the forward has just computed. They form *causal groups*: runs of
+adjacent such segments of equal length, attended in place over the forward's fresh K/V with a causal
+SDPA (no gather, no mask, one call per group and layer).
+
+Batch invariance (`merge=False`): each request's attention is its own SDPA call over exactly its
+own keys, in its own order, unpadded (a bucket is then gathered once, as usual, and attended row by
+row on views); prompts without a past are each their own causal group. A request's attention then
+runs the same kernel calls on the same values whatever its batch mates, so its outputs equal its
+outputs alone. Padding is not enough for that: measured on the CPU SDPA kernel in bf16, a decode
+row padded (masked) to a batch mate's length rounds differently in about a third of the cases (the
+kernel's GEMMs block the key axis by its length, and the query axis by the number of rows). Merging
+into clusters interleaves other requests' keys among a request's own and changes the order of the
+reductions: cheaper for shared prefixes, not invariant. Not covered: a prompt whose prefix was served
+from the cache is computed as a chunk with a past, which rounds differently from the same prompt
+computed whole (the kernel blocks queries by the chunk's length).
 """
 
 from __future__ import annotations
@@ -19,6 +36,22 @@ from dataclasses import dataclass
 import torch
 
 COPY_COST = 4  # gathering one slot's K and V costs about as much as this many query-key dot products
+
+
+@dataclass
+class Causal:
+    """`rows` adjacent segments of `q_len` new tokens each and no past, from flat position `offset`."""
+
+    offset: int
+    rows: int
+    q_len: int
+
+
+@dataclass
+class Plan:
+    causal: list[Causal]
+    buckets: list[Bucket]
+    fresh: tuple | None = None  # this layer's new (K, V) `[1, kv_heads, T, head_dim]`, set by the cache
 
 
 @dataclass
@@ -33,6 +66,7 @@ class Bucket:
     mask: torch.Tensor      # [rows, 1, groups * q_len, k_len] bool, query heads of a KV head packed
     valid: torch.Tensor     # [rows * q_len] bool: which padded query rows are real
     out_index: torch.Tensor  # [n_valid] flat token positions of the real query rows
+    exact: list[tuple[int, int]] | None = None  # batch-invariant: each row's real (queries, keys), attended alone
 
 
 def _shared_len(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -43,21 +77,36 @@ def _shared_len(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(diff[0]) if diff.numel() else n
 
 
-def plan(segments, groups: int, device) -> list[Bucket]:
-    """Build the buckets for `segments` (objects with `token_ids`, `past_slots`, `new_slots`)."""
+def plan(segments, groups: int, device, merge: bool = True, in_place: bool = True) -> Plan:
+    """Build the plan for `segments` (objects with `token_ids`, `past_slots`, `new_slots`); `merge`:
+    clusters of segments sharing a prefix (False: batch-invariant, see the module doc); `in_place`:
+    causal groups for segments without a past (False: they too gather from the pool, in buckets)."""
     offsets, t = [], 0
-    for s in segments:
+    causal: list[Causal] = []
+    rest = []
+    for i, s in enumerate(segments):
+        n = len(s.token_ids)
         offsets.append(t)
-        t += len(s.token_ids)
-    slots = [torch.cat([s.past_slots, s.new_slots]) for s in segments]
-    order = sorted(range(len(segments)), key=lambda i: slots[i][:64].tolist())
+        if s.past_slots.numel() or not in_place:
+            rest.append(i)
+        elif merge and causal and causal[-1].q_len == n and causal[-1].offset + causal[-1].rows * n == t:
+            causal[-1].rows += 1
+        else:
+            causal.append(Causal(t, 1, n))
+        t += n
+    return Plan(causal, _buckets(segments, rest, offsets, groups, device, merge))
+
+
+def _buckets(segments, indices: list[int], offsets: list[int], groups: int, device, merge: bool) -> list[Bucket]:
+    slots = {i: torch.cat([segments[i].past_slots, segments[i].new_slots]) for i in indices}
+    order = sorted(indices, key=lambda i: slots[i][:64].tolist()) if merge else indices
 
     clusters: list[list[int]] = []
     shared = q = apart = 0
     for i in order:
         n_q, n_k = len(segments[i].token_ids), slots[i].numel()
         alone = n_q * n_k + COPY_COST * n_k
-        if clusters:
+        if clusters and merge:
             s = min(shared, _shared_len(slots[clusters[-1][0]], slots[i]))
             members = clusters[-1] + [i]
             union = s + sum(slots[j].numel() - s for j in members)
@@ -70,6 +119,14 @@ def plan(segments, groups: int, device) -> list[Bucket]:
 
     rows = []
     for members in clusters:
+        if len(members) == 1:  # its own keys in its own order
+            (i,) = members
+            n = len(segments[i].token_ids)
+            keys, past = slots[i], segments[i].past_slots.numel()
+            mask = (torch.arange(past + n, device=device)[None, :]
+                    <= torch.arange(past, past + n, device=device)[:, None])
+            rows.append((torch.arange(offsets[i], offsets[i] + n), keys, mask))
+            continue
         keys = torch.unique(torch.cat([slots[i] for i in members]))
         q_index = torch.cat([torch.arange(offsets[i], offsets[i] + len(segments[i].token_ids)) for i in members])
         mask = torch.zeros(q_index.numel(), keys.numel(), dtype=torch.bool, device=device)
@@ -89,12 +146,12 @@ def plan(segments, groups: int, device) -> list[Bucket]:
         first_q = rows[start][0].numel()
         while end < len(rows) and rows[end][0].numel() <= max(2 * first_q, first_q + 8):
             end += 1
-        buckets.append(_pad(rows[start:end], groups, device))
+        buckets.append(_pad(rows[start:end], groups, device, exact=not merge))
         start = end
     return buckets
 
 
-def _pad(rows, groups: int, device) -> Bucket:
+def _pad(rows, groups: int, device, exact: bool) -> Bucket:
     n_rows = len(rows)
     q_len = max(r[0].numel() for r in rows)
     k_len = max(r[1].numel() for r in rows)
@@ -111,4 +168,5 @@ def _pad(rows, groups: int, device) -> Bucket:
         mask[r, nq:, 0] = True  # padded queries see one key, so no row is fully masked
     q_index, valid = q_index.flatten(), valid.flatten()
     return Bucket(n_rows, q_len, k_len, q_index.to(device), k_slots.flatten(),
-                  mask.repeat(1, groups, 1)[:, None], valid.to(device), q_index[valid].to(device))
+                  mask.repeat(1, groups, 1)[:, None], valid.to(device), q_index[valid].to(device),
+                  [(r[0].numel(), r[1].numel()) for r in rows] if exact else None)

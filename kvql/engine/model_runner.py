@@ -3,9 +3,12 @@
 All new tokens of all requests are flattened to one `[1, T]` row with per-request `position_ids`.
 A `PoolCache` passed as the model's `cache=` writes each layer's new K/V into the pool slots given
 for those tokens; the registered attention function then runs the `attention_plan` for the batch:
-each token sees exactly its own request's slots up to itself, and a prefix shared by many requests is
-gathered and multiplied once for all of them, never copied per request. Cached keys were rotated at
-their own positions when computed (RoPE), so any slot order is valid.
+each token sees exactly its own request's slots up to itself. Prompts without a cached past attend
+in place over the layer's fresh K/V (causal SDPA, nothing gathered); the others gather their slots
+from the pool per bucket. In fp32 a prefix shared by many requests is gathered and multiplied once
+for all of them; in reduced precision (`batch_invariant`) each request attends alone over exactly its
+own keys, so its outputs do not depend on its batch mates (attention_plan's module doc). Cached keys
+were rotated at their own positions when computed (RoPE), so any slot order is valid.
 
 Works for any model on the standard transformers path: attention modules that call
 `cache.update(k, v, layer_idx, ...)` and then the registered attention function (Llama, Qwen2,
@@ -22,7 +25,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .attention_plan import Bucket, plan
+from .attention_plan import Bucket, Causal, Plan, plan
 from .kv_pool import KVPool
 
 ATTENTION = "kvql"
@@ -38,19 +41,52 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     k_pool, v_pool = key[0], value[0]  # [kv_heads, slots, head_dim]
     kv_heads = k_pool.shape[0]
     g = heads // kv_heads
-    qv = query[0].view(kv_heads, g, t, d)
     out = query.new_empty(t, heads, v_pool.shape[-1])
+    c: Causal
+    for c in kvql_plan.causal:  # no past: causal SDPA over the fresh K/V, read in place
+        span = slice(c.offset, c.offset + c.rows * c.q_len)
+        q, k, v = (x[0, :, span].unflatten(1, (c.rows, c.q_len)).transpose(0, 1)
+                   for x in (query, *kvql_plan.fresh))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                                             enable_gqa=g > 1)
+        out[span].unflatten(0, (c.rows, c.q_len)).copy_(o.transpose(1, 2))
+    if not kvql_plan.buckets:
+        return out[None], None
+    qv = query[0].view(kv_heads, g, t, d)
     b: Bucket
-    for b in kvql_plan:
+    for b in kvql_plan.buckets:
         # query heads sharing a KV head are packed along the query axis: K/V are never repeated
         q = qv[:, :, b.q_index].view(kv_heads, g, b.rows, b.q_len, d).permute(2, 0, 1, 3, 4)
         q = q.reshape(b.rows, kv_heads, g * b.q_len, d)
         k = k_pool.index_select(1, b.k_slots).view(kv_heads, b.rows, b.k_len, d).transpose(0, 1)
         v = v_pool.index_select(1, b.k_slots).view(kv_heads, b.rows, b.k_len, -1).transpose(0, 1)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, scale=scaling)
+        if b.exact is None:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, scale=scaling)
+        else:
+            o = _rows_alone(b, q, k, v, scaling)
         o = o.view(b.rows, kv_heads, g, b.q_len, -1).permute(0, 3, 1, 2, 4).reshape(b.rows * b.q_len, heads, -1)
         out[b.out_index] = o[b.valid]
     return out[None], None
+
+
+def _rows_alone(b: Bucket, q, k, v, scaling):
+    """Batch-invariant attention (attention_plan's module doc): one SDPA call per row over exactly its
+    own queries and keys (views of the gathered bucket), as if it were alone in the batch."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows, kv_heads, gq, d = q.shape
+    g = gq // b.q_len
+    o = q.new_zeros(rows, kv_heads, gq, v.shape[-1])
+    for r, (n_q, n_k) in enumerate(b.exact):
+        kr, vr = k[r:r + 1, :, :n_k], v[r:r + 1, :, :n_k]
+        if n_q == b.q_len:
+            mask = None if n_q == 1 else b.mask[r:r + 1, :, :, :n_k]  # one query sees all its keys
+            o[r:r + 1] = sdpa(q[r:r + 1], kr, vr, attn_mask=mask, scale=scaling)
+        else:
+            qr = q[r:r + 1].view(1, kv_heads, g, b.q_len, d)[:, :, :, :n_q].reshape(1, kv_heads, g * n_q, d)
+            mask = b.mask[r:r + 1].view(1, 1, g, b.q_len, b.k_len)[..., :n_q, :n_k].reshape(1, 1, g * n_q, n_k)
+            o[r:r + 1].view(1, kv_heads, g, b.q_len, -1)[:, :, :, :n_q] = sdpa(
+                qr, kr, vr, attn_mask=mask, scale=scaling).view(1, kv_heads, g, n_q, -1)
+    return o
 
 
 AttentionInterface.register(ATTENTION, _attention)
@@ -61,10 +97,11 @@ _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4-D mask is passed thro
 class PoolCache:
     """The `cache=` object for one forward: writes new K/V into the pool, hands the layer's pool on."""
 
-    def __init__(self, pool: KVPool, write_slots: torch.Tensor):
-        self.pool, self.write_slots = pool, write_slots
+    def __init__(self, pool: KVPool, write_slots: torch.Tensor, plan: Plan):
+        self.pool, self.write_slots, self.plan = pool, write_slots, plan
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.plan.fresh = key_states, value_states
         k, v = self.pool.k[layer_idx], self.pool.v[layer_idx]
         k.index_copy_(1, self.write_slots, key_states[0])
         v.index_copy_(1, self.write_slots, value_states[0])
@@ -106,6 +143,9 @@ class ModelRunner:
         config = hf_model.config
         self.groups = config.num_attention_heads // config.num_key_value_heads
         hf_model.set_attn_implementation(ATTENTION)
+        # batch-invariant attention (attention_plan's module doc): on in reduced precision, where a
+        # merged cluster's reduction order changes outputs; fp32 merges shared prefixes (cheaper)
+        self.batch_invariant = pool.k.dtype != torch.float32
         self.forward_seconds = 0.0
         self.forward_tokens = 0
 
@@ -123,15 +163,15 @@ class ModelRunner:
             k = s.logit_rows
             spans.append((len(rows), len(rows) + k))
             rows.extend(range(len(ids) - k, len(ids)))
-        buckets = plan(segments, self.groups, dev)
+        step_plan = plan(segments, self.groups, dev, merge=not self.batch_invariant)
         started = time.perf_counter()
         out = self.model(
             input_ids=torch.tensor([ids], device=dev),
             position_ids=torch.cat(pos).to(dev)[None],
             attention_mask=_NO_MASK.to(dev),
-            cache=PoolCache(self.pool, torch.cat([s.new_slots for s in segments])),
+            cache=PoolCache(self.pool, torch.cat([s.new_slots for s in segments]), step_plan),
             logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev),
-            kvql_plan=buckets,
+            kvql_plan=step_plan,
         )
         logits = out.logits[0].float()
         if dev.type == "cuda":
