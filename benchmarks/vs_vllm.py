@@ -50,7 +50,7 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLeng
           "required": ["answer", "confident"], "additionalProperties": False}
 DOC = "Reference notes.\n" + "".join(
     "".join(qa(q, a) for q, a in random.Random(seed).sample(SHOTS + QUESTIONS, len(SHOTS + QUESTIONS)))
-    for seed in range(4))
+    for seed in range(2)) + "".join(qa(q, a) for q, a in (SHOTS + QUESTIONS)[:len(SHOTS + QUESTIONS) // 3])
 
 
 def requests(tok, n: int) -> dict[str, list[dict]]:
@@ -102,7 +102,8 @@ async def _fire(url: str, bodies: list[dict]) -> tuple[float, list[str]]:
     async with httpx.AsyncClient(timeout=1200, limits=httpx.Limits(max_connections=len(bodies) + 4)) as client:
         async def one(body):
             r = await client.post(url + "/v1/completions", json={"model": NAME, **body})
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise RuntimeError(f"{url}: {r.status_code} {r.text[:300]}")
             return r.json()["choices"][0]["text"]
 
         t = time.perf_counter()

@@ -100,6 +100,16 @@ def _state(tokenizer) -> _TokenizerState:
         return state
 
 
+def warm_up(tokenizer) -> None:
+    """Do now what the first constraint for `tokenizer` would pay (~1 s): llguidance's view of it here and
+    in the sandbox child. A server calls it at start, so its first constrained request is not slower.
+    A failure is left for that request to report (a tokenizer without EOS, say)."""
+    try:
+        Grammar.lark(tokenizer, 'start: "kvql"')
+    except (ValueError, OSError):
+        pass
+
+
 def _json_depth(value) -> int:
     """Nesting depth of dicts and lists in `value`, without recursion (so any depth is safe)."""
     deepest, stack = 0, [(value, 1)]

@@ -23,6 +23,7 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 
 from ..backends.dtype import NAMES
@@ -86,6 +87,7 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     import kvql
     from ..backends.dtype import name, resolve
     from ..backends.factory import size_text
+    from ..engine.grammar import warm_up
     from .app import create_app
 
     dtype = resolve(args.dtype, args.device)
@@ -99,6 +101,8 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
         m.context_length = args.max_model_len
     if template is not None:
         m.tokenizer.chat_template = template
+    # the first constrained request would otherwise pay for building llguidance's view of the tokenizer
+    threading.Thread(target=warm_up, args=(m.tokenizer,), name="kvql-grammar-warm-up", daemon=True).start()
     pool = m.engine.pool
     print(f"kvql serve: model {m.name} | device {m.device} | dtype {name(m.hf_model.dtype)} | "
           f"context {m.context_length} tokens | KV cache {pool.num_slots} tokens ({size_text(pool.bytes)})", flush=True)
