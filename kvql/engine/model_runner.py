@@ -65,7 +65,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         else:
             o = _rows_alone(b, q, k, v, scaling)
         o = o.view(b.rows, kv_heads, g, b.q_len, -1).permute(0, 3, 1, 2, 4).reshape(b.rows * b.q_len, heads, -1)
-        out[b.out_index] = o[b.valid]
+        out.index_copy_(0, b.out_index, o if b.out_index.numel() == o.shape[0] else o[b.valid])
     return out[None], None
 
 
