@@ -28,6 +28,9 @@ class Completion:
     were backed up (not sent: `prompt_tokens` excludes them) and generated again; `token_ids` spell `healed`
     + `text` (up to a stop), and their first `healed_output_tokens` lie wholly inside `healed` (they are not
     the value's: `max_tokens` and `min_tokens` count the others). `text` excludes `healed`.
+    `forced`: the indices in `token_ids` of tokens a constraint forced (its mask allowed only that token; the
+    engine appended them without a decode step of their own: jump-forward); empty where the backend does not
+    tell (servers).
     """
 
     text: str
@@ -43,3 +46,4 @@ class Completion:
     healed: str = ""
     healed_prompt_tokens: int = 0
     healed_output_tokens: int = 0
+    forced: list[int] = field(default_factory=list)

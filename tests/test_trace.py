@@ -153,3 +153,50 @@ def test_a_trace_built_by_hand_renders_with_defaults():
     page = t.to_html()
     assert "kvql trace: query on a model" in page and "[X] (no where clause)" in page
     assert t.counts()["all"] == {"cached": 0, "computed": 1, "unsent": 1, "total": 2}
+
+
+FORCING = '''
+"Name a colour: [C]" where C in ["ultramarine blue", "ultraviolet"]
+'''
+
+
+def test_forced_tokens_are_shown_apart_and_match_the_engines(m, tmp_path):
+    """Tokens jump-forward appended (the constraint allowed only them) are marked forced in the trace, as many
+    as the engine counted; without jump-forward the same value comes with none forced."""
+    before = m.stats()["forced_tokens"]
+    r = kvql.run_sync(FORCING, model=m)
+    t = r.trace
+    forced = [x for x in t.tokens if x.forced]
+    assert forced and all(x.hole == "C" for x in forced)
+    assert len(forced) == t.holes[0].forced == t.summary()["forced"]
+    assert m.stats()["forced_tokens"] - before == len(forced) + 1  # and the EOS that ended the value
+    assert len(forced) < t.holes[0].tokens  # the tokens that chose between the options were decoded
+    r.trace.save(tmp_path / "t.html")
+    page = (tmp_path / "t.html").read_text()
+    assert page.count(' gen forced"') == len(forced)
+    assert f"({len(forced)} forced)" in page
+
+    m.engine.jump_forward = False
+    try:
+        m.clear_cache()
+        plain = kvql.run_sync(FORCING, model=m)
+    finally:
+        m.engine.jump_forward = True
+    assert plain.variables["C"] == r.variables["C"]
+    assert [x.id for x in plain.trace.tokens] == [x.id for x in t.tokens]
+    assert not any(x.forced for x in plain.trace.tokens) and plain.trace.holes[0].forced == 0
+
+
+def test_completion_forced_indexes_its_token_ids(m):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    [c] = m.generate("JSON:", max_tokens=20, json_schema=schema)
+    assert c.forced and all(0 <= i < len(c.token_ids) for i in c.forced)
+    assert c.text.startswith('{"ok": ')
+    m.engine.jump_forward = False
+    try:
+        m.clear_cache()
+        [plain] = m.generate("JSON:", max_tokens=20, json_schema=schema)
+    finally:
+        m.engine.jump_forward = True
+    assert plain.token_ids == c.token_ids and plain.forced == []

@@ -210,5 +210,6 @@ class Request:
             logprobs=self.logprobs,
             stop_reason=self.detok.stop_string,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            forced=[i for i in self.forced_at if i < len(self.output_ids)],
         )
         return c if self.params.healing is None else self.params.healing.finish(c)

@@ -94,6 +94,9 @@ class Context:
         self.cached_tokens = 0
         self.computed_tokens = 0
         self._healed: tuple[int, str, list[int]] | None = None  # the last hole's healing, for its value's tokens
+        # the last hole's forced tokens for its trace: (their indices in the tokens its value is added with,
+        # how many of them are the value's own: see Completion.forced and .healed_output_tokens)
+        self._forced: tuple[list[int], int] = ([], 0)
 
     @functools.cached_property
     def buffer(self) -> Prompt:
@@ -159,8 +162,8 @@ class Context:
             self._role = None
 
     def _append_value(self, value: str, token_ids: list[int] | None, hole: str | None = None,
-                      healed: tuple[int, str] | None = None) -> None:
-        self.buffer.add_value(value, token_ids, hole, healed)
+                      healed: tuple[int, str] | None = None, forced: list[int] = ()) -> None:
+        self.buffer.add_value(value, token_ids, hole, healed, forced)
         self._shown += value
 
     def sent(self, n: int, cached: int) -> None:
@@ -224,13 +227,13 @@ class Context:
         started = time.perf_counter()
         max_tokens, bound = self._budget(name, plan)
         self._check_room(name, plan, max_tokens, bound, heal)
-        self._healed = None
+        self._healed, self._forced = None, ([], 0)
         if self.decoding.beam:
             value, tokens, full, guard = await self._beam(name, plan, prompt, max_tokens)
         else:
             value, tokens, full, guard = await self._sample(name, plan, prompt, max_tokens, heal)
         self._hole_log.append(TraceHole(name, str(value), where_text(constraint, name, plan), len(tokens),
-                                        time.perf_counter() - started))
+                                        time.perf_counter() - started, self._forced[1]))
         checked = plan.constrained(full, guard)
         self._check_value(name, plan, value, checked,
                           lambda: self._why_cut(name, plan, full, guard, tokens, max_tokens, bound))
@@ -331,11 +334,12 @@ class Context:
             value, shown = chain.post(value, shown, self)
         changed = plan.as_int or plan.as_float or shown != text
         healed, self._healed = self._healed, None
+        (forced, _), self._forced = self._forced, ([], 0)
         if healed is not None:  # the backed-up prompt tokens go, the tokens generated in their place come
             k, prefix, generated = healed
-            self._append_value(shown, None if changed else generated, name, (k, prefix))
+            self._append_value(shown, None if changed else generated, name, (k, prefix), forced)
         else:
-            self._append_value(shown, None if changed else tokens, name)
+            self._append_value(shown, None if changed else tokens, name, forced=forced)
         self.variables[name] = value
         return value
 
@@ -391,6 +395,9 @@ class Context:
         tokens = c.token_ids[c.healed_output_tokens:]  # the value's: a token spanning the healed text counts
         if c.healed_prompt_tokens:
             self._healed = (c.healed_prompt_tokens, c.healed, list(c.token_ids))
+        # indices into the tokens the value is added with: all generated ones when healed, else `tokens`
+        own = [i - c.healed_output_tokens for i in c.forced if i >= c.healed_output_tokens]
+        self._forced = (list(c.forced) if c.healed_prompt_tokens else own, len(own))
         full = c.text + c.stop_reason if isinstance(c.stop_reason, str) else c.text
         return plan.cut(full, guard["chars"]), tokens, full, guard["chars"]
 
