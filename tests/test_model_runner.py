@@ -108,3 +108,22 @@ def test_batch_invariant_and_merging_attention_agree(tokenizer, llama):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert [b.rows for b in attention_plan.plan(step, runner.groups, "cpu").buckets] == [1]  # one cluster
     assert [b.rows for b in attention_plan.plan(step, runner.groups, "cpu", merge=False).buckets] == [4]
+
+
+def test_gathers_over_either_pool_axis_agree(tokenizer, llama):
+    """The runner gathers a bucket's slots over the pool's slot axis (one thread) or over the pool viewed
+    `[kv_heads * slots]` (several threads): the same logits."""
+    prompts = random_prompts(seed=6, count=6, vocab=len(tokenizer))
+    runner, pool = runner_for(llama)
+    segs, _ = prefill(runner, pool, prompts)
+    step = [Segment([7], len(p), s.new_slots, pool.alloc(1), True) for p, s in zip(prompts, segs)]
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got.append(runner.forward(step))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

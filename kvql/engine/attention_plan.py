@@ -67,6 +67,7 @@ class Bucket:
     valid: torch.Tensor     # [rows * q_len] bool: which padded query rows are real
     out_index: torch.Tensor  # [n_valid] flat token positions of the real query rows
     exact: list[tuple[int, int]] | None = None  # batch-invariant: each row's real (queries, keys), attended alone
+    k_flat: torch.Tensor | None = None  # k_slots per KV head in the pool viewed [kv_heads * slots] (the runner's)
 
 
 def _shared_len(a: torch.Tensor, b: torch.Tensor) -> int:
