@@ -8,6 +8,9 @@ What is measured (SmolLM2-135M, CPU, each dtype in --dtypes; one process, side b
   B-at-a-time (their slots interleave with the other requests', as in the engine).
   plain: the model's own forward of `input_ids [B, 1]` over a contiguous `DynamicCache` of `[B, C]`
   (equal lengths: no padding, no mask; the cache is cropped back after each step).
+  kvql's side runs its own copy of the model, set up as the engine sets it up (in reduced precision on
+  a CPU: batch-invariant long reductions, kvql.engine.batch_invariant); the plain side the model as
+  loaded.
 - prefill: B prompts of C tokens, no cache, in one forward. kvql: `ModelRunner.forward` over B segments
   (tokens flattened to [1, B*C]); plain: `input_ids [B, C]` (causal SDPA, no mask). Both return the
   logits of each prompt's last token only.
@@ -147,6 +150,20 @@ def invariance(hf, tokenizer, count: int, max_tokens: int = 16) -> dict:
     return result
 
 
+def engine_model(spec: str, dtype):
+    """A second copy of the model as kvql's engine runs it: on a CPU in reduced precision, its long
+    reductions split to be batch-invariant (kvql.engine.batch_invariant, when present), which the
+    plain transformers side must not get."""
+    hf, _ = load_hf(spec, dtype=dtype)
+    if dtype != torch.float32:
+        try:
+            from kvql.engine.batch_invariant import split_reductions
+        except ImportError:
+            return hf
+        split_reductions(hf)
+    return hf
+
+
 @torch.inference_mode()
 def run_dtype(name: str, args) -> dict:
     dtype = DTYPES[name]
@@ -159,7 +176,7 @@ def run_dtype(name: str, args) -> dict:
     pool = KVPool(num_layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
                   num_slots=B * (C + 1) + B * (C + 1), dtype=dtype, device="cpu")
     pool.k.zero_(), pool.v.zero_()  # touch the pool's pages once, as a long-running server has
-    runner = ModelRunner(hf, pool)
+    runner = ModelRunner(engine_model(args.model, dtype), pool)  # its own copy, set up as the engine does
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(100, cfg.vocab_size - 100, (B, C + 1), generator=g)
     empty = torch.empty(0, dtype=torch.long)
@@ -206,7 +223,7 @@ def run_dtype(name: str, args) -> dict:
     # attention modes: unshared (as above) and shared (all requests' pasts share request 0's prompt run)
     shared = [Segment(sg.token_ids, C, torch.cat([slots[0][:P], slots[i][P:]]), sg.new_slots, True)
               for i, sg in enumerate(decode_segments)]
-    default = runner.batch_invariant
+    default = getattr(runner, "batch_invariant", False)  # (a runner without the switch: both modes the same)
 
     def step(segments, invariant):
         runner.batch_invariant = invariant
