@@ -51,7 +51,8 @@ def load(spec: str, args):
     import kvql
 
     return kvql.model(spec, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", None),
-                      cache_budget=getattr(args, "cache_budget", None), silent=False)
+                      cache_budget=getattr(args, "cache_budget", None), cache_dir=getattr(args, "cache_dir", None),
+                      silent=False)
 
 
 def demo(args) -> None:
@@ -184,7 +185,10 @@ def run(args) -> None:
         model = args.model  # no hole: the query never needs its model, so none is loaded
     else:
         spec = query_model_spec(q, inputs, args.model)
-        model = load(spec, args) if spec and not spec.startswith(("http://", "https://")) else spec
+        remote = bool(spec) and spec.startswith(("http://", "https://"))
+        if remote and args.cache_dir:
+            raise UsageError("--cache-dir is for local models; a server keeps its own cache (kvql serve --cache-dir)")
+        model = spec if remote or not spec else load(spec, args)
     result = q.run_sync(model=model, **overrides, **inputs)
     traces = list(getattr(q, "last_traces", None) or [])
     if isinstance(result, list) and len(traces) > 1 and len(result) == len(traces):
@@ -239,8 +243,8 @@ MODEL_HELP = ("smollm2-135m (embedded), a local model directory, a Hugging Face 
 
 
 def _model_options(p: argparse.ArgumentParser, model_default: str | None = DEFAULT_MODEL,
-                   model_help: str = MODEL_HELP) -> None:
-    """--model, --device, --dtype, --cache-budget: the local model a command loads."""
+                   model_help: str = MODEL_HELP, cache_dir: bool = False) -> None:
+    """--model, --device, --dtype, --cache-budget (and --cache-dir): the local model a command loads."""
     from .backends.dtype import NAMES
 
     p.add_argument("--model", default=model_default, help=model_help)
@@ -250,6 +254,10 @@ def _model_options(p: argparse.ArgumentParser, model_default: str | None = DEFAU
                         "and on a CPU with native bf16 matrix units (AMX-BF16 or AVX-512 BF16), else float32")
     p.add_argument("--cache-budget", default=None, metavar="SIZE",
                    help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
+    if cache_dir:
+        p.add_argument("--cache-dir", default=None, metavar="DIR",
+                       help="keep the KV cache in DIR between runs: loaded at start when it is this model's, "
+                            "saved at exit (a later run of the same prompts is served from it)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -261,7 +269,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=demo)
     p = sub.add_parser("run", help="run an LMQL query file")
     p.add_argument("file")
-    _model_options(p, None, f"default: the query's own (from ...), else {DEFAULT_MODEL}; {MODEL_HELP}")
+    _model_options(p, None, f"default: the query's own (from ...), else {DEFAULT_MODEL}; {MODEL_HELP}", cache_dir=True)
     p.add_argument("--input", action="append", metavar="NAME=VALUE", help="an input of the query (repeatable)")
     p.add_argument("--decoder", metavar="DECODER",
                    help="override the query's decoder: argmax, 'sample(n=3)', 'beam(n=2)', ...")
@@ -286,7 +294,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=bench)
     p = sub.add_parser("generate", help="complete prompts")
     p.add_argument("prompt", nargs="+")
-    _model_options(p)
+    _model_options(p, cache_dir=True)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--stop", action="append")

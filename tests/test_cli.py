@@ -24,3 +24,27 @@ def test_kvql_run_reports_a_syntax_error_with_its_position(tmp_path):
                          timeout=300)
     assert out.returncode == 2
     assert "line 2" in out.stderr and "invalid hole" in out.stderr
+
+
+def test_kvql_run_with_a_cache_dir_serves_the_next_run_from_it(tmp_path, llama, tokenizer):
+    llama.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    query = tmp_path / "q.lmql"
+    query.write_text('argmax\n    "A long shared instruction that every run of this query repeats. Say hi: [X]" '
+                     'where len(TOKENS(X)) < 4\n')
+
+    def run():
+        out = subprocess.run([sys.executable, "-m", "kvql.cli", "run", str(query), "--model", str(tmp_path / "model"),
+                              "--cache-dir", str(tmp_path / "kv"), "--stats"], capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr
+        stats = next(line for line in out.stderr.splitlines() if line.startswith("tokens "))
+        return out.stdout, int(stats.split("cached ")[1].split(",")[0])
+
+    first, cached_first = run()
+    second, cached_second = run()
+    assert cached_first == 0 and cached_second > 10  # the new process found the prompt on disk
+    assert second == first
+    bad = subprocess.run([sys.executable, "-m", "kvql.cli", "run", str(query), "--model", "http://127.0.0.1:9/v1",
+                          "--cache-dir", str(tmp_path / "kv")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--cache-dir is for local models" in bad.stderr
