@@ -150,20 +150,6 @@ def invariance(hf, tokenizer, count: int, max_tokens: int = 16) -> dict:
     return result
 
 
-def engine_model(spec: str, dtype):
-    """A second copy of the model as kvql's engine runs it: on a CPU in reduced precision, its long
-    reductions split to be batch-invariant (kvql.engine.batch_invariant, when present), which the
-    plain transformers side must not get."""
-    hf, _ = load_hf(spec, dtype=dtype)
-    if dtype != torch.float32:
-        try:
-            from kvql.engine.batch_invariant import split_reductions
-        except ImportError:
-            return hf
-        split_reductions(hf)
-    return hf
-
-
 @torch.inference_mode()
 def run_dtype(name: str, args) -> dict:
     dtype = DTYPES[name]
@@ -176,7 +162,9 @@ def run_dtype(name: str, args) -> dict:
     pool = KVPool(num_layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
                   num_slots=B * (C + 1) + B * (C + 1), dtype=dtype, device="cpu")
     pool.k.zero_(), pool.v.zero_()  # touch the pool's pages once, as a long-running server has
-    runner = ModelRunner(engine_model(args.model, dtype), pool)  # its own copy, set up as the engine does
+    # its own copy of the model: the runner sets it up as the engine runs it (in bf16 on a CPU its long
+    # reductions split to be batch-invariant, kvql.engine.batch_invariant), which the plain side must not get
+    runner = ModelRunner(load_hf(args.model, dtype=dtype)[0], pool)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(100, cfg.vocab_size - 100, (B, C + 1), generator=g)
     empty = torch.empty(0, dtype=torch.long)

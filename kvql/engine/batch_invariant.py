@@ -11,7 +11,7 @@ few rows in each batch round differently (2 of 24, 62 of 700), depending on thei
 sum of GEMMs over equal slices of at most `MAX_REDUCTION` inputs (views of the weight: no copy), each
 batch-invariant, added in a fixed order, so the sum is too. It changes the layer's rounding (a few
 ULPs, the same whatever the batch), not its arithmetic. Cost measured on SmolLM2's `down_proj`, one
-thread: +16% for 24 rows, +1% for 512 (about +3% of a decode step). It is applied by the engine on a
+thread: +16% for 24 rows, +1% for 512 (about +3% of a decode step). The model runner applies it on a
 CPU in reduced precision only; CUDA and float32 keep the model's own layers.
 """
 

@@ -43,7 +43,6 @@ import weakref
 
 import torch
 
-from .batch_invariant import split_reductions
 from .kv_pool import KVPool
 from .memory import Memory
 from .model_runner import ModelRunner
@@ -78,8 +77,6 @@ class Engine:
         self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens,
                                    max_running=max_running)
         self.runner = ModelRunner(hf_model, self.pool)
-        if self.device.type == "cpu" and hf_model.dtype != torch.float32:
-            split_reductions(hf_model)  # a bf16 GEMM row then never depends on its batch (batch_invariant.py)
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
         self.background = background  # False: the caller drives `step()` (tests, deterministic stagger)
