@@ -8,9 +8,9 @@ What is measured (SmolLM2-135M, CPU, each dtype in --dtypes; one process, side b
   B-at-a-time (their slots interleave with the other requests', as in the engine).
   plain: the model's own forward of `input_ids [B, 1]` over a contiguous `DynamicCache` of `[B, C]`
   (equal lengths: no padding, no mask; the cache is cropped back after each step).
-  kvql's side runs its own copy of the model, set up as the engine sets it up (in reduced precision on
-  a CPU: batch-invariant long reductions, kvql.engine.batch_invariant); the plain side the model as
-  loaded.
+  kvql's side runs its own copy of the model, set up as the engine sets it up (on a CPU: prepacked
+  linear weights and, in reduced precision, batch-invariant long reductions: kvql.engine.cpu_linear);
+  the plain side the model as loaded.
 - prefill: B prompts of C tokens, no cache, in one forward. kvql: `ModelRunner.forward` over B segments
   (tokens flattened to [1, B*C]); plain: `input_ids [B, C]` (causal SDPA, no mask). Both return the
   logits of each prompt's last token only.
@@ -77,7 +77,7 @@ PARTS = {
     "cat": ("aten::cat",),
     "write": ("aten::index_copy_",),
     "sdpa": ("aten::scaled_dot_product_attention",),
-    "linear": ("aten::linear",),
+    "linear": ("aten::linear", "mkldnn::_linear_pointwise"),
 }
 
 
@@ -163,7 +163,7 @@ def run_dtype(name: str, args) -> dict:
                   num_slots=B * (C + 1) + B * (C + 1), dtype=dtype, device="cpu")
     pool.k.zero_(), pool.v.zero_()  # touch the pool's pages once, as a long-running server has
     # its own copy of the model: the runner sets it up as the engine runs it (in bf16 on a CPU its long
-    # reductions split to be batch-invariant, kvql.engine.batch_invariant), which the plain side must not get
+    # reductions split to be batch-invariant, kvql.engine.cpu_linear), which the plain side must not get
     runner = ModelRunner(load_hf(args.model, dtype=dtype)[0], pool)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(100, cfg.vocab_size - 100, (B, C + 1), generator=g)

@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .attention_plan import Bucket, Causal, Plan, plan
-from .batch_invariant import split_reductions
+from . import cpu_linear
 from .kv_pool import KVPool
 
 ATTENTION = "kvql"
@@ -160,8 +160,9 @@ class ModelRunner:
         # batch-invariant attention (attention_plan's module doc): on in reduced precision, where a
         # merged cluster's reduction order changes outputs; fp32 merges shared prefixes (cheaper)
         self.batch_invariant = pool.k.dtype != torch.float32
-        if self.batch_invariant and self.device.type == "cpu":
-            split_reductions(hf_model)  # a bf16 GEMM row then never depends on its batch (batch_invariant.py)
+        if self.device.type == "cpu":
+            # prepacked weights; in reduced precision a GEMM row then never depends on its batch (cpu_linear.py)
+            cpu_linear.prepare(hf_model, max_reduction=cpu_linear.MAX_REDUCTION if self.batch_invariant else None)
         self.forward_seconds = 0.0
         self.forward_tokens = 0
 

@@ -1,0 +1,103 @@
+"""CPU linear layers (kvql.engine.cpu_linear): prepacked weights compute the layer's linear map and follow
+edits of the weight; in bf16 with a reduction limit, each output row is computed exactly as the row alone,
+whatever the rows beside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvql
+from kvql.engine import cpu_linear
+from kvql.engine.cpu_linear import MAX_REDUCTION, prepare
+
+needs_onednn = pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build has no oneDNN")
+
+
+def _layer(in_features: int, bias: bool, dtype=torch.bfloat16, out_features: int = 96) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 576), (24, 576), (3, 7, 1536)])
+def test_a_packed_layer_computes_the_same_linear_map(dtype, shape):
+    layer = _layer(shape[-1], bias=True, dtype=dtype)
+    x = torch.randn(*shape).to(dtype)
+    with torch.inference_mode():
+        plain = layer(x).float()
+        assert prepare(layer) == 1 and layer.kvql_slices[0][1] is not None  # packed
+        packed = layer(x).float()
+    tol = 1e-5 if dtype == torch.float32 else 0.02
+    torch.testing.assert_close(packed, plain, rtol=tol, atol=tol)
+
+
+@needs_onednn
+def test_the_packed_copy_follows_in_place_edits_and_dtype_changes():
+    layer = _layer(64, bias=False, dtype=torch.float32)
+    prepare(layer)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)  # e.g. load_state_dict copies into the weight in place
+        torch.testing.assert_close(layer(x), x @ layer.weight.t(), rtol=1e-5, atol=1e-5)
+        layer.weight.copy_(torch.ones_like(layer.weight))
+        torch.testing.assert_close(layer(x), x.sum(-1, keepdim=True).expand(5, 96), rtol=1e-5, atol=1e-5)
+    layer.to(torch.bfloat16)
+    with torch.no_grad():
+        y = layer(x.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), x.sum(-1, keepdim=True).expand(5, 96), rtol=0.02, atol=0.05)
+
+
+@pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_onednn)])
+def test_every_row_equals_the_row_alone_in_bf16(pack):
+    layer = _layer(1536, bias=True)
+    assert prepare(layer, max_reduction=MAX_REDUCTION, pack=pack) == 1 and layer.kvql_slice == 768
+    x = torch.randn(700, 1536).to(torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+        for rows in (2, 8, 24, 64, 200, 700):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
+def test_the_split_layer_computes_the_same_linear_map():
+    layer = _layer(3000, bias=True)
+    x = torch.randn(5, 3000).to(torch.bfloat16)
+    with torch.inference_mode():
+        plain = layer(x).float()
+        prepare(layer, max_reduction=MAX_REDUCTION)
+        split = layer(x).float()
+    assert layer.kvql_slice == 1000 and len(layer.kvql_slices) == 3  # three equal slices, none over the limit
+    assert torch.allclose(split, plain, rtol=0.02, atol=0.02)
+
+
+def test_short_reductions_are_not_split_and_preparing_twice_changes_nothing():
+    model = torch.nn.Sequential(_layer(MAX_REDUCTION, bias=False), torch.nn.ReLU(), _layer(MAX_REDUCTION + 1, bias=False))
+    assert prepare(model, max_reduction=MAX_REDUCTION) == 2
+    assert model[0].kvql_slice == MAX_REDUCTION and model[2].kvql_slice == 513
+    assert prepare(model, max_reduction=MAX_REDUCTION) == 0
+
+
+def _wide_llama(tokenizer) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_the_engine_packs_on_cpu_and_splits_in_reduced_precision_only(tokenizer):
+    bf16 = kvql.Model(_wide_llama(tokenizer).to(torch.bfloat16), tokenizer, cache_budget="4MB")
+    fp32 = kvql.Model(_wide_llama(tokenizer), tokenizer, cache_budget="4MB")
+    try:
+        assert all(layer.mlp.down_proj.kvql_slice == 768 for layer in bf16.hf_model.model.layers)
+        assert all(layer.mlp.down_proj.kvql_slice == 1536 for layer in fp32.hf_model.model.layers)  # not split
+        linears = [m for m in fp32.hf_model.modules() if isinstance(m, torch.nn.Linear)]
+        assert all(m.kvql_pack == cpu_linear.can_pack() for m in linears)
+        [c] = bf16.generate("hello", max_tokens=3, ignore_eos=True)
+        assert len(c.token_ids) == 3
+    finally:
+        bf16.close()
+        fp32.close()
