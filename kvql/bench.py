@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .backends.dtype import name as dtype_name
+from .engine import cpu_linear
 
 PREFIX = "".join(f"Q: {q}\nA: {a}\n" for q, a in [
     ("What is the capital of France?", "Paris"), ("How many legs does a spider have?", "Eight"),
@@ -154,11 +155,11 @@ def _meta(model) -> dict:
             "transformers": transformers.__version__}
 
 
-def _warm_up(model, hf_batch) -> None:
+def _warm_up(model, hf_plain, hf_batch) -> None:
     """One small request per system before timing, so that no first point pays for one-time set-up."""
     reqs = requests("fewshot", 1)
     _run_kvql(model, reqs)
-    _run_hf(model.hf_model, model.tokenizer, reqs, batch=False)
+    _run_hf(hf_plain, model.tokenizer, reqs, batch=False)
     if hf_batch is not None:
         try:
             _run_hf(hf_batch, model.tokenizer, reqs, batch=True)
@@ -169,7 +170,7 @@ def _warm_up(model, hf_batch) -> None:
 
 def run(model, workloads=WORKLOADS, sizes=(2, 4, 8), out_dir: str | Path = "bench-results", progress: bool = True,
         batch_baseline: bool = True) -> dict:
-    """Run the suite on a kvql `Model` (its `hf_model` is the baseline's model); write JSON and PNG.
+    """Run the suite on a kvql `Model` (the baselines run a plain copy of its `hf_model`); write JSON and PNG.
     Each row: `n`; per system its queries/s (`kvql`, `hf_one_at_a_time`, `hf_generate_batch`) and wall
     seconds (`seconds`); `kvql_vs_<system>` ratios of queries/s; kvql's `hit_rate` and the
     `optimal_hit_rate`; `answers_equal` [equal, total] against one at a time (None: not comparable)."""
@@ -177,12 +178,14 @@ def run(model, workloads=WORKLOADS, sizes=(2, 4, 8), out_dir: str | Path = "benc
 
     from tqdm.auto import tqdm
 
-    hf_batch = copy.deepcopy(model.hf_model) if batch_baseline else None
-    if hf_batch is not None:
-        hf_batch.set_attn_implementation("sdpa")
+    # the baselines run plain transformers: a copy of the model without kvql's linear layers
+    hf_plain = copy.deepcopy(model.hf_model)
+    cpu_linear.restore(hf_plain)
+    hf_plain.set_attn_implementation("sdpa")
+    hf_batch = copy.deepcopy(hf_plain) if batch_baseline else None  # (continuous batching changes its model)
     systems = ["kvql", "hf_one_at_a_time"] + (["hf_generate_batch"] if batch_baseline else [])
     results: dict = {"meta": _meta(model), "sizes": list(sizes), "systems": systems, "workloads": {}}
-    _warm_up(model, hf_batch)
+    _warm_up(model, hf_plain, hf_batch)
     bar = tqdm(total=len(workloads) * len(sizes) * len(systems), desc="kvql bench", disable=not progress)
     for w in workloads:
         rows = []
@@ -206,8 +209,8 @@ def run(model, workloads=WORKLOADS, sizes=(2, 4, 8), out_dir: str | Path = "benc
             for system in systems[1:]:
                 t = time.perf_counter()
                 try:
-                    answered, answers = _run_hf(hf_batch if system == "hf_generate_batch" else model.hf_model,
-                                                model.tokenizer, reqs, batch=system == "hf_generate_batch")
+                    batch = system == "hf_generate_batch"
+                    answered, answers = _run_hf(hf_batch if batch else hf_plain, model.tokenizer, reqs, batch=batch)
                     row["seconds"][system] = time.perf_counter() - t
                     row[system] = answered / row["seconds"][system]
                     row[f"kvql_vs_{system}"] = row["kvql"] / row[system]

@@ -4,13 +4,16 @@ whatever the rows beside it."""
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvql
 from kvql.engine import cpu_linear
-from kvql.engine.cpu_linear import MAX_REDUCTION, prepare
+from kvql.engine.cpu_linear import MAX_REDUCTION, prepare, restore
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build has no oneDNN")
 
@@ -28,7 +31,7 @@ def test_a_packed_layer_computes_the_same_linear_map(dtype, shape):
     x = torch.randn(*shape).to(dtype)
     with torch.inference_mode():
         plain = layer(x).float()
-        assert prepare(layer) == 1 and layer.kvql_slices[0][1] is not None  # packed
+        assert prepare(layer) == 1 and layer.kvql_packed.slices[0][1] is not None  # packed
         packed = layer(x).float()
     tol = 1e-5 if dtype == torch.float32 else 0.02
     torch.testing.assert_close(packed, plain, rtol=tol, atol=tol)
@@ -51,6 +54,29 @@ def test_the_packed_copy_follows_in_place_edits_and_dtype_changes():
     torch.testing.assert_close(y.float(), x.sum(-1, keepdim=True).expand(5, 96), rtol=0.02, atol=0.05)
 
 
+@needs_onednn
+def test_a_prepared_model_can_be_copied_pickled_and_restored():
+    model = torch.nn.Sequential(_layer(64, bias=True, dtype=torch.float32), torch.nn.ReLU(),
+                                _layer(96, bias=False, dtype=torch.float32, out_features=8))
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        plain = model(x)
+        prepare(model)
+        packed = model(x)
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            twin[0].weight.zero_()  # the copy owns its weights: the original is unaffected
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        torch.testing.assert_close(model(x), packed)
+        torch.testing.assert_close(loaded(x), packed)
+        assert not torch.allclose(twin(x), packed)
+        assert restore(model) == 2 and type(model[0]) is torch.nn.Linear
+        torch.testing.assert_close(model(x), plain)
+
+
 @pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_onednn)])
 def test_every_row_equals_the_row_alone_in_bf16(pack):
     layer = _layer(1536, bias=True)
@@ -69,7 +95,7 @@ def test_the_split_layer_computes_the_same_linear_map():
         plain = layer(x).float()
         prepare(layer, max_reduction=MAX_REDUCTION)
         split = layer(x).float()
-    assert layer.kvql_slice == 1000 and len(layer.kvql_slices) == 3  # three equal slices, none over the limit
+    assert layer.kvql_slice == 1000 and len(layer.kvql_packed.slices) == 3  # three equal slices, none over the limit
     assert torch.allclose(split, plain, rtol=0.02, atol=0.02)
 
 

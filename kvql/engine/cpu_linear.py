@@ -31,7 +31,6 @@ reduced precision only.
 from __future__ import annotations
 
 import math
-import types
 
 import torch
 
@@ -50,48 +49,88 @@ def _packed(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
 
 
-def _pack(self) -> None:
-    """(Re)build the layer's slices: one `(start, weight)` per reduction slice, the weight prepacked
-    where the kernel allows it, else a view of the layer's own weight."""
-    w = self.weight
-    pack = self.kvql_pack and w.device.type == "cpu" and w.dtype in PACKED_DTYPES
-    step = self.kvql_slice
-    self.kvql_slices = [(a, _packed(w[:, a:a + step]) if pack else None) for a in range(0, self.in_features, step)]
-    self.kvql_packed_from = (w.data_ptr(), w._version, w.dtype, w.device)
+class _Packed:
+    """A layer's slices, `(start, packed weight or None)` per reduction slice, and the weight they were
+    packed from (`source`). A copy or a pickle of the model carries none: oneDNN's packed tensors cannot be
+    copied, and the copy packs its own weight at its first call."""
+
+    def __init__(self, slices: list | None = None, source: tuple | None = None):
+        self.slices, self.source = slices or [], source
+
+    def __deepcopy__(self, memo) -> _Packed:
+        return _Packed()
+
+    def __reduce__(self):
+        return _Packed, ()
 
 
-def _forward(self, x: torch.Tensor) -> torch.Tensor:
-    w = self.weight
-    if self.kvql_packed_from != (w.data_ptr(), w._version, w.dtype, w.device):
-        _pack(self)  # the weight changed since it was packed (module doc)
-    step, out = self.kvql_slice, None
-    for a, packed in self.kvql_slices:
-        xs = x if step == self.in_features else x[..., a:a + step]
-        if packed is None:
-            y = torch.nn.functional.linear(xs, w if step == self.in_features else w[:, a:a + step])
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(xs, packed, None, "none", [], "")
-        out = y if out is None else out + y
-    return out if self.bias is None else out + self.bias
+class Linear(torch.nn.Linear):
+    """An `nn.Linear` computed from prepacked weight slices (module doc). `prepare` turns a model's
+    `nn.Linear` layers into this class in place (same parameters, same state dict); `restore` turns
+    them back. `kvql_slice`: inputs per reduction slice (`in_features`: one slice); `kvql_pack`: use
+    oneDNN's prepacked kernel (else the plain kernel over views of the weight)."""
+
+    kvql_slice: int
+    kvql_pack: bool
+    kvql_packed: _Packed
+
+    def _source(self) -> tuple:
+        w = self.weight
+        return w.data_ptr(), w._version, w.dtype, w.device
+
+    def repack(self) -> _Packed:
+        w = self.weight
+        pack = self.kvql_pack and w.device.type == "cpu" and w.dtype in PACKED_DTYPES
+        step = self.kvql_slice
+        self.kvql_packed = _Packed([(a, _packed(w[:, a:a + step]) if pack else None)
+                                    for a in range(0, self.in_features, step)], self._source())
+        return self.kvql_packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, packs = self.weight, self.kvql_packed
+        if packs.source != self._source():
+            packs = self.repack()  # the weight changed since it was packed, or this is a copy (module doc)
+        step, out = self.kvql_slice, None
+        for a, packed in packs.slices:
+            xs = x if step == self.in_features else x[..., a:a + step]
+            if packed is None:
+                y = torch.nn.functional.linear(xs, w if step == self.in_features else w[:, a:a + step])
+            else:
+                y = torch.ops.mkldnn._linear_pointwise(xs, packed, None, "none", [], "")
+            out = y if out is None else out + y
+        return out if self.bias is None else out + self.bias
 
 
 def prepare(model: torch.nn.Module, max_reduction: int | None = None, pack: bool | None = None) -> int:
-    """Compute every `nn.Linear` of `model` from prepacked weights (`pack`; default: when `can_pack()`),
-    and, with `max_reduction`, each layer with more inputs than that as a sum over slices of at most
-    `max_reduction` inputs (module doc). Returns how many layers it set up or changed; calling it again
-    with the same arguments changes nothing. Layers on other devices or in other dtypes keep the plain
-    kernel (still sliced when asked)."""
+    """Compute every `nn.Linear` of `model` (exactly that class; subclasses are left alone) from prepacked
+    weights (`pack`; default: when `can_pack()`), and, with `max_reduction`, each layer with more inputs
+    than that as a sum over slices of at most `max_reduction` inputs (module doc). Returns how many
+    layers it set up or changed; calling it again with the same arguments changes nothing. Layers on
+    other devices or in other dtypes keep the plain kernel (still sliced when asked)."""
     pack = can_pack() if pack is None else pack
     changed = 0
     for module in model.modules():
-        if not isinstance(module, torch.nn.Linear):
+        if type(module) not in (torch.nn.Linear, Linear):
             continue
         n = module.in_features
         step = math.ceil(n / math.ceil(n / max_reduction)) if max_reduction and n > max_reduction else n
-        if getattr(module, "kvql_slice", None) == step and module.kvql_pack == pack:
+        if type(module) is Linear and module.kvql_slice == step and module.kvql_pack == pack:
             continue
+        module.__class__ = Linear
         module.kvql_slice, module.kvql_pack = step, pack
-        _pack(module)
-        module.forward = types.MethodType(_forward, module)
+        module.repack()
         changed += 1
     return changed
+
+
+def restore(model: torch.nn.Module) -> int:
+    """Undo `prepare`: its layers become plain `nn.Linear` again (e.g. a plain transformers baseline from
+    a copy of an engine's model). Returns how many."""
+    restored = 0
+    for module in model.modules():
+        if type(module) is Linear:
+            module.__class__ = torch.nn.Linear
+            for name in ("kvql_packed", "kvql_slice", "kvql_pack"):
+                module.__dict__.pop(name, None)
+            restored += 1
+    return restored
