@@ -77,6 +77,16 @@ def test_a_prepared_model_can_be_copied_pickled_and_restored():
         torch.testing.assert_close(model(x), plain)
 
 
+@needs_onednn
+def test_gradients_flow_through_a_prepared_layer():
+    layer = _layer(64, bias=True, dtype=torch.float32)
+    prepare(layer)
+    x = torch.randn(3, 64, requires_grad=True)
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(3, 64))
+    assert layer.weight.grad is not None
+
+
 @pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_onednn)])
 def test_every_row_equals_the_row_alone_in_bf16(pack):
     layer = _layer(1536, bias=True)

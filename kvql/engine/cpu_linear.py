@@ -11,6 +11,8 @@ output with the cache equals the uncached reference, which runs through the same
 
 The packed copy is held beside the layer's own weight, which is kept, so the module stays an ordinary
 `nn.Linear` (state dict, `.to()`, the snapshot fingerprint): the linear weights take twice their memory.
+A call that autograd records (grad enabled and an input or the weight requiring grad) runs the plain
+kernel: the packed op has no backward; the engine runs under `torch.inference_mode()`.
 The packed copy follows the weight: it is rebuilt when the weight is edited in place (its version
 counter moves) or replaced (`.to()`, `load_state_dict(assign=True)`), so a changed model never runs on
 stale weights.
@@ -91,9 +93,10 @@ class Linear(torch.nn.Linear):
         if packs.source != self._source():
             packs = self.repack()  # the weight changed since it was packed, or this is a copy (module doc)
         step, out = self.kvql_slice, None
+        autograd = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)  # (oneDNN's op has no backward)
         for a, packed in packs.slices:
             xs = x if step == self.in_features else x[..., a:a + step]
-            if packed is None:
+            if packed is None or autograd:
                 y = torch.nn.functional.linear(xs, w if step == self.in_features else w[:, a:a + step])
             else:
                 y = torch.ops.mkldnn._linear_pointwise(xs, packed, None, "none", [], "")
