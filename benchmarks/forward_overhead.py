@@ -162,8 +162,9 @@ def run_dtype(name: str, args) -> dict:
     pool = KVPool(num_layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
                   num_slots=B * (C + 1) + B * (C + 1), dtype=dtype, device="cpu")
     pool.k.zero_(), pool.v.zero_()  # touch the pool's pages once, as a long-running server has
-    # its own copy of the model: the runner sets it up as the engine runs it (in bf16 on a CPU its long
-    # reductions split to be batch-invariant, kvql.engine.cpu_linear), which the plain side must not get
+    # its own copy of the model: the runner sets it up as the engine runs it (on a CPU prepacked linear
+    # weights, in bf16 long reductions split to be batch-invariant: kvql.engine.cpu_linear), which the
+    # plain side must not get
     runner = ModelRunner(load_hf(args.model, dtype=dtype)[0], pool)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(100, cfg.vocab_size - 100, (B, C + 1), generator=g)

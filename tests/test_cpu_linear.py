@@ -87,6 +87,15 @@ def test_gradients_flow_through_a_prepared_layer():
     assert layer.weight.grad is not None
 
 
+def test_a_model_made_in_inference_mode_can_be_prepared():
+    with torch.inference_mode():
+        layer = _layer(64, bias=False, dtype=torch.float32)
+        x = torch.randn(2, 64)
+        plain = layer(x)
+        prepare(layer)
+        torch.testing.assert_close(layer(x), plain, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_onednn)])
 def test_every_row_equals_the_row_alone_in_bf16(pack):
     layer = _layer(1536, bias=True)

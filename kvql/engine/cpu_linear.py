@@ -11,11 +11,12 @@ output with the cache equals the uncached reference, which runs through the same
 
 The packed copy is held beside the layer's own weight, which is kept, so the module stays an ordinary
 `nn.Linear` (state dict, `.to()`, the snapshot fingerprint): the linear weights take twice their memory.
-A call that autograd records (grad enabled and an input or the weight requiring grad) runs the plain
-kernel: the packed op has no backward; the engine runs under `torch.inference_mode()`.
 The packed copy follows the weight: it is rebuilt when the weight is edited in place (its version
 counter moves) or replaced (`.to()`, `load_state_dict(assign=True)`), so a changed model never runs on
-stale weights.
+stale weights. (A weight created in inference mode has no version counter: edits made to it inside
+inference mode go unseen.) A call that autograd records (grad enabled and an input or the weight
+requiring grad) runs the plain kernel: the packed op has no backward; the engine runs under
+`torch.inference_mode()`.
 
 **Batch invariance** (`max_reduction`). Greedy decoding with the cache must give what the request alone
 gives. In float32 the last-bit differences between GEMM shapes never flip a greedy token in the tests; in
@@ -78,7 +79,9 @@ class Linear(torch.nn.Linear):
 
     def _source(self) -> tuple:
         w = self.weight
-        return w.data_ptr(), w._version, w.dtype, w.device
+        # an inference tensor has no version counter; it cannot be edited outside inference mode
+        version = None if w.is_inference() else w._version
+        return w.data_ptr(), version, w.dtype, w.device
 
     def repack(self) -> _Packed:
         w = self.weight
