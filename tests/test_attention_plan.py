@@ -46,11 +46,24 @@ def test_prompts_without_past_attend_in_place_in_causal_groups():
 def test_without_merging_each_row_sees_its_own_keys_in_order():
     prefix = list(range(100))
     segs = [seg(prefix + [200 + 10 * i], [300 + i]) for i in range(3)]
-    segs.append(seg([7], [8, 9]))  # a chunk: padded into the same bucket, attended alone all the same
-    (bucket,) = plan(segs, groups=1, device="cpu", merge=False).buckets
-    assert bucket.rows == 4 and bucket.q_len == 2 and bucket.k_len == 102
-    assert bucket.exact == [(1, 102)] * 3 + [(2, 3)]  # each row's real queries and keys
-    assert bucket.k_slots.view(4, 102)[1].tolist() == prefix + [210, 301]
+    segs.append(seg([7], [8, 9]))  # a chunk: other query count, so its own bucket
+    decodes, chunk = plan(segs, groups=1, device="cpu", merge=False).buckets
+    assert (decodes.rows, decodes.q_len, decodes.k_len) == (3, 1, 128)  # 102 keys padded to a KEY_BLOCK multiple
+    assert (chunk.rows, chunk.q_len, chunk.k_len) == (1, 2, 64)
+    row = decodes.k_slots.view(3, 128)[1]
+    assert row[:102].tolist() == prefix + [210, 301] and set(row[102:].tolist()) == {0}  # padding: a written slot
+    assert decodes.mask[1, 0, 0].tolist() == [True] * 102 + [False] * 26
+    assert chunk.mask[0, 0].tolist() == [[True, True, False] + [False] * 61, [True] * 3 + [False] * 61]
+
+
+def test_without_merging_a_rows_shape_depends_on_its_own_keys_only():
+    """Batch-invariant buckets: a request's padded key length is set by its own key count, whatever its batch
+    mates (a longer mate goes to another bucket instead of padding it further)."""
+    short, long_ = seg(list(range(30)), [100]), seg(list(range(200, 300)), [400])
+    alone = plan([short], groups=1, device="cpu", merge=False).buckets
+    together = plan([short, long_], groups=1, device="cpu", merge=False).buckets
+    assert [(b.rows, b.k_len) for b in alone] == [(1, 64)]
+    assert [(b.rows, b.k_len) for b in together] == [(1, 64), (1, 128)]
 
 
 def test_long_chunk_and_decodes_go_to_different_buckets():

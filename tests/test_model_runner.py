@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from conftest import random_prompts, tiny_model
+from conftest import random_prompts
 from kvql.engine import attention_plan, model_runner
 from kvql.engine.kv_pool import KVPool
 from kvql.engine.model_runner import ModelRunner, Segment, _attention
@@ -107,7 +107,9 @@ def test_batch_invariant_and_merging_attention_agree(tokenizer, llama):
     for a, b in zip(got[False], got[True]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert [b.rows for b in attention_plan.plan(step, runner.groups, "cpu").buckets] == [1]  # one cluster
-    assert [b.rows for b in attention_plan.plan(step, runner.groups, "cpu", merge=False).buckets] == [4]
+    # batch-invariant: one bucket per (queries, keys padded to a KEY_BLOCK multiple): 3 decode rows, 1 chunk
+    assert [(b.rows, b.q_len, b.k_len) for b in attention_plan.plan(step, runner.groups, "cpu", merge=False).buckets] \
+        == [(3, 1, 64), (1, 5, 64)]
 
 
 def test_gathers_over_either_pool_axis_agree(tokenizer, llama):

@@ -6,8 +6,9 @@ for those tokens; the registered attention function then runs the `attention_pla
 each token sees exactly its own request's slots up to itself. Prompts without a cached past attend
 in place over the layer's fresh K/V (causal SDPA, nothing gathered); the others gather their slots
 from the pool per bucket. In fp32 a prefix shared by many requests is gathered and multiplied once
-for all of them; in reduced precision (`batch_invariant`) each request attends alone over exactly its
-own keys, so its outputs do not depend on its batch mates (attention_plan's module doc). Cached keys
+for all of them; in reduced precision (`batch_invariant`) every request, prompts included, attends
+over exactly its own keys from the pool, padded to a length set by its own key count, so its outputs
+do not depend on its batch mates or on what the cache served (attention_plan's module doc). Cached keys
 were rotated at their own positions when computed (RoPE), so any slot order is valid.
 
 Works for any model on the standard transformers path: attention modules that call
@@ -60,10 +61,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         q = qv[:, :, b.q_index].view(kv_heads, g, b.rows, b.q_len, d).permute(2, 0, 1, 3, 4)
         q = q.reshape(b.rows, kv_heads, g * b.q_len, d)
         k, v = (x.view(kv_heads, b.rows, b.k_len, -1).transpose(0, 1) for x in _gather(b, k_pool, v_pool))
-        if b.exact is None:
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, scale=scaling)
-        else:
-            o = _rows_alone(b, q, k, v, scaling)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, scale=scaling)
         o = o.view(b.rows, kv_heads, g, b.q_len, -1).permute(0, 3, 1, 2, 4).reshape(b.rows * b.q_len, heads, -1)
         out.index_copy_(0, b.out_index, o if b.out_index.numel() == o.shape[0] else o[b.valid])
     return out[None], None
@@ -81,26 +79,6 @@ def _gather(b: Bucket, k_pool, v_pool):
         b.k_flat = (b.k_slots[None] + slots * torch.arange(kv_heads, device=b.k_slots.device)[:, None]).flatten()
     return (k_pool.view(kv_heads * slots, -1).index_select(0, b.k_flat).view(kv_heads, -1, k_pool.shape[-1]),
             v_pool.view(kv_heads * slots, -1).index_select(0, b.k_flat).view(kv_heads, -1, v_pool.shape[-1]))
-
-
-def _rows_alone(b: Bucket, q, k, v, scaling):
-    """Batch-invariant attention (attention_plan's module doc): one SDPA call per row over exactly its
-    own queries and keys (views of the gathered bucket), as if it were alone in the batch."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    rows, kv_heads, gq, d = q.shape
-    g = gq // b.q_len
-    o = q.new_zeros(rows, kv_heads, gq, v.shape[-1])
-    for r, (n_q, n_k) in enumerate(b.exact):
-        kr, vr = k[r:r + 1, :, :n_k], v[r:r + 1, :, :n_k]
-        if n_q == b.q_len:
-            mask = None if n_q == 1 else b.mask[r:r + 1, :, :, :n_k]  # one query sees all its keys
-            o[r:r + 1] = sdpa(q[r:r + 1], kr, vr, attn_mask=mask, scale=scaling)
-        else:
-            qr = q[r:r + 1].view(1, kv_heads, g, b.q_len, d)[:, :, :, :n_q].reshape(1, kv_heads, g * n_q, d)
-            mask = b.mask[r:r + 1].view(1, 1, g, b.q_len, b.k_len)[..., :n_q, :n_k].reshape(1, 1, g * n_q, n_k)
-            o[r:r + 1].view(1, kv_heads, g, b.q_len, -1)[:, :, :, :n_q] = sdpa(
-                qr, kr, vr, attn_mask=mask, scale=scaling).view(1, kv_heads, g, n_q, -1)
-    return o
 
 
 AttentionInterface.register(ATTENTION, _attention)
