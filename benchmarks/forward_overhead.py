@@ -25,7 +25,7 @@ update), write (index_copy_ of new K/V into the pool), sdpa (SDPA kernels), line
 forward is split the same way (its "gather" is the DynamicCache's torch.cat).
 
 Batch invariance (--invariance N, default 24): N fuzz prompts (random token ids sharing prefixes of 0,
-5, 17 or 40 tokens, as tests/test_exactness.py's) generated greedily (16 tokens) by kvql's engine all at
+5, 17 or 40 tokens, as tests/test_exactness.py's; --invariance-prefixes for others) generated greedily (16 tokens) by kvql's engine all at
 once, vs each prompt alone on an empty cache, vs the uncached reference (a plain forward of the whole
 sequence per token); counted for the batch-invariant attention (default in reduced precision) and the
 merging one (default in fp32), with the time of the batched generate of each.
@@ -33,6 +33,7 @@ merging one (default in fp32), with the time of the batched generate of each.
 The machine is shared and noisy: only ratios inside one run mean much. Usage:
     .venv/bin/python benchmarks/forward_overhead.py [--dtypes float32,bfloat16] [--batch 24] [--context 330]
         [--decoded 32] [--repeats 15] [--prefill-repeats 3] [--threads 1] [--no-profile]
+        [--skip-timing] [--invariance 24] [--invariance-prefixes 0,5,17,40]
 """
 
 from __future__ import annotations
@@ -120,11 +121,12 @@ def reference_greedy(hf, prompt: list[int], max_tokens: int, eos: int | None) ->
     return out
 
 
-def invariance(hf, tokenizer, count: int, max_tokens: int = 16) -> dict:
-    """Greedy outputs of `count` fuzz prompts batched vs alone vs the uncached reference, per attention mode."""
+def invariance(hf, tokenizer, count: int, max_tokens: int = 16, prefixes=(0, 5, 17, 40)) -> dict:
+    """Greedy outputs of `count` fuzz prompts (sharing prefixes of `prefixes` tokens) batched vs alone vs the
+    uncached reference, per attention mode."""
     import kvql
 
-    prompts = fuzz_prompts(1, count, hf.config.vocab_size)
+    prompts = fuzz_prompts(1, count, hf.config.vocab_size, prefix_lengths=prefixes)
     eos = tokenizer.eos_token_id
     ref = [reference_greedy(hf, p, max_tokens, eos) for p in prompts]
     m = kvql.Model(hf, tokenizer, cache_budget="256MB", background=False)
@@ -155,7 +157,7 @@ def run_dtype(name: str, args) -> dict:
     dtype = DTYPES[name]
     hf, tokenizer = load_hf(args.model, dtype=dtype)
     if args.skip_timing:
-        return {"dtype": name, "invariance": invariance(hf, tokenizer, args.invariance)}
+        return {"dtype": name, "invariance": invariance(hf, tokenizer, args.invariance, prefixes=args.prefixes)}
     cfg = hf.config
     B, C, D = args.batch, args.context, min(args.decoded, args.context - 1)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -235,7 +237,7 @@ def run_dtype(name: str, args) -> dict:
         result["decode_parts"]["kvql"]["plan"] = statistics.median(plan_times) * 1e3
         result["prefill_parts"]["kvql"]["plan"] = statistics.median(pre_plan) * 1e3
     if args.invariance:
-        result["invariance"] = invariance(hf, tokenizer, args.invariance)
+        result["invariance"] = invariance(hf, tokenizer, args.invariance, prefixes=args.prefixes)
     return result
 
 
@@ -271,7 +273,8 @@ def report(r: dict, args) -> None:
             cols = "  ".join(f"{k} {parts[k]:7.1f}" for k in ("plan", "gather", "cat", "write", "sdpa", "linear") if k in parts)
             print(f"    {who:5s} total {parts['total']:7.1f}  {cols}  rest {parts['total'] - named:7.1f}")
     if "invariance" in r:
-        print(f"  batch invariance ({args.invariance} fuzz prompts, 16 greedy tokens; attention mode):")
+        print(f"  batch invariance ({args.invariance} fuzz prompts sharing prefixes of {args.prefixes} tokens, "
+              "16 greedy tokens; attention mode):")
         for mode, c in r["invariance"].items():
             print(f"  {mode:9s} batched==alone {c['batched_eq_alone']:2d}/{args.invariance}  "
                   f"batched==uncached reference {c['batched_eq_reference']:2d}  "
@@ -292,6 +295,9 @@ def main() -> None:
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--skip-timing", action="store_true", help="only the batch-invariance count")
     ap.add_argument("--invariance", type=int, default=24, help="fuzz prompts for the batch-invariance count (0: skip)")
+    ap.add_argument("--invariance-prefixes", dest="prefixes", default=(0, 5, 17, 40),
+                    type=lambda v: tuple(int(x) for x in v.split(",")),
+                    help="lengths of the prefixes the fuzz prompts share, e.g. 0,200,450,700 (default 0,5,17,40)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     results = [run_dtype(name.strip(), args) for name in args.dtypes.split(",")]

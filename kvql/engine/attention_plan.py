@@ -29,8 +29,9 @@ unaligned batch mate's length rounded differently in about a third of the cases)
 prefix in nearly every case (the in-place causal kernel does not: it rounds a row by the prompt's
 length). Measured in the engine (benchmarks/forward_overhead.py, SmolLM2 bf16): 24/24 fuzz prompts with
 shared prefixes of up to 40 tokens give the same greedy tokens batched as alone (before: 18/24 with
-unpadded per-request attention, 22/24 once the linear layers were batch-invariant too); with prefixes of 200-1,000 tokens 15/16 and 15/16
-(the kernel splits keys into blocks of 512 and queries into blocks by their count). Merging into
+unpadded per-request attention, 22/24 once the linear layers were batch-invariant too); with prefixes
+of 200-700 tokens 19/24 (the kernel splits keys into blocks of 512 and queries into blocks by their
+count: a prefix computed inside a longer prompt can still round differently). Merging into
 clusters interleaves other requests' keys among a request's own and changes the order of the
 reductions: cheaper for shared prefixes, not invariant.
 """
