@@ -59,18 +59,13 @@ def seconds(fn) -> float:
     return time.perf_counter() - t
 
 
-MINIMA: dict = {}  # id(result dict) -> the minimum of each entry, reported next to the median
-
-
-def side_by_side(fns: dict, repeats: int) -> dict:
-    """Median seconds of each function, calls alternating within each repeat (minima in MINIMA)."""
+def side_by_side(fns: dict, repeats: int) -> tuple[dict, dict]:
+    """Median and minimum seconds of each function, calls alternating within each repeat."""
     times = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
             times[k].append(seconds(fn))
-    result = {k: statistics.median(v) for k, v in times.items()}
-    MINIMA[id(result)] = {k: min(v) for k, v in times.items()}
-    return result
+    return {k: statistics.median(v) for k, v in times.items()}, {k: min(v) for k, v in times.items()}
 
 
 PARTS = {
@@ -184,7 +179,7 @@ def run_dtype(name: str, args) -> dict:
              "plain": lambda: hf(input_ids=tokens[:k, :C], logits_to_keep=1)}
     for fn in small.values():
         fn()
-    pre = side_by_side(prefill, args.prefill_repeats) if args.prefill_repeats else None
+    pre, pre_min = side_by_side(prefill, args.prefill_repeats) if args.prefill_repeats else (None, None)
 
     # -- decode: the past of request i is a prompt run of C - D slots plus D interleaved decode slots --
     P = C - D
@@ -209,7 +204,7 @@ def run_dtype(name: str, args) -> dict:
     decode = {"kvql": lambda: runner.forward(decode_segments), "plain": plain_decode}
     kv_logits = torch.cat(decode["kvql"]())  # kvql's default attention mode for the dtype
     diff = float((kv_logits - plain_decode()).abs().max())
-    dec = side_by_side(decode, args.repeats)
+    dec, dec_min = side_by_side(decode, args.repeats)
 
     # attention modes: unshared (as above) and shared (all requests' pasts share request 0's prompt run)
     shared = [Segment(sg.token_ids, C, torch.cat([slots[0][:P], slots[i][P:]]), sg.new_slots, True)
@@ -220,12 +215,13 @@ def run_dtype(name: str, args) -> dict:
         runner.batch_invariant = invariant
         return lambda: runner.forward(segments)
 
-    modes = side_by_side({"unshared merging": step(decode_segments, False),
+    modes, _ = side_by_side({"unshared merging": step(decode_segments, False),
                           "unshared invariant": step(decode_segments, True),
                           "shared merging": step(shared, False), "shared invariant": step(shared, True)},
                          args.repeats)
     runner.batch_invariant = default
-    result = {"dtype": name, "prefill": pre, "decode": dec, "decode_max_abs_logit_diff": diff,
+    result = {"dtype": name, "prefill": pre, "prefill_min": pre_min, "decode": dec, "decode_min": dec_min,
+              "decode_max_abs_logit_diff": diff,
               "prefill_tokens_per_s": pre and {k: B * C / v for k, v in pre.items()}, "modes": modes}
     plan_times = [seconds(lambda: attention_plan.plan(decode_segments, runner.groups, pool.device))
                   for _ in range(args.repeats)]
@@ -241,9 +237,8 @@ def run_dtype(name: str, args) -> dict:
     return result
 
 
-def _min_ratio(times: dict) -> str:
-    m = MINIMA.get(id(times))
-    return f"{m['kvql'] / m['plain']:.2f}" if m else "-"
+def _min_ratio(minima: dict | None) -> str:
+    return f"{minima['kvql'] / minima['plain']:.2f}" if minima else "-"
 
 
 def report(r: dict, args) -> None:
@@ -252,7 +247,7 @@ def report(r: dict, args) -> None:
     d, p = r.get("decode"), r.get("prefill")
     if d:
         print(f"decode step   kvql {d['kvql'] * 1e3:8.1f} ms   plain {d['plain'] * 1e3:8.1f} ms   "
-              f"kvql/plain {d['kvql'] / d['plain']:.2f}  (target <= 1.20; of minima {_min_ratio(d)})   "
+              f"kvql/plain {d['kvql'] / d['plain']:.2f}  (target <= 1.20; of minima {_min_ratio(r.get('decode_min'))})   "
               f"max |logit diff| {r['decode_max_abs_logit_diff']:.2e}")
     if "modes" in r:
         m = r["modes"]
@@ -263,7 +258,7 @@ def report(r: dict, args) -> None:
     tps = r.get("prefill_tokens_per_s")
     if tps:
         print(f"prefill       kvql {tps['kvql']:8.0f} tok/s plain {tps['plain']:8.0f} tok/s "
-              f"kvql/plain time {p['kvql'] / p['plain']:.2f}  (target <= 1.10; of minima {_min_ratio(p)})")
+              f"kvql/plain time {p['kvql'] / p['plain']:.2f}  (target <= 1.10; of minima {_min_ratio(r.get('prefill_min'))})")
     for what in ("decode_parts", "prefill_parts"):
         if what not in r:
             continue
