@@ -50,12 +50,14 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
-def tiny_model(tokenizer, family: str = "llama", seed: int = 0):
-    """A random 2-layer model; a large init range makes logits peaked, so greedy ties are rare."""
+def tiny_model(tokenizer, family: str = "llama", seed: int = 0, **overrides):
+    """A random 2-layer model; a large init range makes logits peaked, so greedy ties are rare. `overrides`:
+    config fields to set otherwise (sizes, `initializer_range`)."""
     config_cls, model_cls = FAMILIES[family]
-    config = config_cls(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                        initializer_range=0.2, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    config = config_cls(**{**dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                  initializer_range=0.2, eos_token_id=tokenizer.eos_token_id,
+                                  tie_word_embeddings=False), **overrides})
     torch.manual_seed(seed)
     return model_cls(config).eval()
 

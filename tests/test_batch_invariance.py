@@ -7,19 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvql
-from conftest import random_prompts
+from conftest import random_prompts, tiny_model
 
 
-def _flat_llama(tokenizer, seed: int) -> LlamaForCausalLM:
+def _flat_llama(tokenizer, seed: int):
     """Small init: near-flat logits, so a last-bit difference flips greedy tokens often (the point here)."""
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.05, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    return tiny_model(tokenizer, "llama", seed, hidden_size=128, intermediate_size=256,
+                      initializer_range=0.05).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

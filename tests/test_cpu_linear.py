@@ -9,9 +9,9 @@ import io
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvql
+from conftest import tiny_model
 from kvql.engine import cpu_linear
 from kvql.engine.cpu_linear import MAX_REDUCTION, prepare, restore
 
@@ -64,8 +64,7 @@ def test_a_prepared_model_can_be_copied_pickled_and_restored():
         prepare(model)
         packed = model(x)
         twin = copy.deepcopy(model)
-        with torch.no_grad():
-            twin[0].weight.zero_()  # the copy owns its weights: the original is unaffected
+        twin[0].weight.zero_()  # the copy owns its weights: the original is unaffected
         buffer = io.BytesIO()
         torch.save(model, buffer)
         buffer.seek(0)
@@ -125,12 +124,9 @@ def test_short_reductions_are_not_split_and_preparing_twice_changes_nothing():
     assert prepare(model, max_reduction=MAX_REDUCTION) == 0
 
 
-def _wide_llama(tokenizer) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=1536, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+def _wide_llama(tokenizer):
+    """A down_proj reducing over 1,536 inputs: split in bf16."""
+    return tiny_model(tokenizer, "llama", intermediate_size=1536)
 
 
 def test_the_engine_packs_on_cpu_and_splits_in_reduced_precision_only(tokenizer):
