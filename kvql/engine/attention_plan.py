@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import paged_attention
+
 COPY_COST = 4  # gathering one slot's K and V costs about as much as this many query-key dot products
 KEY_BLOCK = 64  # batch-invariant mode: a request's keys are padded to a multiple of this (module doc)
 
@@ -59,6 +61,7 @@ class Causal:
 class Plan:
     causal: list[Causal]
     buckets: list[Bucket]
+    paged: paged_attention.Segments | None = None  # segments read in place by the paged kernel
     fresh: tuple | None = None  # this layer's new (K, V) `[1, kv_heads, T, head_dim]`, set by the cache
 
 
@@ -85,26 +88,42 @@ def _shared_len(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(diff[0]) if diff.numel() else n
 
 
-def plan(segments, groups: int, device, merge: bool = True, in_place: bool | None = None) -> Plan:
+def plan(segments, groups: int, device, merge: bool = True, in_place: bool | None = None,
+         paged: bool = False) -> Plan:
     """Build the plan for `segments` (objects with `token_ids`, `past_slots`, `new_slots`); `merge`:
     clusters of segments sharing a prefix (False: batch-invariant, see the module doc); `in_place`:
     causal groups for segments without a past (False: they too gather from the pool, in buckets;
-    default: as `merge`)."""
+    default: as `merge`); `paged`: segments of at most `paged_attention.MAX_Q` new tokens are read in
+    place by the paged kernel (each alone, so batch-invariant in either mode) instead."""
     in_place = merge if in_place is None else in_place
     offsets, t = [], 0
     causal: list[Causal] = []
-    rest = []
+    rest, small = [], []
     for i, s in enumerate(segments):
         n = len(s.token_ids)
         offsets.append(t)
-        if s.past_slots.numel() or not in_place:
+        if paged and (n <= paged_attention.MAX_Q or not merge):
+            small.append(i)
+        elif s.past_slots.numel() or not in_place:
             rest.append(i)
         elif merge and causal and causal[-1].q_len == n and causal[-1].offset + causal[-1].rows * n == t:
             causal[-1].rows += 1
         else:
             causal.append(Causal(t, 1, n))
         t += n
-    return Plan(causal, _buckets(segments, rest, offsets, groups, device, merge))
+    return Plan(causal, _buckets(segments, rest, offsets, groups, device, merge), _paged(segments, small, offsets))
+
+
+def _paged(segments, indices: list[int], offsets: list[int]) -> paged_attention.Segments | None:
+    if not indices:
+        return None
+    n_new = [len(segments[i].token_ids) for i in indices]
+    n_keys = [segments[i].past_slots.numel() + n for i, n in zip(indices, n_new)]
+    key_start = [0]
+    for n in n_keys[:-1]:
+        key_start.append(key_start[-1] + n)
+    slots = torch.cat([x for i in indices for x in (segments[i].past_slots, segments[i].new_slots)])
+    return paged_attention.Segments([offsets[i] for i in indices], n_new, key_start, n_keys, slots)
 
 
 def _buckets(segments, indices: list[int], offsets: list[int], groups: int, device, merge: bool) -> list[Bucket]:

@@ -27,7 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .attention_plan import Bucket, Causal, Plan, plan
-from . import cpu_linear
+from . import cpu_linear, paged_attention
 from .kv_pool import KVPool
 
 ATTENTION = "kvql"
@@ -52,6 +52,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                                              enable_gqa=g > 1)
         out[span].unflatten(0, (c.rows, c.q_len)).copy_(o.transpose(1, 2))
+    if kvql_plan.paged is not None:  # few new tokens: read their slots in place
+        paged_attention.attend(query[0], k_pool, v_pool, out, kvql_plan.paged, scaling or d ** -0.5)
     if not kvql_plan.buckets:
         return out[None], None
     qv = query[0].view(kv_heads, g, t, d)
@@ -141,6 +143,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             # prepacked weights; in reduced precision a GEMM row then never depends on its batch (cpu_linear.py)
             cpu_linear.prepare(hf_model, max_reduction=cpu_linear.MAX_REDUCTION if self.batch_invariant else None)
+        self.paged = paged_attention.supports(self.device, pool.k.dtype, config.num_attention_heads,
+                                              config.num_key_value_heads, pool.k.shape[-1])
         self.forward_seconds = 0.0
         self.forward_tokens = 0
 
@@ -158,7 +162,7 @@ class ModelRunner:
             k = s.logit_rows
             spans.append((len(rows), len(rows) + k))
             rows.extend(range(len(ids) - k, len(ids)))
-        step_plan = plan(segments, self.groups, dev, merge=not self.batch_invariant)
+        step_plan = plan(segments, self.groups, dev, merge=not self.batch_invariant, paged=self.paged)
         started = time.perf_counter()
         out = self.model(
             input_ids=torch.tensor([ids], device=dev),

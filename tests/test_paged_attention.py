@@ -1,0 +1,87 @@
+"""The paged attention kernel (kvql.engine.paged_attention): causal attention over slots read in place equals
+float64 SDPA over the gathered slots; a segment's rows do not depend on the other segments of the call, on
+where its queries fall in the kernel's query blocks, or on how its tokens were split into chunks; the
+runner falls back to gather + SDPA when the kernel is switched off, with the same greedy tokens."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import kvql
+from conftest import random_prompts
+from kvql.engine import paged_attention as pa
+
+# the kernel is optional where there is no C compiler; where there is one it must build (not skip into green)
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+
+
+def test_kernel_builds_where_a_compiler_is():
+    assert pa.available(), pa._error
+
+H, KV, D, SLOTS = 9, 3, 64, 3000
+SPEC = [(0, 1), (5, 3), (0, 17), (40, 9), (100, 1), (3, 8), (0, 30), (7, 25)]  # (past, new tokens) per segment
+
+
+def _case(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_pool, v_pool = (torch.randn(KV, SLOTS, D, generator=g).to(dtype) for _ in range(2))
+    perm = torch.randperm(SLOTS, generator=g)
+    q_start, q_len, key_start, n_keys, slots, t, k = [], [], [], [], [], 0, 0
+    for past, n in SPEC:
+        q_start.append(t), q_len.append(n), key_start.append(k), n_keys.append(past + n)
+        slots.append(perm[k:k + past + n])
+        t, k = t + n, k + past + n
+    query = torch.randn(1, t, H, D, generator=g).to(dtype).transpose(1, 2)[0]  # [H, T, D] as a model's, strided
+    return k_pool, v_pool, query, (q_start, q_len, key_start, n_keys), slots
+
+
+def _run(query, k_pool, v_pool, q_start, q_len, key_start, n_keys, slots):
+    out = torch.full((query.shape[1], H, D), float("nan"), dtype=query.dtype)
+    pa.attend(query, k_pool, v_pool, out, pa.Segments(q_start, q_len, key_start, n_keys, torch.cat(slots)), D ** -0.5)
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_matches_float64_sdpa_over_gathered_slots(dtype, tol):
+    k_pool, v_pool, query, idx, slots = _case(dtype)
+    out = _run(query, k_pool, v_pool, *idx, slots)
+    for (past, n), start, s in zip(SPEC, idx[0], slots):
+        q = query[:, start:start + n].double().view(KV, H // KV, n, D)
+        mask = torch.arange(past + n)[None] <= torch.arange(past, past + n)[:, None]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k_pool[:, s].double()[:, None], v_pool[:, s].double()[:, None], attn_mask=mask)
+        torch.testing.assert_close(out[start:start + n].double(), ref.reshape(H, n, D).transpose(0, 1),
+                                   atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_independent_of_batch_mates_and_of_chunking(dtype):
+    k_pool, v_pool, query, (q_start, q_len, key_start, n_keys), slots = _case(dtype)
+    out = _run(query, k_pool, v_pool, q_start, q_len, key_start, n_keys, slots)
+    for i, (past, n) in enumerate(SPEC):
+        q = query[:, q_start[i]:q_start[i] + n]
+        alone = _run(q, k_pool, v_pool, [0], [n], [0], [past + n], [slots[i]])
+        assert torch.equal(alone, out[q_start[i]:q_start[i] + n]), i
+        for cut in range(1, n):  # the first `cut` new tokens, then the rest over them as past
+            first = _run(q[:, :cut], k_pool, v_pool, [0], [cut], [0], [past + cut], [slots[i][:past + cut]])
+            rest = _run(q[:, cut:], k_pool, v_pool, [0], [n - cut], [0], [past + n], [slots[i]])
+            assert torch.equal(torch.cat([first, rest]), alone), (i, cut)
+
+
+def test_engine_without_kernel_gives_the_same_greedy_tokens(tokenizer, llama, monkeypatch):
+    prompts = random_prompts(seed=3, count=10, vocab=len(tokenizer), prefix_lengths=(0, 9, 30))
+    outputs = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("KVQL_PAGED_ATTENTION", switch)
+        m = kvql.Model(llama, tokenizer, cache_budget="8MB", background=False)
+        try:
+            assert m.engine.runner.paged is (switch == "1")
+            outputs.append([c.token_ids for c in m.generate(prompts, max_tokens=10)])
+            m.check_integrity()
+        finally:
+            m.close()
+    assert outputs[0] == outputs[1]
