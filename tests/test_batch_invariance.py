@@ -10,6 +10,7 @@ import torch
 
 import kvql
 from conftest import random_prompts, tiny_model
+from kvql.engine import paged_attention
 
 
 def _flat_llama(tokenizer, seed: int):
@@ -18,12 +19,15 @@ def _flat_llama(tokenizer, seed: int):
                       initializer_range=0.05).to(torch.bfloat16)
 
 
+@pytest.mark.parametrize("paged", ["1", "0"], ids=["paged-kernel", "aligned-sdpa"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_bf16_batched_greedy_equals_each_request_alone(tokenizer, seed):
+def test_bf16_batched_greedy_equals_each_request_alone(tokenizer, seed, paged, monkeypatch):
+    monkeypatch.setenv("KVQL_PAGED_ATTENTION", paged)  # both attention paths a CPU can take (attention_plan)
     hf = _flat_llama(tokenizer, seed)
     prompts = random_prompts(seed=10 + seed, count=24, vocab=len(tokenizer), prefix_lengths=(0, 5, 17, 40, 90))
     m = kvql.Model(hf, tokenizer, cache_budget="16MB", background=False)
     try:
+        assert m.engine.runner.paged is (paged == "1" and paged_attention.available())
         batched = [c.token_ids for c in m.generate(prompts, max_tokens=12)]
         assert m.stats()["cached_tokens"] > 0  # shared prefixes were served from the cache
         alone = []

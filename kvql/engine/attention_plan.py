@@ -16,24 +16,28 @@ exactly their own new tokens, which the forward has just computed. They form *ca
 adjacent such segments of equal length, attended in place over the forward's fresh K/V with a causal
 SDPA (no gather, no mask, one call per group and layer).
 
-Batch invariance (`merge=False`): each request attends over exactly its own keys, in its own order,
-padded (masked) to a length set by its own key count only: the next multiple of `KEY_BLOCK`. Requests
-with the same number of queries and the same padded key length share one bucket (one SDPA call); no
-request is padded further for a batch mate. Prompts without a past take the same path (gathered from
-the pool, masked), not the in-place causal groups, so a prompt computed whole and the same prompt
-computed as a chunk after a cached prefix round alike. Measured on the CPU SDPA kernel in bf16 (torch
-2.13): each batch row of a call equals that row alone at the same shapes (0 of 1,302 rows differed);
-a row's keys padded to any multiple of 64 up to 768 give the same output (a decode row padded to an
-unaligned batch mate's length rounded differently in about a third of the cases); the rows of a
-64-aligned masked prompt equal the same rows computed as a later chunk or as a shorter prompt of its
-prefix in nearly every case (the in-place causal kernel does not: it rounds a row by the prompt's
-length). Measured in the engine (benchmarks/forward_overhead.py, SmolLM2 bf16): 24/24 fuzz prompts with
-shared prefixes of up to 40 tokens give the same greedy tokens batched as alone (before: 18/24 with
-unpadded per-request attention, 22/24 once the linear layers were batch-invariant too); with prefixes
-of 200-700 tokens 19/24 (the kernel splits keys into blocks of 512 and queries into blocks by their
-count: a prefix computed inside a longer prompt can still round differently). Merging into
-clusters interleaves other requests' keys among a request's own and changes the order of the
-reductions: cheaper for shared prefixes, not invariant.
+Paged segments (`paged=True`: on a CPU where `paged_attention` builds): segments of at most
+`paged_attention.MAX_Q` new tokens (decode steps, small chunks, forced runs), and in batch-invariant mode
+every segment, are read in place by the paged kernel, one task per (segment, KV head): nothing gathered,
+no bucket, no padding. Its arithmetic for a token depends only on that token's query and keys, so a
+request rounds alike in any batch and however its prompt was split into chunks or served from the cache
+(measured, SmolLM2 bf16, benchmarks/forward_overhead.py: 24/24 fuzz prompts batched == alone with shared
+prefixes up to 40 tokens and 24/24 with prefixes of 200-700 tokens, where the aligned SDPA path below gave
+19/24).
+
+Batch invariance without the kernel (`merge=False`, CUDA or no C compiler): each request attends over
+exactly its own keys, in its own order, padded (masked) to a length set by its own key count only: the
+next multiple of `KEY_BLOCK`. Requests with the same number of queries and the same padded key length
+share one bucket (one SDPA call); no request is padded further for a batch mate. Prompts without a past
+take the same path (gathered from the pool, masked), not the in-place causal groups, so a prompt computed
+whole and the same prompt computed as a chunk after a cached prefix round alike in nearly all cases.
+Measured on the CPU SDPA kernel in bf16 (torch 2.13): each batch row of a call equals that row alone at
+the same shapes (0 of 1,302 rows differed); a row's keys padded to any multiple of 64 up to 768 give the
+same output (a decode row padded to an unaligned batch mate's length rounded differently in about a third
+of the cases). Fuzz (as above): 24/24 with prefixes up to 40 tokens, 19/24 with 200-700 (the SDPA kernel
+splits keys into blocks of 512 and queries into blocks by their count). Merging into clusters interleaves
+other requests' keys among a request's own and changes the order of the reductions: cheaper for shared
+prefixes, not invariant.
 """
 
 from __future__ import annotations
@@ -93,8 +97,8 @@ def plan(segments, groups: int, device, merge: bool = True, in_place: bool | Non
     """Build the plan for `segments` (objects with `token_ids`, `past_slots`, `new_slots`); `merge`:
     clusters of segments sharing a prefix (False: batch-invariant, see the module doc); `in_place`:
     causal groups for segments without a past (False: they too gather from the pool, in buckets;
-    default: as `merge`); `paged`: segments of at most `paged_attention.MAX_Q` new tokens are read in
-    place by the paged kernel (each alone, so batch-invariant in either mode) instead."""
+    default: as `merge`); `paged`: segments of at most `paged_attention.MAX_Q` new tokens, and with
+    `merge=False` all segments, are read in place by the paged kernel instead (module doc)."""
     in_place = merge if in_place is None else in_place
     offsets, t = [], 0
     causal: list[Causal] = []
