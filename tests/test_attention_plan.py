@@ -71,3 +71,15 @@ def test_long_chunk_and_decodes_go_to_different_buckets():
     buckets = plan(segs, groups=1, device="cpu").buckets
     assert sorted(b.q_len for b in buckets) == [1, 64]
     assert sum(int(b.valid.sum()) for b in buckets) == 64 + 3
+
+
+def test_paged_plan_sends_every_segment_to_the_kernel_with_its_own_slots():
+    segs = [seg([], [0, 1, 2]), seg(list(range(10, 50)), [50]), seg([60, 61], [62, 63, 64, 65])]
+    p = plan(segs, groups=3, device="cpu", paged=True)
+    assert not p.causal and not p.buckets
+    k = p.paged
+    assert k.count == 3
+    assert k.q_start.tolist() == [0, 3, 4] and k.q_len.tolist() == [3, 1, 4]
+    assert k.n_keys.tolist() == [3, 41, 6] and k.key_start.tolist() == [0, 3, 44]
+    assert k.slots.tolist() == [0, 1, 2] + list(range(10, 51)) + [60, 61, 62, 63, 64, 65]
+    assert k.max_keys == 41

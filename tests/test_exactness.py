@@ -1,10 +1,17 @@
-"""Greedy output with the cache is token-identical to the uncached reference (fp32)."""
+"""Greedy output with the cache is token-identical to the uncached reference (fp32), on both attention paths
+a CPU can take: the paged kernel and, without it (CUDA, no C compiler), gather + SDPA."""
 
 from __future__ import annotations
 
 import pytest
 
 from conftest import random_prompts, reference_greedy, tiny_model
+
+
+@pytest.fixture(autouse=True, params=["paged-kernel", "gather-sdpa"])
+def attention_path(request, monkeypatch):
+    monkeypatch.setenv("KVQL_PAGED_ATTENTION", "1" if request.param == "paged-kernel" else "0")
+    return request.param
 
 
 def expected(hf_model, tokenizer, prompts, max_tokens):

@@ -16,14 +16,15 @@ exactly their own new tokens, which the forward has just computed. They form *ca
 adjacent such segments of equal length, attended in place over the forward's fresh K/V with a causal
 SDPA (no gather, no mask, one call per group and layer).
 
-Paged segments (`paged=True`: on a CPU where `paged_attention` builds): segments of at most
-`paged_attention.MAX_Q` new tokens (decode steps, small chunks, forced runs), and in batch-invariant mode
-every segment, are read in place by the paged kernel, one task per (segment, KV head): nothing gathered,
-no bucket, no padding. Its arithmetic for a token depends only on that token's query and keys, so a
-request rounds alike in any batch and however its prompt was split into chunks or served from the cache
-(measured, SmolLM2 bf16, benchmarks/forward_overhead.py: 24/24 fuzz prompts batched == alone with shared
-prefixes up to 40 tokens and 24/24 with prefixes of 200-700 tokens, where the aligned SDPA path below gave
-19/24).
+Paged (`paged=True`: on a CPU where `paged_attention` builds, the runner's default there): every
+segment is read in place by the paged kernel, one task per (segment, query block, KV head): nothing
+gathered, no bucket, no padding, no cluster. Its arithmetic for a token depends only on that token's
+query and keys, so a request rounds alike in any batch and however its prompt was split into chunks or
+served from the cache, in fp32 and bf16 alike (measured, SmolLM2 bf16, benchmarks/forward_overhead.py:
+24/24 fuzz prompts batched == alone with shared prefixes up to 40 tokens and 24/24 with prefixes of
+200-700 tokens, where the aligned SDPA path below gave 19/24). Its throughput on long prompts is SDPA's
+(~90 GFLOP/s on 2 cores, paged_attention's doc); the clusters, buckets and causal groups below are the
+plan without it (CUDA, no C compiler, `KVQL_PAGED_ATTENTION=0`).
 
 Batch invariance without the kernel (`merge=False`, CUDA or no C compiler): each request attends over
 exactly its own keys, in its own order, padded (masked) to a length set by its own key count only: the
@@ -97,8 +98,8 @@ def plan(segments, groups: int, device, merge: bool = True, in_place: bool | Non
     """Build the plan for `segments` (objects with `token_ids`, `past_slots`, `new_slots`); `merge`:
     clusters of segments sharing a prefix (False: batch-invariant, see the module doc); `in_place`:
     causal groups for segments without a past (False: they too gather from the pool, in buckets;
-    default: as `merge`); `paged`: segments of at most `paged_attention.MAX_Q` new tokens, and with
-    `merge=False` all segments, are read in place by the paged kernel instead (module doc)."""
+    default: as `merge`); `paged`: every segment is read in place by the paged kernel instead (module
+    doc; `merge` and `in_place` then do not matter)."""
     in_place = merge if in_place is None else in_place
     offsets, t = [], 0
     causal: list[Causal] = []
@@ -106,7 +107,7 @@ def plan(segments, groups: int, device, merge: bool = True, in_place: bool | Non
     for i, s in enumerate(segments):
         n = len(s.token_ids)
         offsets.append(t)
-        if paged and (n <= paged_attention.MAX_Q or not merge):
+        if paged:
             small.append(i)
         elif s.past_slots.numel() or not in_place:
             rest.append(i)

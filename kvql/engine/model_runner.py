@@ -4,13 +4,14 @@ All new tokens of all requests are flattened to one `[1, T]` row with per-reques
 A `PoolCache` passed as the model's `cache=` writes each layer's new K/V into the pool slots given
 for those tokens; the registered attention function then runs the `attention_plan` for the batch:
 each token sees exactly its own request's slots up to itself. On a CPU (fp32/bf16, where the paged
-kernel builds) decode steps and small chunks read their slots in place (`paged_attention`); prompts without
-a cached past attend in place over the layer's fresh K/V (causal SDPA, nothing gathered); the others gather
-their slots from the pool per bucket. In fp32 a prefix shared by many requests is gathered and multiplied
-once for all of them; in reduced precision (`batch_invariant`) every request, prompts included, attends over
-exactly its own keys (on a CPU all through the paged kernel; elsewhere padded to a length set by its own key
-count), so its outputs do not depend on its batch mates or on what the cache served (attention_plan's module
-doc). Cached keys were rotated at their own positions when computed (RoPE), so any slot order is valid.
+kernel builds) every segment reads its slots in place through `paged_attention`: a token's attention then
+depends only on its own query and keys, in any batch, chunking or cache state. Elsewhere (CUDA, fp16, no C
+compiler) prompts without a cached past attend in place over the layer's fresh K/V (causal SDPA, nothing
+gathered) and the others gather their slots from the pool per bucket: in fp32 a prefix shared by many
+requests is gathered and multiplied once for all of them; in reduced precision (`batch_invariant`) every
+request, prompts included, attends over exactly its own keys padded to a length set by its own key count
+(attention_plan's module doc). Cached keys were rotated at their own positions when computed (RoPE), so
+any slot order is valid.
 
 Works for any model on the standard transformers path: attention modules that call
 `cache.update(k, v, layer_idx, ...)` and then the registered attention function (Llama, Qwen2,

@@ -5,7 +5,7 @@
    wherever the row and the key sit (which request, block, tile or lane): 16 lane partial sums over the
    head dimension (one multiply-add chain each, in order), then one fixed tree over the 16 lanes
    (`lane_sums`). A row's softmax and its weighted sum of values run over its own keys in slot-list order
-   (two interleaved chains, even and odd key index, added at the end). Nothing depends on the batch, the
+   (two interleaved chains, even and odd key index, added at the end), in key tiles of fixed bounds. Nothing depends on the batch, the
    chunking of a prompt, or the thread: a token's output depends only on its own query and keys.
 
    float32 arithmetic for float32 and bfloat16 storage; bf16 results rounded to nearest even. No
@@ -21,6 +21,7 @@
 #define MAX_DIM 256
 #define LANES 16
 #define QUERY_BLOCK 16
+#define KEY_TILE 64 /* a multiple of 2 * LANES */
 
 typedef float v16 __attribute__((vector_size(4 * LANES), aligned(64)));
 typedef int32_t i16 __attribute__((vector_size(4 * LANES)));
@@ -77,10 +78,37 @@ static inline v16 lane_sums(const v16 *a) {
     return __builtin_shuffle(e[0], e[1], l4a) + __builtin_shuffle(e[0], e[1], l4b);
 }
 
+static inline v16 splat(float x) { return (v16){0} + x; }
+
+static inline v16 pick(i16 mask, v16 a, v16 b) { /* mask lanes all-ones: a, zero: b */
+    return (v16)(((i16)a & mask) | ((i16)b & ~mask));
+}
+
+/* e^x per lane for x <= 0 (softmax arguments): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series
+   to r^7 (relative error < 1e-8 before rounding), times 2^n; x below -87 gives e^-87 (~1.6e-38, nothing
+   next to the row's maximum's 1). Elementwise: a lane's result depends only on its own input. */
+static inline v16 exp16(v16 x) {
+    x = pick(x < splat(-87.0f), splat(-87.0f), x);
+    v16 n = x * splat(1.44269504f) + splat(12582912.0f); /* round to nearest by the 1.5 * 2^23 trick */
+    n -= splat(12582912.0f);
+    v16 r = x - n * splat(0.693145752f);
+    r -= n * splat(1.42860677e-6f);
+    v16 p = splat(1.0f / 5040);
+    p = p * r + splat(1.0f / 720);
+    p = p * r + splat(1.0f / 120);
+    p = p * r + splat(1.0f / 24);
+    p = p * r + splat(1.0f / 6);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
+    return p * (v16)bits;
+}
+
 /* Per-thread scratch, 64-byte aligned: widened K and V rows of one (segment, KV head), the block's
    scaled queries, and its scores. */
 typedef struct {
-    float *k, *v, *q, *s;
+    float *k, *v, *q, *s, *odd;
 } Scratch;
 
 static float *aligned_floats(size_t n) {
@@ -88,48 +116,86 @@ static float *aligned_floats(size_t n) {
 }
 
 /* Rows `rows` of a block (row r = query r / g, head r % g of KV head h) whose first query sees `n0` keys;
-   keys and values already widened in `w` (kp = keys padded to 16). Writes outputs into `out`. */
-static void attend_block(Scratch *w, int64_t rows, int g, int dv, int64_t n0, int64_t kp, float *out_rows) {
-    int nv = dv / LANES; /* vectors per padded row */
+   keys and values already widened in `w` (kp = keys padded to 16). Writes outputs into `out` (also the
+   even-key accumulator; `w->odd` the odd-key one). Keys are visited in tiles of KEY_TILE for all rows,
+   so that a tile stays in cache while every row uses it; tiles start at fixed key indices and each row's
+   sums still run over its keys in order, so the tiling changes no result. */
+static inline __attribute__((always_inline)) void attend_block(Scratch *w, int64_t rows, int g, int nv,
+                                                              int64_t n0, int64_t kp, float *out) {
+    int dv = nv * LANES; /* nv: vectors per padded row, a constant where the caller specializes it */
+    int64_t n = n0 + (rows - 1) / g; /* keys of the last row */
+    for (int64_t t0 = 0; t0 < n; t0 += KEY_TILE)
+        for (int64_t r = (t0 < n0 ? 0 : (t0 - n0 + 1) * g); r < rows; r++) {
+            int64_t nr = n0 + r / g, end = t0 + KEY_TILE < nr ? t0 + KEY_TILE : nr;
+            const v16 *q = (const v16 *)(w->q + r * dv);
+            for (int64_t j0 = t0; j0 < end; j0 += LANES) {
+                v16 part[LANES];
+                for (int t = 0; t < LANES; t++) {
+                    const v16 *k = (const v16 *)(w->k + (j0 + t) * dv);
+                    v16 a = q[0] * k[0];
+                    _Pragma("GCC unroll 16")
+                    for (int c = 1; c < nv; c++) a += q[c] * k[c];
+                    part[t] = a;
+                }
+                *(v16 *)(w->s + r * kp + j0) = lane_sums(part);
+            }
+        }
+    float inv[QUERY_BLOCK * MAX_GROUP];
     for (int64_t r = 0; r < rows; r++) {
-        int64_t nr = n0 + r / g; /* causal: this row sees keys 0 .. nr-1 */
-        const v16 *q = (const v16 *)(w->q + r * dv);
-        float *s = w->s + r * kp;
-        for (int64_t j0 = 0; j0 < nr; j0 += LANES) {
-            v16 part[LANES];
-            for (int t = 0; t < LANES; t++) {
-                const v16 *k = (const v16 *)(w->k + (j0 + t) * dv);
-                v16 a = q[0] * k[0];
-                for (int c = 1; c < nv; c++) a += q[c] * k[c];
-                part[t] = a;
+        int64_t nr = n0 + r / g;
+        /* softmax over the row's nr keys, 16 at a time from key 0 (the last vector masked): the maximum,
+           then e^(s - max) and their sum, as one vector of lane sums reduced by the fixed tree */
+        v16 *sv = (v16 *)(w->s + r * kp), mv = splat(-INFINITY), sumv = (v16){0};
+        const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        int64_t nvec = (nr + LANES - 1) / LANES;
+        for (int64_t i = 0; i < nvec; i++) {
+            i16 live = lane < (i16){0} + (int)(nr - i * LANES);
+            mv = pick(live & (sv[i] > mv), sv[i], mv);
+        }
+        float m = mv[0];
+        for (int l = 1; l < LANES; l++) m = mv[l] > m ? mv[l] : m;
+        for (int64_t i = 0; i < nvec; i++) {
+            i16 live = lane < (i16){0} + (int)(nr - i * LANES);
+            sv[i] = pick(live, exp16(sv[i] - m), (v16){0});
+            sumv += sv[i];
+        }
+        v16 sums[LANES] = {sumv};
+        for (int l = 1; l < LANES; l++) sums[l] = (v16){0};
+        float sum = lane_sums(sums)[0];
+        inv[r] = 1.0f / sum;
+        memset(out + r * dv, 0, sizeof(float) * dv);
+        memset(w->odd + r * dv, 0, sizeof(float) * dv);
+    }
+    for (int64_t t0 = 0; t0 < n; t0 += KEY_TILE)
+        for (int64_t r = (t0 < n0 ? 0 : (t0 - n0 + 1) * g); r < rows; r++) {
+            int64_t nr = n0 + r / g, end = t0 + KEY_TILE < nr ? t0 + KEY_TILE : nr, j = t0;
+            const float *s = w->s + r * kp;
+            v16 even[MAX_DIM / LANES], odd[MAX_DIM / LANES];
+            v16 *eo = (v16 *)(out + r * dv), *oo = (v16 *)(w->odd + r * dv);
+            _Pragma("GCC unroll 16")
+            for (int c = 0; c < nv; c++) even[c] = eo[c], odd[c] = oo[c];
+            for (; j + 1 < end; j += 2) { /* t0 is even: j is an even key index here */
+                const v16 *v0 = (const v16 *)(w->v + j * dv), *v1 = (const v16 *)(w->v + (j + 1) * dv);
+                float p0 = s[j] * inv[r], p1 = s[j + 1] * inv[r];
+                _Pragma("GCC unroll 16")
+                for (int c = 0; c < nv; c++) {
+                    even[c] += p0 * v0[c];
+                    odd[c] += p1 * v1[c];
+                }
             }
-            *(v16 *)(s + j0) = lane_sums(part);
-        }
-        float m = -INFINITY, sum = 0.0f;
-        for (int64_t j = 0; j < nr; j++) m = s[j] > m ? s[j] : m;
-        for (int64_t j = 0; j < nr; j++) {
-            s[j] = expf(s[j] - m);
-            sum += s[j];
-        }
-        float inv = 1.0f / sum;
-        v16 even[MAX_DIM / LANES], odd[MAX_DIM / LANES];
-        for (int c = 0; c < nv; c++) even[c] = odd[c] = (v16){0};
-        int64_t j = 0;
-        for (; j + 1 < nr; j += 2) {
-            const v16 *v0 = (const v16 *)(w->v + j * dv), *v1 = (const v16 *)(w->v + (j + 1) * dv);
-            float p0 = s[j] * inv, p1 = s[j + 1] * inv;
-            for (int c = 0; c < nv; c++) {
-                even[c] += p0 * v0[c];
-                odd[c] += p1 * v1[c];
+            if (j < end) { /* the row's last key, even */
+                const v16 *v0 = (const v16 *)(w->v + j * dv);
+                float p0 = s[j] * inv[r];
+                _Pragma("GCC unroll 16")
+                for (int c = 0; c < nv; c++) even[c] += p0 * v0[c];
             }
+            _Pragma("GCC unroll 16")
+            for (int c = 0; c < nv; c++) eo[c] = even[c], oo[c] = odd[c];
         }
-        if (j < nr) {
-            const v16 *v0 = (const v16 *)(w->v + j * dv);
-            float p0 = s[j] * inv;
-            for (int c = 0; c < nv; c++) even[c] += p0 * v0[c];
-        }
-        v16 *o = (v16 *)(out_rows + r * dv);
-        for (int c = 0; c < nv; c++) o[c] = even[c] + odd[c];
+    for (int64_t r = 0; r < rows; r++) {
+        v16 *eo = (v16 *)(out + r * dv), *oo = (v16 *)(w->odd + r * dv);
+        _Pragma("GCC unroll 16")
+        for (int c = 0; c < nv; c++) eo[c] = eo[c] + oo[c];
     }
 }
 
@@ -144,49 +210,60 @@ int kvql_paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_str
                          int64_t max_keys, int threads) {
     int g = heads / kv_heads;
     if (g < 1 || g > MAX_GROUP || d < 1 || d > MAX_DIM || heads != g * kv_heads) return -1;
-    int dv = (d + LANES - 1) / LANES * LANES;
+    int dv = (d + LANES - 1) / LANES * LANES, nv = dv / LANES;
     int64_t kp_max = (max_keys + LANES - 1) / LANES * LANES;
-    int64_t tasks = n_seg * kv_heads;
     int elem = is_bf16 ? 2 : 4;
+    /* tasks: (segment, query block, KV head); a segment's later blocks (more keys) first */
+    int64_t blocks = 0, b = 0;
+    for (int64_t s = 0; s < n_seg; s++) blocks += (q_len[s] + QUERY_BLOCK - 1) / QUERY_BLOCK;
+    int64_t *block = malloc(sizeof(int64_t) * 2 * (size_t)(blocks ? blocks : 1));
+    if (!block) return -1;
+    for (int64_t s = 0; s < n_seg; s++)
+        for (int64_t i0 = (q_len[s] - 1) / QUERY_BLOCK * QUERY_BLOCK; i0 >= 0; i0 -= QUERY_BLOCK, b++)
+            block[2 * b] = s, block[2 * b + 1] = i0;
+    int64_t tasks = blocks * kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         int64_t width = (int64_t)QUERY_BLOCK * g;
         Scratch w = {aligned_floats((size_t)(kp_max * dv)), aligned_floats((size_t)(kp_max * dv)),
-                     aligned_floats((size_t)(width * dv)), aligned_floats((size_t)(width * kp_max))};
+                     aligned_floats((size_t)(width * dv)), aligned_floats((size_t)(width * kp_max)),
+                     aligned_floats((size_t)(width * dv))};
         float *outs = aligned_floats((size_t)(width * dv));
-        int ok = w.k && w.v && w.q && w.s && outs;
+        int ok = w.k && w.v && w.q && w.s && w.odd && outs;
         if (!ok) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
             if (!ok) continue;
-            int64_t s = t / kv_heads, n = n_keys[s], kp = (n + LANES - 1) / LANES * LANES;
+            int64_t s = block[2 * (t / kv_heads)], i0 = block[2 * (t / kv_heads) + 1];
             int h = (int)(t % kv_heads);
+            int64_t qb = q_len[s] - i0 < QUERY_BLOCK ? q_len[s] - i0 : QUERY_BLOCK, rows = qb * g;
+            int64_t n0 = n_keys[s] - q_len[s] + i0 + 1, n = n0 + qb - 1, kp = (n + LANES - 1) / LANES * LANES;
             const char *kh = (const char *)k_pool + (int64_t)elem * h * kv_head_stride;
             const char *vh = (const char *)v_pool + (int64_t)elem * h * kv_head_stride;
             const int64_t *sl = slots + key_start[s];
-            for (int64_t j = 0; j < n; j++) {
+            for (int64_t j = 0; j < n; j++) { /* the keys this block sees */
                 widen(kh + elem * sl[j] * slot_stride, w.k + j * dv, d, dv, is_bf16);
                 widen(vh + elem * sl[j] * slot_stride, w.v + j * dv, d, dv, is_bf16);
             }
             memset(w.k + n * dv, 0, sizeof(float) * (size_t)((kp - n) * dv)); /* tile padding: scores unused */
-            for (int64_t i0 = 0; i0 < q_len[s]; i0 += QUERY_BLOCK) {
-                int64_t qb = q_len[s] - i0 < QUERY_BLOCK ? q_len[s] - i0 : QUERY_BLOCK, rows = qb * g;
-                for (int64_t r = 0; r < rows; r++) {
-                    int64_t base = (q_start[s] + i0 + r / g) * q_tok_stride + (h * g + r % g) * q_head_stride;
-                    for (int c = 0; c < dv; c++) w.q[r * dv + c] = c < d ? scale * load(q, base + c, is_bf16) : 0.0f;
-                }
-                attend_block(&w, rows, g, dv, n - q_len[s] + i0 + 1, kp, outs);
-                for (int64_t r = 0; r < rows; r++) {
-                    int64_t o = (q_start[s] + i0 + r / g) * out_tok_stride + (h * g + r % g) * out_head_stride;
-                    for (int c = 0; c < d; c++) {
-                        if (is_bf16) ((uint16_t *)out)[o + c] = f32_to_bf16(outs[r * dv + c]);
-                        else ((float *)out)[o + c] = outs[r * dv + c];
-                    }
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t base = (q_start[s] + i0 + r / g) * q_tok_stride + (h * g + r % g) * q_head_stride;
+                for (int c = 0; c < dv; c++) w.q[r * dv + c] = c < d ? scale * load(q, base + c, is_bf16) : 0.0f;
+            }
+            if (nv == 4) attend_block(&w, rows, g, 4, n0, kp, outs); /* head_dim 64: constant loops */
+            else if (nv == 8) attend_block(&w, rows, g, 8, n0, kp, outs); /* head_dim 128 */
+            else attend_block(&w, rows, g, nv, n0, kp, outs);
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t o = (q_start[s] + i0 + r / g) * out_tok_stride + (h * g + r % g) * out_head_stride;
+                for (int c = 0; c < d; c++) {
+                    if (is_bf16) ((uint16_t *)out)[o + c] = f32_to_bf16(outs[r * dv + c]);
+                    else ((float *)out)[o + c] = outs[r * dv + c];
                 }
             }
         }
-        free(w.k), free(w.v), free(w.q), free(w.s), free(outs);
+        free(w.k), free(w.v), free(w.q), free(w.s), free(w.odd), free(outs);
     }
+    free(block);
     return failed ? -1 : 0;
 }
