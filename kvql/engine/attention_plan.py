@@ -100,35 +100,36 @@ def plan(segments, groups: int, device, merge: bool = True, in_place: bool | Non
     causal groups for segments without a past (False: they too gather from the pool, in buckets;
     default: as `merge`); `paged`: every segment is read in place by the paged kernel instead (module
     doc; `merge` and `in_place` then do not matter)."""
-    in_place = merge if in_place is None else in_place
     offsets, t = [], 0
-    causal: list[Causal] = []
-    rest, small = [], []
-    for i, s in enumerate(segments):
-        n = len(s.token_ids)
+    for s in segments:
         offsets.append(t)
-        if paged:
-            small.append(i)
-        elif s.past_slots.numel() or not in_place:
+        t += len(s.token_ids)
+    if paged:
+        return Plan([], [], _paged(segments, offsets))
+    in_place = merge if in_place is None else in_place
+    causal: list[Causal] = []
+    rest = []
+    for i, s in enumerate(segments):
+        n, t = len(s.token_ids), offsets[i]
+        if s.past_slots.numel() or not in_place:
             rest.append(i)
         elif merge and causal and causal[-1].q_len == n and causal[-1].offset + causal[-1].rows * n == t:
             causal[-1].rows += 1
         else:
             causal.append(Causal(t, 1, n))
-        t += n
-    return Plan(causal, _buckets(segments, rest, offsets, groups, device, merge), _paged(segments, small, offsets))
+    return Plan(causal, _buckets(segments, rest, offsets, groups, device, merge))
 
 
-def _paged(segments, indices: list[int], offsets: list[int]) -> paged_attention.Segments | None:
-    if not indices:
+def _paged(segments, offsets: list[int]) -> paged_attention.Segments | None:
+    if not segments:
         return None
-    n_new = [len(segments[i].token_ids) for i in indices]
-    n_keys = [segments[i].past_slots.numel() + n for i, n in zip(indices, n_new)]
+    n_new = [len(s.token_ids) for s in segments]
+    n_keys = [s.past_slots.numel() + n for s, n in zip(segments, n_new)]
     key_start = [0]
     for n in n_keys[:-1]:
         key_start.append(key_start[-1] + n)
-    slots = torch.cat([x for i in indices for x in (segments[i].past_slots, segments[i].new_slots)])
-    return paged_attention.Segments([offsets[i] for i in indices], n_new, key_start, n_keys, slots)
+    slots = torch.cat([x for s in segments for x in (s.past_slots, s.new_slots)])
+    return paged_attention.Segments(offsets, n_new, key_start, n_keys, slots)
 
 
 def _buckets(segments, indices: list[int], offsets: list[int], groups: int, device, merge: bool) -> list[Bucket]:
