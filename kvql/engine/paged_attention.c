@@ -4,13 +4,15 @@
    Batch invariance by construction: a (query row, key) score is the same sequence of float32 operations
    wherever the row and the key sit (which request, block, tile or lane): 16 lane partial sums over the
    head dimension (one multiply-add chain each, in order), then one fixed tree over the 16 lanes
-   (`lane_sums`). A row's softmax and its weighted sum of values run over its own keys in slot-list order
-   (two interleaved chains, even and odd key index, added at the end), in key tiles of fixed bounds. Nothing depends on the batch, the
-   chunking of a prompt, or the thread: a token's output depends only on its own query and keys.
+   (`lane_sums`). A row's softmax (vectorized, masked past its last key) and its weighted sum of values
+   run over its own keys in slot-list order (two interleaved chains, even and odd key index, added at the
+   end), in key tiles of fixed bounds. Nothing depends on the batch, the chunking of a prompt, or the
+   thread: a token's output depends only on its own query and keys.
 
    float32 arithmetic for float32 and bfloat16 storage; bf16 results rounded to nearest even. No
-   fast-math. Built with -O2 (at -O3 gcc 12 re-associated some of these sums by position: the tests in
-   tests/test_paged_attention.py catch that). */
+   fast-math. Built with -O2: a first version of this kernel (compiler-vectorized reductions) rounded a
+   query differently by its place in a block at -O3 (gcc 12); tests/test_paged_attention.py catches such a
+   build. */
 
 #include <math.h>
 #include <stdint.h>
@@ -105,8 +107,8 @@ static inline v16 exp16(v16 x) {
     return p * (v16)bits;
 }
 
-/* Per-thread scratch, 64-byte aligned: widened K and V rows of one (segment, KV head), the block's
-   scaled queries, and its scores. */
+/* Per-thread scratch, 64-byte aligned: the widened K and V rows one task (segment, query block, KV head)
+   sees, the block's scaled queries, its scores, and its odd-key value sums. */
 typedef struct {
     float *k, *v, *q, *s, *odd;
 } Scratch;
@@ -219,7 +221,7 @@ int kvql_paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_str
     int64_t *block = malloc(sizeof(int64_t) * 2 * (size_t)(blocks ? blocks : 1));
     if (!block) return -1;
     for (int64_t s = 0; s < n_seg; s++)
-        for (int64_t i0 = (q_len[s] - 1) / QUERY_BLOCK * QUERY_BLOCK; i0 >= 0; i0 -= QUERY_BLOCK, b++)
+        for (int64_t i0 = (q_len[s] - 1) / QUERY_BLOCK * QUERY_BLOCK; q_len[s] > 0 && i0 >= 0; i0 -= QUERY_BLOCK, b++)
             block[2 * b] = s, block[2 * b + 1] = i0;
     int64_t tasks = blocks * kv_heads;
     int failed = 0;
