@@ -123,7 +123,7 @@ def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out:
     of DTYPES on the CPU. Writes the rows of `segs`' tokens into `out` (module doc)."""
     if not segs.count:
         return
-    if not available():
+    if _lib is None and not available():  # once built, the switch no longer matters to a running model
         raise RuntimeError(f"paged attention kernel unavailable: {_error or 'KVQL_PAGED_ATTENTION=0'}")
     heads, _, d = query.shape
     kv_heads = k_pool.shape[0]
@@ -136,4 +136,5 @@ def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out:
         segs.count, segs.q_start.data_ptr(), segs.q_len.data_ptr(), segs.key_start.data_ptr(),
         segs.n_keys.data_ptr(), segs.slots.data_ptr(), segs.max_keys, torch.get_num_threads())
     if rc:
-        raise RuntimeError(f"paged attention: unsupported shape (heads {heads}, kv_heads {kv_heads}, head_dim {d})")
+        raise RuntimeError(f"paged attention failed: shape out of range (heads {heads}, kv_heads {kv_heads}, "
+                           f"head_dim {d}) or out of memory")
