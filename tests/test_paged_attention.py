@@ -22,39 +22,42 @@ pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None
 def test_kernel_builds_where_a_compiler_is():
     assert pa.available(), pa._error
 
+
 H, KV, D, SLOTS = 9, 3, 64, 3000
 SPEC = [(0, 1), (5, 3), (0, 17), (40, 9), (100, 1), (3, 8), (0, 30), (7, 25)]  # (past, new tokens) per segment
 
 
-def _case(dtype, seed=0):
+def _case(dtype, seed=0, d=D):
     g = torch.Generator().manual_seed(seed)
-    k_pool, v_pool = (torch.randn(KV, SLOTS, D, generator=g).to(dtype) for _ in range(2))
+    k_pool, v_pool = (torch.randn(KV, SLOTS, d, generator=g).to(dtype) for _ in range(2))
     perm = torch.randperm(SLOTS, generator=g)
     q_start, q_len, key_start, n_keys, slots, t, k = [], [], [], [], [], 0, 0
     for past, n in SPEC:
         q_start.append(t), q_len.append(n), key_start.append(k), n_keys.append(past + n)
         slots.append(perm[k:k + past + n])
         t, k = t + n, k + past + n
-    query = torch.randn(1, t, H, D, generator=g).to(dtype).transpose(1, 2)[0]  # [H, T, D] as a model's, strided
+    query = torch.randn(1, t, H, d, generator=g).to(dtype).transpose(1, 2)[0]  # [H, T, d] as a model's, strided
     return k_pool, v_pool, query, (q_start, q_len, key_start, n_keys), slots
 
 
 def _run(query, k_pool, v_pool, q_start, q_len, key_start, n_keys, slots):
-    out = torch.full((query.shape[1], H, D), float("nan"), dtype=query.dtype)
-    pa.attend(query, k_pool, v_pool, out, pa.Segments(q_start, q_len, key_start, n_keys, torch.cat(slots)), D ** -0.5)
+    d = query.shape[-1]
+    out = torch.full((query.shape[1], H, d), float("nan"), dtype=query.dtype)
+    pa.attend(query, k_pool, v_pool, out, pa.Segments(q_start, q_len, key_start, n_keys, torch.cat(slots)), d ** -0.5)
     return out
 
 
+@pytest.mark.parametrize("d", [64, 128, 40])  # the kernel's two specialized head sizes, and a padded one
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
-def test_matches_float64_sdpa_over_gathered_slots(dtype, tol):
-    k_pool, v_pool, query, idx, slots = _case(dtype)
+def test_matches_float64_sdpa_over_gathered_slots(dtype, tol, d):
+    k_pool, v_pool, query, idx, slots = _case(dtype, d=d)
     out = _run(query, k_pool, v_pool, *idx, slots)
     for (past, n), start, s in zip(SPEC, idx[0], slots):
-        q = query[:, start:start + n].double().view(KV, H // KV, n, D)
+        q = query[:, start:start + n].double().view(KV, H // KV, n, d)
         mask = torch.arange(past + n)[None] <= torch.arange(past, past + n)[:, None]
         ref = torch.nn.functional.scaled_dot_product_attention(
             q, k_pool[:, s].double()[:, None], v_pool[:, s].double()[:, None], attn_mask=mask)
-        torch.testing.assert_close(out[start:start + n].double(), ref.reshape(H, n, D).transpose(0, 1),
+        torch.testing.assert_close(out[start:start + n].double(), ref.reshape(H, n, d).transpose(0, 1),
                                    atol=tol, rtol=tol)
 
 
