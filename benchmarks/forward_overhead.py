@@ -223,10 +223,11 @@ def run_dtype(name: str, args) -> dict:
     result = {"dtype": name, "prefill": pre, "prefill_min": pre_min, "decode": dec, "decode_min": dec_min,
               "decode_max_abs_logit_diff": diff,
               "prefill_tokens_per_s": pre and {k: B * C / v for k, v in pre.items()}, "modes": modes}
-    plan_times = [seconds(lambda: attention_plan.plan(decode_segments, runner.groups, pool.device))
-                  for _ in range(args.repeats)]
-    pre_plan = [seconds(lambda: attention_plan.plan(pre_segments[:k], runner.groups, pool.device))
-                for _ in range(3)]
+    def plan_of(segments):  # the plan the runner builds (paged on a CPU with the kernel)
+        return lambda: attention_plan.plan(segments, runner.groups, pool.device, paged=runner.paged)
+
+    plan_times = [seconds(plan_of(decode_segments)) for _ in range(args.repeats)]
+    pre_plan = [seconds(plan_of(pre_segments[:k])) for _ in range(3)]
     if args.profile:
         result["decode_parts"] = {"kvql": profile_parts(decode["kvql"], 5), "plain": profile_parts(plain_decode, 5)}
         result["prefill_parts"] = {"kvql": profile_parts(small["kvql"], 1), "plain": profile_parts(small["plain"], 1)}

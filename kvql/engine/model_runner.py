@@ -46,6 +46,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     kv_heads = k_pool.shape[0]
     g = heads // kv_heads
     out = query.new_empty(t, heads, v_pool.shape[-1])
+    if kvql_plan.paged is not None:  # a paged plan has nothing else: every segment read in place
+        paged_attention.attend(query[0], k_pool, v_pool, out, kvql_plan.paged, scaling or d ** -0.5)
+        return out[None], None
     c: Causal
     for c in kvql_plan.causal:  # no past: causal SDPA over the fresh K/V, read in place
         span = slice(c.offset, c.offset + c.rows * c.q_len)
@@ -54,8 +57,6 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                                              enable_gqa=g > 1)
         out[span].unflatten(0, (c.rows, c.q_len)).copy_(o.transpose(1, 2))
-    if kvql_plan.paged is not None:  # few new tokens: read their slots in place
-        paged_attention.attend(query[0], k_pool, v_pool, out, kvql_plan.paged, scaling or d ** -0.5)
     if not kvql_plan.buckets:
         return out[None], None
     qv = query[0].view(kv_heads, g, t, d)

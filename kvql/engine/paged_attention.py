@@ -5,13 +5,13 @@ Contract of `attend`: for each segment, each of its `q_len` new tokens (flat pos
 attends causally over the first `n_keys - q_len + i + 1` of its slots (`slots[key_start : key_start +
 n_keys]`: its past, then its new tokens, whose K/V the layer has already written to the pool), and its
 output rows are written to `out [T, heads, head_dim]`. Float32 arithmetic for float32 and bfloat16
-storage. One task per (segment, KV head), keys in slot-list order: a segment's result does not depend
-on the other segments of the call, nor on how its tokens were split into calls (the C file's doc):
-batch-invariant by construction.
+storage. One task per (segment, block of 16 new tokens, KV head), keys in slot-list order: a segment's
+result does not depend on the other segments of the call, nor on how its tokens were split into calls
+(the C file's doc): batch-invariant by construction.
 
 Why a kernel: a batch-24 decode step over 330-token contexts spent ~20 ms of ~110 ms copying every
 request's K/V out of the pool (index_select) before SDPA could read it again; this reads it once
-(benchmarks/forward_overhead.py, 2 threads: bf16 decode step 106 -> 71 ms, fp32 111 -> ~100 ms). On long
+(benchmarks/forward_overhead.py, 2 threads: bf16 decode step 106 -> 62 ms, fp32 111 -> 90 ms). On long
 prompts it runs at SDPA's speed (one 1,000-token prompt, one layer, 2 threads: 12.6 ms vs SDPA's causal
 kernel 13.0 ms, ~90 GFLOP/s): the softmax uses its own vectorized exp (the C file's `exp16`), which scalar
 `expf` made half as fast.
