@@ -6,7 +6,8 @@
    head dimension (one multiply-add chain each, in order), then one fixed tree over the 16 lanes
    (`lane_sums`). A row's softmax (vectorized, masked past its last key) and its weighted sum of values
    run over its own keys in slot-list order (two interleaved chains, even and odd key index, added at the
-   end), in key tiles of fixed bounds. Nothing depends on the batch, the chunking of a prompt, or the
+   end), in key tiles of fixed bounds. A single new token (a decode step) reads its keys and values
+   straight from the pool (`attend_one`) with that same arithmetic. Nothing depends on the batch, the chunking of a prompt, or the
    thread: a token's output depends only on its own query and keys.
 
    float32 arithmetic for float32 and bfloat16 storage; bf16 results rounded to nearest even. No
@@ -16,6 +17,9 @@
 
 #include <math.h>
 #include <stdint.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -27,6 +31,8 @@
 
 typedef float v16 __attribute__((vector_size(4 * LANES), aligned(64)));
 typedef int32_t i16 __attribute__((vector_size(4 * LANES)));
+typedef uint32_t u16v __attribute__((vector_size(4 * LANES)));
+typedef uint16_t h16 __attribute__((vector_size(2 * LANES)));
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -107,14 +113,47 @@ static inline v16 exp16(v16 x) {
     return p * (v16)bits;
 }
 
+/* Softmax over a row's `nr` scores in place, unnormalized (e^(s - max)); returns 1 / their sum. 16 at a
+   time from key 0, the last vector masked: the maximum, then the exponentials and one vector of lane
+   sums reduced by the fixed tree. */
+static inline float softmax(float *row, int64_t nr) {
+    v16 *sv = (v16 *)row, mv = splat(-INFINITY), sumv = (v16){0};
+    const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    int64_t nvec = (nr + LANES - 1) / LANES;
+    for (int64_t i = 0; i < nvec; i++) {
+        i16 live = lane < (i16){0} + (int)(nr - i * LANES);
+        mv = pick(live & (sv[i] > mv), sv[i], mv);
+    }
+    float m = mv[0];
+    for (int l = 1; l < LANES; l++) m = mv[l] > m ? mv[l] : m;
+    for (int64_t i = 0; i < nvec; i++) {
+        i16 live = lane < (i16){0} + (int)(nr - i * LANES);
+        sv[i] = pick(live, exp16(sv[i] - m), (v16){0});
+        sumv += sv[i];
+    }
+    v16 sums[LANES] = {sumv};
+    for (int l = 1; l < LANES; l++) sums[l] = (v16){0};
+    return 1.0f / lane_sums(sums)[0];
+}
+
 /* Per-thread scratch, 64-byte aligned: the widened K and V rows one task (segment, query block, KV head)
    sees, the block's scaled queries, its scores, and its odd-key value sums. */
 typedef struct {
     float *k, *v, *q, *s, *odd;
 } Scratch;
 
-static float *aligned_floats(size_t n) {
-    return aligned_alloc(64, (sizeof(float) * (n ? n : 1) + 63) / 64 * 64);
+/* This thread's scratch of at least n floats, kept between calls (libgomp's threads persist), so that a
+   layer's call does not allocate and fault in fresh pages; NULL when memory ran out. */
+static __thread float *scratch_mem;
+static __thread size_t scratch_cap;
+
+static float *scratch(size_t n) {
+    if (n > scratch_cap) {
+        free(scratch_mem);
+        scratch_mem = aligned_alloc(64, sizeof(float) * n);
+        scratch_cap = scratch_mem ? n : 0;
+    }
+    return scratch_mem;
 }
 
 /* Rows `rows` of a block (row r = query r / g, head r % g of KV head h) whose first query sees `n0` keys;
@@ -144,27 +183,7 @@ static inline __attribute__((always_inline)) void attend_block(Scratch *w, int64
         }
     float inv[QUERY_BLOCK * MAX_GROUP];
     for (int64_t r = 0; r < rows; r++) {
-        int64_t nr = n0 + r / g;
-        /* softmax over the row's nr keys, 16 at a time from key 0 (the last vector masked): the maximum,
-           then e^(s - max) and their sum, as one vector of lane sums reduced by the fixed tree */
-        v16 *sv = (v16 *)(w->s + r * kp), mv = splat(-INFINITY), sumv = (v16){0};
-        const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-        int64_t nvec = (nr + LANES - 1) / LANES;
-        for (int64_t i = 0; i < nvec; i++) {
-            i16 live = lane < (i16){0} + (int)(nr - i * LANES);
-            mv = pick(live & (sv[i] > mv), sv[i], mv);
-        }
-        float m = mv[0];
-        for (int l = 1; l < LANES; l++) m = mv[l] > m ? mv[l] : m;
-        for (int64_t i = 0; i < nvec; i++) {
-            i16 live = lane < (i16){0} + (int)(nr - i * LANES);
-            sv[i] = pick(live, exp16(sv[i] - m), (v16){0});
-            sumv += sv[i];
-        }
-        v16 sums[LANES] = {sumv};
-        for (int l = 1; l < LANES; l++) sums[l] = (v16){0};
-        float sum = lane_sums(sums)[0];
-        inv[r] = 1.0f / sum;
+        inv[r] = softmax(w->s + r * kp, n0 + r / g);
         memset(out + r * dv, 0, sizeof(float) * dv);
         memset(w->odd + r * dv, 0, sizeof(float) * dv);
     }
@@ -201,6 +220,107 @@ static inline __attribute__((always_inline)) void attend_block(Scratch *w, int64
     }
 }
 
+/* Vector c (16 elements) of a pool row, as float32; rows of a multiple of 16 elements. Exact: a bf16's
+   bits are the high half of its float32. */
+static inline v16 row_vec(const char *row, int c, int is_bf16) {
+    if (is_bf16) {
+#ifdef __AVX512F__ /* one widening load: gcc lowers the generic conversion to four instructions */
+        __m256i x = _mm256_loadu_si256((const __m256i *)(row + 32 * c));
+        return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16);
+#else
+        h16 x;
+        memcpy(&x, row + sizeof x * c, sizeof x);
+        return (v16)(__builtin_convertvector(x, u16v) << 16);
+#endif
+    }
+    v16 x;
+    memcpy(&x, row + sizeof x * c, sizeof x);
+    return x;
+}
+
+/* attend_one's weighted sums of values for rows r0 .. r0 + R - 1 (R: 1 or 2, a constant): each value row
+   is loaded once for the R rows; per row the same two chains (even and odd key index) as attend_block's. */
+static inline __attribute__((always_inline)) void values_one(Scratch *w, const char *vh, const int64_t *sl,
+                                                            int64_t row_bytes, int nv, int64_t n, int64_t kp,
+                                                            int R, int r0, const float *inv, int is_bf16,
+                                                            float *out) {
+    int dv = nv * LANES;
+    v16 even[2][MAX_DIM / LANES], odd[2][MAX_DIM / LANES];
+    for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 16")
+        for (int c = 0; c < nv; c++) even[r][c] = odd[r][c] = (v16){0};
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
+        const char *v0 = vh + row_bytes * sl[j], *v1 = vh + row_bytes * sl[j + 1];
+        float p0[2], p1[2];
+        for (int r = 0; r < R; r++) {
+            const float *s = w->s + (r0 + r) * kp;
+            p0[r] = s[j] * inv[r0 + r], p1[r] = s[j + 1] * inv[r0 + r];
+        }
+        _Pragma("GCC unroll 16")
+        for (int c = 0; c < nv; c++) {
+            v16 x0 = row_vec(v0, c, is_bf16), x1 = row_vec(v1, c, is_bf16);
+            for (int r = 0; r < R; r++) {
+                even[r][c] += p0[r] * x0;
+                odd[r][c] += p1[r] * x1;
+            }
+        }
+    }
+    if (j < n) { /* the last key, even */
+        const char *v0 = vh + row_bytes * sl[j];
+        _Pragma("GCC unroll 16")
+        for (int c = 0; c < nv; c++) {
+            v16 x0 = row_vec(v0, c, is_bf16);
+            for (int r = 0; r < R; r++) even[r][c] += (w->s[(r0 + r) * kp + j] * inv[r0 + r]) * x0;
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        v16 *o = (v16 *)(out + (r0 + r) * dv);
+        _Pragma("GCC unroll 16")
+        for (int c = 0; c < nv; c++) o[c] = even[r][c] + odd[r][c];
+    }
+}
+
+/* One new token: its g rows (heads of one KV head) over the same n keys, read straight from the pool
+   (`kh`/`vh`: the KV head's rows, `row_bytes` apart, slot list `sl`) rather than widened into scratch
+   first: here each key serves g rows only, and the copy cost more than the arithmetic. The arithmetic
+   and its order are attend_block's, so a token's output is bit for bit the same on either path
+   (the tests split prompts so that both run). */
+static inline __attribute__((always_inline)) void attend_one(Scratch *w, const char *kh, const char *vh,
+                                                            const int64_t *sl, int64_t row_bytes, int g,
+                                                            int nv, int64_t n, int is_bf16, float *out) {
+    int dv = nv * LANES;
+    int64_t kp = (n + LANES - 1) / LANES * LANES;
+    for (int64_t j0 = 0; j0 < n; j0 += LANES) {
+        v16 part[MAX_GROUP][LANES];
+        for (int t = 0; t < LANES; t++) {
+            v16 k[MAX_DIM / LANES];
+            const char *kr = kh + row_bytes * sl[j0 + t < n ? j0 + t : n - 1]; /* past n: scores unused */
+            if (j0 + t + 64 < n) { /* keys 64 ahead (slots may be scattered), and this key's value row */
+                const char *next = kh + row_bytes * sl[j0 + t + 64];
+                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b);
+            }
+            if (j0 + t < n)
+                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(vh + row_bytes * sl[j0 + t] + b);
+            _Pragma("GCC unroll 16")
+            for (int c = 0; c < nv; c++) k[c] = row_vec(kr, c, is_bf16);
+            for (int r = 0; r < g; r++) {
+                const v16 *q = (const v16 *)(w->q + r * dv);
+                v16 a = q[0] * k[0];
+                _Pragma("GCC unroll 16")
+                for (int c = 1; c < nv; c++) a += q[c] * k[c];
+                part[r][t] = a;
+            }
+        }
+        for (int r = 0; r < g; r++) *(v16 *)(w->s + r * kp + j0) = lane_sums(part[r]);
+    }
+    float inv[MAX_GROUP];
+    for (int r = 0; r < g; r++) inv[r] = softmax(w->s + r * kp, n);
+    int r = 0;
+    for (; r + 1 < g; r += 2) values_one(w, vh, sl, row_bytes, nv, n, kp, 2, r, inv, is_bf16, out);
+    if (r < g) values_one(w, vh, sl, row_bytes, nv, n, kp, 1, r, inv, is_bf16, out);
+}
+
 /* Returns 0, or -1 when a size is out of this kernel's range or memory ran out (the output is then
    incomplete). */
 int kvql_paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_stride,
@@ -227,12 +347,12 @@ int kvql_paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_str
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        int64_t width = (int64_t)QUERY_BLOCK * g;
-        Scratch w = {aligned_floats((size_t)(kp_max * dv)), aligned_floats((size_t)(kp_max * dv)),
-                     aligned_floats((size_t)(width * dv)), aligned_floats((size_t)(width * kp_max)),
-                     aligned_floats((size_t)(width * dv))};
-        float *outs = aligned_floats((size_t)(width * dv));
-        int ok = w.k && w.v && w.q && w.s && w.odd && outs;
+        /* parts of multiples of 16 floats: each 64-byte aligned */
+        size_t width = (size_t)QUERY_BLOCK * g, kv = (size_t)(kp_max * dv), rowsz = width * dv;
+        float *mem = scratch(2 * kv + 3 * rowsz + width * (size_t)kp_max);
+        Scratch w = {mem, mem + kv, mem + 2 * kv, mem + 2 * kv + rowsz, mem + 2 * kv + rowsz + width * kp_max};
+        float *outs = w.odd + rowsz;
+        int ok = mem != NULL;
         if (!ok) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; t++) {
@@ -244,18 +364,26 @@ int kvql_paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_str
             const char *kh = (const char *)k_pool + (int64_t)elem * h * kv_head_stride;
             const char *vh = (const char *)v_pool + (int64_t)elem * h * kv_head_stride;
             const int64_t *sl = slots + key_start[s];
-            for (int64_t j = 0; j < n; j++) { /* the keys this block sees */
-                widen(kh + elem * sl[j] * slot_stride, w.k + j * dv, d, dv, is_bf16);
-                widen(vh + elem * sl[j] * slot_stride, w.v + j * dv, d, dv, is_bf16);
-            }
-            memset(w.k + n * dv, 0, sizeof(float) * (size_t)((kp - n) * dv)); /* tile padding: scores unused */
             for (int64_t r = 0; r < rows; r++) {
                 int64_t base = (q_start[s] + i0 + r / g) * q_tok_stride + (h * g + r % g) * q_head_stride;
                 for (int c = 0; c < dv; c++) w.q[r * dv + c] = c < d ? scale * load(q, base + c, is_bf16) : 0.0f;
             }
-            if (nv == 4) attend_block(&w, rows, g, 4, n0, kp, outs); /* head_dim 64: constant loops */
-            else if (nv == 8) attend_block(&w, rows, g, 8, n0, kp, outs); /* head_dim 128 */
-            else attend_block(&w, rows, g, nv, n0, kp, outs);
+            if (qb == 1 && dv == d) { /* a decode step: keys read in place */
+                int64_t rb = elem * slot_stride;
+                if (nv == 4 && is_bf16) attend_one(&w, kh, vh, sl, rb, g, 4, n, 1, outs);
+                else if (nv == 4) attend_one(&w, kh, vh, sl, rb, g, 4, n, 0, outs);
+                else if (is_bf16) attend_one(&w, kh, vh, sl, rb, g, nv, n, 1, outs);
+                else attend_one(&w, kh, vh, sl, rb, g, nv, n, 0, outs);
+            } else {
+                for (int64_t j = 0; j < n; j++) { /* the keys this block sees, widened */
+                    widen(kh + elem * sl[j] * slot_stride, w.k + j * dv, d, dv, is_bf16);
+                    widen(vh + elem * sl[j] * slot_stride, w.v + j * dv, d, dv, is_bf16);
+                }
+                memset(w.k + n * dv, 0, sizeof(float) * (size_t)((kp - n) * dv)); /* tile padding: scores unused */
+                if (nv == 4) attend_block(&w, rows, g, 4, n0, kp, outs); /* head_dim 64: constant loops */
+                else if (nv == 8) attend_block(&w, rows, g, 8, n0, kp, outs); /* head_dim 128 */
+                else attend_block(&w, rows, g, nv, n0, kp, outs);
+            }
             for (int64_t r = 0; r < rows; r++) {
                 int64_t o = (q_start[s] + i0 + r / g) * out_tok_stride + (h * g + r % g) * out_head_stride;
                 for (int c = 0; c < d; c++) {
@@ -264,7 +392,6 @@ int kvql_paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_str
                 }
             }
         }
-        free(w.k), free(w.v), free(w.q), free(w.s), free(w.odd), free(outs);
     }
     free(block);
     return failed ? -1 : 0;
