@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .backends.dtype import name as dtype_name
-from .engine import cpu_linear
+from .engine import cpu_linear, fused_layers
 
 PREFIX = "".join(f"Q: {q}\nA: {a}\n" for q, a in [
     ("What is the capital of France?", "Paris"), ("How many legs does a spider have?", "Eight"),
@@ -180,6 +180,7 @@ def run(model, workloads=WORKLOADS, sizes=(2, 4, 8), out_dir: str | Path = "benc
 
     # the baselines run plain transformers: a copy of the model without kvql's linear layers
     hf_plain = copy.deepcopy(model.hf_model)
+    fused_layers.restore(hf_plain)
     cpu_linear.restore(hf_plain)
     hf_plain.set_attn_implementation("sdpa")
     hf_batch = copy.deepcopy(hf_plain) if batch_baseline else None  # (continuous batching changes its model)

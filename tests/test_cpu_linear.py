@@ -135,8 +135,9 @@ def test_the_engine_packs_on_cpu_and_splits_in_reduced_precision_only(tokenizer)
     try:
         assert all(layer.mlp.down_proj.kvql_slice == 768 for layer in bf16.hf_model.model.layers)
         assert all(layer.mlp.down_proj.kvql_slice == 1536 for layer in fp32.hf_model.model.layers)  # not split
+        # every layer packed, but those computed inside a stacked GEMM (fused_layers: q/k/v, gate/up)
         linears = [m for m in fp32.hf_model.modules() if isinstance(m, torch.nn.Linear)]
-        assert all(m.kvql_pack == cpu_linear.can_pack() for m in linears)
+        assert all(m.kvql_pack == cpu_linear.can_pack() for m in linears if not getattr(m, "kvql_stacked", False))
         [c] = bf16.generate("hello", max_tokens=3, ignore_eos=True)
         assert len(c.token_ids) == 3
     finally:

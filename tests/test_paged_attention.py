@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None
 
 
 def test_kernel_builds_where_a_compiler_is():
-    assert pa.available(), pa._error
+    assert pa.available(), pa.LIBRARY.error
 
 
 H, KV, D, SLOTS = 9, 3, 64, 3000

@@ -78,10 +78,7 @@ class Linear(torch.nn.Linear):
     kvql_packed: _Packed
 
     def _source(self) -> tuple:
-        w = self.weight
-        # an inference tensor has no version counter; it cannot be edited outside inference mode
-        version = None if w.is_inference() else w._version
-        return w.data_ptr(), version, w.dtype, w.device
+        return _version(self.weight)
 
     def repack(self) -> _Packed:
         w = self.weight
@@ -95,15 +92,67 @@ class Linear(torch.nn.Linear):
         w, packs = self.weight, self.kvql_packed
         if packs.source != self._source():
             packs = self.repack()  # the weight changed since it was packed, or this is a copy (module doc)
-        step, out = self.kvql_slice, None
         autograd = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)  # (oneDNN's op has no backward)
-        for a, packed in packs.slices:
-            xs = x if step == self.in_features else x[..., a:a + step]
-            if packed is None or autograd:
-                y = torch.nn.functional.linear(xs, w if step == self.in_features else w[:, a:a + step])
-            else:
-                y = torch.ops.mkldnn._linear_pointwise(xs, packed, None, "none", [], "")
-            out = y if out is None else out + y
+        out = _matmul(x, packs.slices, self.kvql_slice, self.in_features, w, plain=autograd)
+        return out if self.bias is None else out + self.bias
+
+
+def _matmul(x: torch.Tensor, slices: list, step: int, n_in: int, w: torch.Tensor | None, plain: bool = False):
+    """x times the weight given as reduction slices `(start, packed or None)` of `step` inputs each (a
+    slice without a packed copy, or all with `plain`, multiplies by `w`'s columns), summed in order."""
+    out = None
+    for a, packed in slices:
+        xs = x if step == n_in else x[..., a:a + step]
+        if packed is None or plain:
+            y = torch.nn.functional.linear(xs, w if step == n_in else w[:, a:a + step])
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(xs, packed, None, "none", [], "")
+        out = y if out is None else out + y
+    return out
+
+
+def _step(n: int, max_reduction: int | None) -> int:
+    """Inputs per reduction slice: equal slices of at most `max_reduction` (module doc)."""
+    return math.ceil(n / math.ceil(n / max_reduction)) if max_reduction and n > max_reduction else n
+
+
+def _version(t: torch.Tensor | None) -> tuple | None:
+    # an inference tensor has no version counter; it cannot be edited outside inference mode
+    return None if t is None else (t.data_ptr(), None if t.is_inference() else t._version, t.dtype, t.device)
+
+
+class Stacked:
+    """Linear layers that read the same input (q/k/v projections, gate/up) computed as one GEMM:
+    `stacked(x)` equals `cat([part(x) for part in parts], -1)` to float rounding (one GEMM over the
+    stacked weight rows instead of several narrow ones: 212 -> 88 us for SmolLM2's q/k/v at 24 rows in
+    bf16). Prepacked (CPU, PACKED_DTYPES; callers check `can_pack()`) and sliced for `max_reduction` as
+    `Linear`. The packed copy follows the parts: rebuilt when a part's weight or bias is edited in place
+    or replaced. Only the packed copy is held (the parts keep their own weights, unpacked: `prepare`
+    leaves layers marked `kvql_stacked` alone). Not a module: the model's state dict is unchanged; a copy
+    or a pickle packs again at its first call."""
+
+    def __init__(self, parts: list[torch.nn.Linear], max_reduction: int | None = None):
+        self.parts, self.max_reduction = list(parts), max_reduction
+        self.in_features = parts[0].in_features
+        self.step = _step(self.in_features, max_reduction)
+        self.packed, self.bias = _Packed(), None
+
+    def _source(self) -> tuple:
+        return tuple((_version(p.weight), _version(p.bias)) for p in self.parts)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "packed": _Packed(), "bias": None}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed.source != self._source():
+            with torch.no_grad():
+                w = torch.cat([p.weight.detach() for p in self.parts])
+                biases = [p.bias for p in self.parts]
+                self.bias = None if all(b is None for b in biases) else torch.cat(
+                    [b.detach() if b is not None else w.new_zeros(p.out_features) for b, p in zip(biases, self.parts)])
+                self.packed = _Packed([(a, _packed(w[:, a:a + self.step])) for a in range(0, self.in_features, self.step)],
+                                      self._source())
+        out = _matmul(x, self.packed.slices, self.step, self.in_features, None)
         return out if self.bias is None else out + self.bias
 
 
@@ -116,10 +165,10 @@ def prepare(model: torch.nn.Module, max_reduction: int | None = None, pack: bool
     pack = can_pack() if pack is None else pack
     changed = 0
     for module in model.modules():
-        if type(module) not in (torch.nn.Linear, Linear):
+        if type(module) not in (torch.nn.Linear, Linear) or getattr(module, "kvql_stacked", False):
             continue
         n = module.in_features
-        step = math.ceil(n / math.ceil(n / max_reduction)) if max_reduction and n > max_reduction else n
+        step = _step(n, max_reduction)
         if type(module) is Linear and module.kvql_slice == step and module.kvql_pack == pack:
             continue
         module.__class__ = Linear

@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .attention_plan import Bucket, Causal, Plan, plan
-from . import cpu_linear, paged_attention
+from . import cpu_linear, fused_layers, paged_attention
 from .kv_pool import KVPool
 
 ATTENTION = "kvql"
@@ -145,7 +145,10 @@ class ModelRunner:
         self.batch_invariant = pool.k.dtype != torch.float32
         if self.device.type == "cpu":
             # prepacked weights; in reduced precision a GEMM row then never depends on its batch (cpu_linear.py)
-            cpu_linear.prepare(hf_model, max_reduction=cpu_linear.MAX_REDUCTION if self.batch_invariant else None)
+            max_reduction = cpu_linear.MAX_REDUCTION if self.batch_invariant else None
+            cpu_linear.prepare(hf_model, max_reduction=max_reduction)
+            # fewer, larger operations per layer (q/k/v and gate/up GEMMs stacked, norms and rotary fused)
+            fused_layers.prepare(hf_model, max_reduction=max_reduction)
         self.paged = paged_attention.supports(self.device, pool.k.dtype, config.num_attention_heads,
                                               config.num_key_value_heads, pool.k.shape[-1])
         self.forward_seconds = 0.0

@@ -15,39 +15,15 @@
    query differently by its place in a block at -O3 (gcc 12); tests/test_paged_attention.py catches such a
    build. */
 
-#include <math.h>
-#include <stdint.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define MAX_GROUP 16
 #define MAX_DIM 256
-#define LANES 16
 #define QUERY_BLOCK 16
 #define KEY_TILE 64 /* a multiple of 2 * LANES */
-
-typedef float v16 __attribute__((vector_size(4 * LANES), aligned(64)));
-typedef int32_t i16 __attribute__((vector_size(4 * LANES)));
-typedef uint32_t u16v __attribute__((vector_size(4 * LANES)));
-typedef uint16_t h16 __attribute__((vector_size(2 * LANES)));
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static inline float load(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -63,54 +39,6 @@ static inline void widen(const void *src, float *dst, int d, int dp, int is_bf16
     } else
         memcpy(dst, src, sizeof(float) * d);
     for (int c = d; c < dp; c++) dst[c] = 0.0f;
-}
-
-/* r[m] = the sum of the 16 lanes of a[m], for each m by the same tree: lanes (l, l+8), then (l, l+4),
-   (l, l+2), (l, l+1). */
-static inline v16 lane_sums(const v16 *a) {
-    const i16 l1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const i16 l1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const i16 l2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const i16 l2b = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const i16 l3a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const i16 l3b = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const i16 l4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const i16 l4b = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    v16 b[8], c[4], e[2];
-    for (int i = 0; i < 8; i++)
-        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], l1a) + __builtin_shuffle(a[2 * i], a[2 * i + 1], l1b);
-    for (int i = 0; i < 4; i++)
-        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], l2a) + __builtin_shuffle(b[2 * i], b[2 * i + 1], l2b);
-    for (int i = 0; i < 2; i++)
-        e[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], l3a) + __builtin_shuffle(c[2 * i], c[2 * i + 1], l3b);
-    return __builtin_shuffle(e[0], e[1], l4a) + __builtin_shuffle(e[0], e[1], l4b);
-}
-
-static inline v16 splat(float x) { return (v16){0} + x; }
-
-static inline v16 pick(i16 mask, v16 a, v16 b) { /* mask lanes all-ones: a, zero: b */
-    return (v16)(((i16)a & mask) | ((i16)b & ~mask));
-}
-
-/* e^x per lane for x <= 0 (softmax arguments): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series
-   to r^7 (relative error < 1e-8 before rounding), times 2^n; x below -87 gives e^-87 (~1.6e-38, nothing
-   next to the row's maximum's 1). Elementwise: a lane's result depends only on its own input. */
-static inline v16 exp16(v16 x) {
-    x = pick(x < splat(-87.0f), splat(-87.0f), x);
-    v16 n = x * splat(1.44269504f) + splat(12582912.0f); /* round to nearest by the 1.5 * 2^23 trick */
-    n -= splat(12582912.0f);
-    v16 r = x - n * splat(0.693145752f);
-    r -= n * splat(1.42860677e-6f);
-    v16 p = splat(1.0f / 5040);
-    p = p * r + splat(1.0f / 720);
-    p = p * r + splat(1.0f / 120);
-    p = p * r + splat(1.0f / 24);
-    p = p * r + splat(1.0f / 6);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.0f);
-    p = p * r + splat(1.0f);
-    i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
-    return p * (v16)bits;
 }
 
 /* Softmax over a row's `nr` scores in place, unnormalized (e^(s - max)); returns 1 / their sum. 16 at a
@@ -218,24 +146,6 @@ static inline __attribute__((always_inline)) void attend_block(Scratch *w, int64
         _Pragma("GCC unroll 16")
         for (int c = 0; c < nv; c++) eo[c] = eo[c] + oo[c];
     }
-}
-
-/* Vector c (16 elements) of a pool row, as float32; rows of a multiple of 16 elements. Exact: a bf16's
-   bits are the high half of its float32. */
-static inline v16 row_vec(const char *row, int c, int is_bf16) {
-    if (is_bf16) {
-#ifdef __AVX512F__ /* one widening load: gcc lowers the generic conversion to four instructions */
-        __m256i x = _mm256_loadu_si256((const __m256i *)(row + 32 * c));
-        return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16);
-#else
-        h16 x;
-        memcpy(&x, row + sizeof x * c, sizeof x);
-        return (v16)(__builtin_convertvector(x, u16v) << 16);
-#endif
-    }
-    v16 x;
-    memcpy(&x, row + sizeof x * c, sizeof x);
-    return x;
 }
 
 /* attend_one's weighted sums of values for rows r0 .. r0 + R - 1 (R: 1 or 2, a constant): each value row

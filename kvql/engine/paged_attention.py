@@ -11,91 +11,44 @@ result does not depend on the other segments of the call, nor on how its tokens 
 
 Why a kernel: a batch-24 decode step over 330-token contexts spent ~20 ms of ~110 ms copying every
 request's K/V out of the pool (index_select) before SDPA could read it again; this reads it once
-(benchmarks/forward_overhead.py, 2 threads: bf16 decode step 106 -> 62 ms, fp32 111 -> 90 ms). On long
+(benchmarks/forward_overhead.py, 2 threads: bf16 decode step 106 -> 62 ms, fp32 111 -> 90 ms; reading a
+single new token's keys straight from the pool instead of widening them into scratch first then took a
+layer's decode attention from 441 to ~250 us in bf16, 647 to ~270-500 us in fp32). On long
 prompts it runs at SDPA's speed (one 1,000-token prompt, one layer, 2 threads: 12.6 ms vs SDPA's causal
 kernel 13.0 ms, ~90 GFLOP/s): the softmax uses its own vectorized exp (the C file's `exp16`), which scalar
 `expf` made half as fast.
 
-Availability: the library is built once per machine into `~/.cache/kvql/kernels` (`$XDG_CACHE_HOME`
-honoured; keyed by the source, the flags and the CPU's feature flags, since it is built for the native
-instruction set) with `$CC` (default `cc`) and OpenMP; it shares torch's OpenMP runtime (same
-`libgomp.so.1`). `available()` is False when there is no compiler, the build fails, or
-`KVQL_PAGED_ATTENTION=0`; the model runner then gathers and calls SDPA as before.
+Availability: the library is built once per machine (kvql.engine.native; at -O2, see the C file).
+`available()` is False when there is no compiler, the build fails, or `KVQL_PAGED_ATTENTION=0`; the
+model runner then gathers and calls SDPA as before.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
-import threading
-import warnings
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
-FLAGS = ["-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]  # -O3: see the C file
+from . import native
+
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP, MAX_DIM = 16, 256  # as in the C file
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
 
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
-def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvql" / "kernels"
-    path = cache / f"paged_attention-{key}.so"
-    if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        try:
-            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-            if done.returncode:
-                raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
-            os.replace(tmp, path)  # atomic: concurrent builders each install a whole library
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(path))
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvql_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int, ctypes.c_float, i64, ptr, ptr, ptr, ptr, ptr, i64, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return lib
+
+
+LIBRARY = native.Library("paged_attention", "KVQL_PAGED_ATTENTION", "gathering K/V instead", _declare)
 
 
 def available() -> bool:
     """Whether the kernel can run here (built on first call; a failure is warned about once)."""
-    global _lib, _error
-    if os.environ.get("KVQL_PAGED_ATTENTION", "1") == "0":
-        return False
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                _lib = _build()
-            except Exception as e:  # no compiler, no OpenMP, a read-only cache: SDPA instead
-                _error = f"{type(e).__name__}: {e}"
-                warnings.warn(f"kvql: paged attention kernel unavailable, gathering K/V instead ({_error})")
-    return _lib is not None
+    return LIBRARY.available()
 
 
 def supports(device, dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -123,12 +76,11 @@ def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out:
     of DTYPES on the CPU. Writes the rows of `segs`' tokens into `out` (module doc)."""
     if not segs.count:
         return
-    if _lib is None and not available():  # once built, the switch no longer matters to a running model
-        raise RuntimeError(f"paged attention kernel unavailable: {_error or 'KVQL_PAGED_ATTENTION=0'}")
+    lib = LIBRARY.get()
     heads, _, d = query.shape
     kv_heads = k_pool.shape[0]
     assert query.stride(-1) == k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride() and out.is_contiguous()
-    rc = _lib.kvql_paged_attention(
+    rc = lib.kvql_paged_attention(
         query.data_ptr(), query.stride(1), query.stride(0),
         k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0), k_pool.stride(1),
         out.data_ptr(), out.stride(0), out.stride(1),

@@ -1,0 +1,149 @@
+"""Llama-family layers with fewer, larger operations on the CPU: `prepare(model)` swaps, in place, the class
+of each supported attention, MLP and RMSNorm module for a subclass whose forward does the same
+arithmetic in fewer steps:
+
+- attention: one GEMM for the q, k and v projections (`cpu_linear.Stacked`), rotary embedding applied in
+  place on its output (`fused_ops.rope_`, bit for bit transformers'), then the model's cache and attention
+  function exactly as transformers' forward calls them;
+- MLP: one GEMM for gate and up, then `fused_ops.silu_mul`, then down;
+- RMSNorm: `fused_ops.rms_norm`, one pass.
+
+Measured (SmolLM2-135M, batch-24 decode step, 2 threads; benchmarks/forward_overhead.py): see the README's
+numbers; the per-layer op count falls from ~50 to ~15 and q/k/v's three narrow GEMMs become one.
+
+Where it applies: modules of exactly the classes in SUPPORTED (Llama, Qwen2, Mistral and models built on
+them, e.g. SmolLM2), SiLU MLPs, sizes that are multiples of 16, on a CPU in float32 or bfloat16 with the
+kernels built and oneDNN's packed GEMM (`cpu_linear.can_pack()`). Any call that is not that case (another
+device or dtype, autograd recording, training mode, batch rows whose positions do not line up) runs
+transformers' own forward of the original class, unchanged. The swapped model is the same object: its
+state dict, its parameters and any plain forward of it (the engine's uncached reference included) go
+through the same layers, so the engine's exactness contract (cached == uncached) holds as before.
+`restore(model)` swaps the original classes back.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from . import cpu_linear, fused_ops
+
+ATTENTION = {  # class name -> the extra keyword transformers' forward passes its attention function
+    "LlamaAttention": lambda m: {},
+    "Qwen2Attention": lambda m: {"sliding_window": m.sliding_window},
+    "MistralAttention": lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)},
+}
+MLP = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
+NORM = {"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"}
+SUPPORTED = set(ATTENTION) | MLP | NORM
+
+
+def _plain(x: torch.Tensor, module: torch.nn.Module) -> bool:
+    """Whether this call must run the original forward (module doc)."""
+    return (x.device.type != "cpu" or x.dtype not in fused_ops.DTYPES or module.training
+            or (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))))
+
+
+class _Norm:
+    def forward(self, hidden_states):
+        if _plain(hidden_states, self) or self.weight.dtype != hidden_states.dtype or hidden_states.stride(-1) != 1:
+            return super().forward(hidden_states)
+        return fused_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+class _MLP:
+    def forward(self, x):
+        if _plain(x, self):
+            return super().forward(x)
+        return self.down_proj(fused_ops.silu_mul(self.kvql_gate_up(x)))
+
+
+class _Attention:
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        shape = hidden_states.shape[:-1]
+        cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+        if (_plain(hidden_states, self) or cos is None or cos.shape[:-1] != shape or cos.dtype != hidden_states.dtype
+                or not cos.is_contiguous() or not sin.is_contiguous()):
+            return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+        d = self.head_dim
+        heads, kv = self.config.num_attention_heads, self.config.num_key_value_heads
+        qkv = self.kvql_qkv(hidden_states.reshape(-1, hidden_states.shape[-1]))
+        fused_ops.rope_(qkv, cos.reshape(-1, d), sin.reshape(-1, d), heads + kv, d)
+        q, k, v = (qkv[:, a * d:b * d].view(*shape, b - a, d).transpose(1, 2)
+                   for a, b in ((0, heads), (heads, heads + kv), (heads + kv, heads + 2 * kv)))
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        original = self.kvql_original
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, sys.modules[original.__module__].eager_attention_forward)
+        out, weights = interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                                 **ATTENTION[original.__name__](self), **kwargs)
+        return self.o_proj(out.reshape(*shape, -1).contiguous()), weights
+
+
+_SWAPS: dict[type, type] = {}
+
+
+def _swap(module: torch.nn.Module, mixin: type) -> None:
+    original = type(module)
+    if original not in _SWAPS:
+        _SWAPS[original] = type(f"Kvql{original.__name__}", (mixin, original), {"kvql_original": original})
+    module.__class__ = _SWAPS[original]
+
+
+def prepare(model: torch.nn.Module, max_reduction: int | None = None) -> int:
+    """Swap the supported modules of `model` (module doc); returns how many. Nothing when the kernels or
+    oneDNN's packed GEMM are unavailable. Calling it again changes nothing."""
+    if not (cpu_linear.can_pack() and fused_ops.available()):
+        return 0
+    swapped = 0
+    for module in model.modules():
+        name = type(module).__name__
+        for attr in ("kvql_qkv", "kvql_gate_up"):  # swapped before: its GEMMs sliced as now asked
+            stacked = module.__dict__.get(attr)
+            if stacked is not None and stacked.max_reduction != max_reduction:
+                setattr(module, attr, cpu_linear.Stacked(stacked.parts, max_reduction))
+        if name not in SUPPORTED:
+            continue
+        if name in NORM and module.weight.shape[0] % 16 == 0:
+            _swap(module, _Norm)
+        elif name in MLP and type(module.act_fn).__name__ in ("SiLU", "SiLUActivation") \
+                and module.gate_proj.out_features % 16 == 0:
+            module.kvql_gate_up = cpu_linear.Stacked([module.gate_proj, module.up_proj], max_reduction)
+            _stack(module.gate_proj, module.up_proj)
+            _swap(module, _MLP)
+        elif name in ATTENTION and module.head_dim % 2 == 0:
+            module.kvql_qkv = cpu_linear.Stacked([module.q_proj, module.k_proj, module.v_proj], max_reduction)
+            _stack(module.q_proj, module.k_proj, module.v_proj)
+            _swap(module, _Attention)
+        else:
+            continue
+        swapped += 1
+    return swapped
+
+
+def _stack(*parts: torch.nn.Linear) -> None:
+    """The parts now run inside a `Stacked`: plain layers again (no packed copy of their own)."""
+    for p in parts:
+        if isinstance(p, cpu_linear.Linear):
+            cpu_linear.restore(p)
+        p.kvql_stacked = True
+
+
+def restore(model: torch.nn.Module) -> int:
+    """Undo `prepare`: the original classes back, the stacked GEMMs dropped. Returns how many modules."""
+    restored = 0
+    for module in model.modules():
+        original = getattr(type(module), "kvql_original", None)
+        if original is None:
+            continue
+        module.__class__ = original
+        for name in ("kvql_qkv", "kvql_gate_up"):
+            module.__dict__.pop(name, None)
+        for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            if hasattr(module, part):
+                getattr(module, part).__dict__.pop("kvql_stacked", None)
+        restored += 1
+    return restored

@@ -1,0 +1,89 @@
+"""kvql's C kernels (`kvql/engine/*.c`): built once per machine with the system C compiler and loaded with ctypes.
+
+`load(name, flags)` compiles `<name>.c` (with the headers beside it) into `~/.cache/kvql/kernels`
+(`$XDG_CACHE_HOME` honoured), keyed by the sources, the compiler, the flags and the CPU's feature flags
+(a library is built for the native instruction set), and loads it. Builds are atomic (`os.replace`), so
+concurrent processes each install a whole library. Raises when there is no compiler or the build fails:
+callers fall back to torch ops then. OpenMP: the libraries share torch's runtime (the same
+`libgomp.so.1`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).parent
+BASE_FLAGS = ["-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def load(name: str, flags: list[str] | None = None) -> ctypes.CDLL:
+    """The library built from `<name>.c` with BASE_FLAGS plus `flags` (module doc)."""
+    cc = os.environ.get("CC", "cc")
+    flags = BASE_FLAGS + list(flags or [])
+    source = HERE / f"{name}.c"
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
+    key = hashlib.sha256(text + " ".join([cc, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvql" / "kernels"
+    path = cache / f"{name}-{key}.so"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return ctypes.CDLL(str(path))
+
+
+class Library:
+    """A kernel library built on first use (`load`), or the reason it cannot be: `available()` is False when
+    there is no compiler, the build fails (warned about once: `what` says what runs instead), or the
+    environment variable `switch` is "0". `setup(lib)` declares the C signatures. Thread-safe."""
+
+    def __init__(self, name: str, switch: str, what: str, setup, flags: list[str] | None = None):
+        self.name, self.switch, self.what, self.setup, self.flags = name, switch, what, setup, flags
+        self.lib: ctypes.CDLL | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+
+    def available(self) -> bool:
+        if os.environ.get(self.switch, "1") == "0":
+            return False
+        with self._lock:
+            if self.lib is None and self.error is None:
+                try:
+                    lib = load(self.name, self.flags)
+                    self.setup(lib)
+                    self.lib = lib
+                except Exception as e:  # no compiler, no OpenMP, a read-only cache
+                    self.error = f"{type(e).__name__}: {e}"
+                    warnings.warn(f"kvql: {self.name} kernels unavailable, {self.what} ({self.error})")
+        return self.lib is not None
+
+    def get(self) -> ctypes.CDLL:
+        """The loaded library; once built, the switch no longer matters to a running model."""
+        if self.lib is None and not self.available():
+            raise RuntimeError(f"{self.name} kernels unavailable: {self.error or self.switch + '=0'}")
+        return self.lib

@@ -1,0 +1,139 @@
+"""Fused layer operations (kvql.engine.fused_ops) and the layers that use them (kvql.engine.fused_layers):
+each kernel against the torch ops it replaces (RoPE bit for bit), each row independent of its batch, the
+swapped model's forward against the original's for every supported family, stacked GEMMs following
+edits of the weights, autograd and `restore` running transformers' own code again."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import transformers.models.llama.modeling_llama as modeling_llama
+
+from conftest import tiny_model
+from kvql.engine import cpu_linear, fused_layers, fused_ops
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def test_kernels_build_where_a_compiler_is():
+    assert fused_ops.available(), fused_ops.LIBRARY.error
+
+
+def _torch_rms_norm(x, w, eps):
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_transformers(dtype):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(37, 576, generator=g).to(dtype) * 3, torch.randn(576, generator=g).to(dtype)
+    got, ref = fused_ops.rms_norm(x, w, 1e-5), _torch_rms_norm(x, w, 1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-6)
+    else:  # the normalized row rounds to bf16 as transformers': at most one bf16 step apart
+        torch.testing.assert_close(got, ref, rtol=8e-3, atol=1e-5)
+    strided = torch.randn(37, 2 * 576, generator=g).to(dtype)[:, 576:]  # rows may be strided
+    assert torch.equal(fused_ops.rms_norm(strided, w, 1e-5), fused_ops.rms_norm(strided.contiguous(), w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 16])  # the vector path (half a head a multiple of 16) and the scalar one
+def test_rope_is_bit_for_bit_transformers(dtype, d):
+    g = torch.Generator().manual_seed(1)
+    rows, heads, kv = 29, 9, 3
+    qkv = torch.randn(rows, (heads + 2 * kv) * d, generator=g).to(dtype)
+    freqs = (torch.arange(rows) * 7)[:, None].float() / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q = qkv[:, :heads * d].view(1, rows, heads, d).transpose(1, 2)
+    k = qkv[:, heads * d:(heads + kv) * d].view(1, rows, kv, d).transpose(1, 2)
+    ref_q, ref_k = modeling_llama.apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    out = qkv.clone()
+    fused_ops.rope_(out, cos, sin, heads + kv, d)
+    assert torch.equal(out[:, :heads * d].view(1, rows, heads, d).transpose(1, 2), ref_q)
+    assert torch.equal(out[:, heads * d:(heads + kv) * d].view(1, rows, kv, d).transpose(1, 2), ref_k)
+    assert torch.equal(out[:, (heads + kv) * d:], qkv[:, (heads + kv) * d:])  # values untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    g = torch.Generator().manual_seed(2)
+    gu = torch.randn(21, 2 * 1536, generator=g).to(dtype) * 4
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # far ends of the exp and its zero
+    ref = torch.nn.functional.silu(gu[:, :1536]) * gu[:, 1536:]
+    tol = 2e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(fused_ops.silu_mul(gu), ref, rtol=tol, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_row_is_the_same_alone_and_in_a_batch(dtype):
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(300, 576, generator=g).to(dtype), torch.randn(576, generator=g).to(dtype)
+    gu = torch.randn(300, 2 * 1536, generator=g).to(dtype)  # 300 rows: the kernels run multithreaded
+    norm, act = fused_ops.rms_norm(x, w, 1e-6), fused_ops.silu_mul(gu)
+    for i in (0, 7, 151, 299):
+        assert torch.equal(fused_ops.rms_norm(x[i:i + 1], w, 1e-6), norm[i:i + 1])
+        assert torch.equal(fused_ops.silu_mul(gu[i:i + 1]), act[i:i + 1])
+
+
+def _logits(model, ids):
+    with torch.inference_mode():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swapped_model_computes_what_transformers_does(tokenizer, family, dtype):
+    # head_dim 64 (SmolLM2's): the vector RoPE path; qwen2 has q/k/v biases, which the stacked GEMM adds
+    hf = tiny_model(tokenizer, family, seed=5, hidden_size=128, num_attention_heads=2, num_key_value_heads=1).to(dtype)
+    ids = torch.randint(0, len(tokenizer), (2, 23), generator=torch.Generator().manual_seed(4))
+    before = _logits(hf, ids)
+    assert fused_layers.prepare(hf) == 2 * (2 + 1 + 1) + 1  # per layer two norms, an MLP, an attention; final norm
+    assert type(hf.model.layers[0].self_attn).__name__.startswith("Kvql")
+    after = _logits(hf, ids)
+    # float32: other rounding in the norm, the activation and the stacked GEMM, ~1e-5 of logits of ~10
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.1)
+    torch.testing.assert_close(after, before, **tol)
+    assert fused_layers.restore(hf) == 9
+    assert type(hf.model.layers[0].self_attn).__name__ == type(hf.model.layers[0].self_attn).__name__.removeprefix("Kvql")
+    assert torch.equal(_logits(hf, ids), before)  # transformers' own code again, bit for bit
+
+
+def test_stacked_gemm_follows_edits_and_replacements_of_its_parts(tokenizer):
+    hf = tiny_model(tokenizer, "qwen2", seed=6)
+    twin = tiny_model(tokenizer, "qwen2", seed=6)  # never swapped: what the edited model must compute
+    ids = torch.randint(0, len(tokenizer), (1, 17), generator=torch.Generator().manual_seed(5))
+    fused_layers.prepare(hf)
+    _logits(hf, ids)  # packed now
+    for model in (hf, twin):
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[1].mlp
+        with torch.no_grad():
+            attn.k_proj.weight.mul_(1.5)  # in place
+            attn.v_proj.bias.add_(0.3)
+        mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.detach() * -1.0)  # replaced
+    torch.testing.assert_close(_logits(hf, ids), _logits(twin, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_autograd_runs_transformers_code_and_reaches_every_projection(tokenizer):
+    hf = tiny_model(tokenizer, "llama", seed=7)
+    fused_layers.prepare(hf)
+    ids = torch.randint(0, len(tokenizer), (1, 9), generator=torch.Generator().manual_seed(6))
+    hf(input_ids=ids).logits.sum().backward()
+    attn = hf.model.layers[0].self_attn
+    assert all(p.weight.grad is not None for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+
+
+def test_engine_prepares_the_model_and_packs_the_stacked_parts_once(tokenizer, make_model):
+    hf = tiny_model(tokenizer, "llama", seed=8)
+    make_model(hf)
+    attn = hf.model.layers[0].self_attn
+    assert isinstance(attn.kvql_qkv, cpu_linear.Stacked)
+    # the parts run inside the stacked GEMM: no packed copy of their own (memory as before)
+    assert type(attn.q_proj) is torch.nn.Linear and type(attn.o_proj) is cpu_linear.Linear
+    make_model(hf)  # a second engine on the same model changes nothing
+    assert type(attn.q_proj) is torch.nn.Linear and hf.model.layers[0].self_attn.kvql_qkv is attn.kvql_qkv
