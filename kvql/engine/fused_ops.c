@@ -15,7 +15,7 @@
 void kvql_rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t out_stride, int64_t rows,
                    int64_t n, float eps, int is_bf16, int threads) {
     int elem = is_bf16 ? 2 : 4, nv = (int)(n / LANES);
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 1 << 16)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 1 << 14)
     for (int64_t r = 0; r < rows; r++) {
         const char *xr = (const char *)x + elem * r * x_stride;
         char *o = (char *)out + elem * r * out_stride;
@@ -41,7 +41,7 @@ void kvql_rope(void *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t d
                const void *sin, int64_t cs_stride, int is_bf16, int threads) {
     int elem = is_bf16 ? 2 : 4;
     int64_t half = d / 2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= 1 << 16)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= 1 << 14)
     for (int64_t r = 0; r < rows; r++) {
         const char *cr = (const char *)cos + elem * r * cs_stride, *sr = (const char *)sin + elem * r * cs_stride;
         for (int64_t h = 0; h < heads; h++) {
@@ -86,7 +86,7 @@ void kvql_rope(void *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t d
 void kvql_silu_mul(const void *gu, int64_t gu_stride, void *out, int64_t out_stride, int64_t rows, int64_t n,
                    int is_bf16, int threads) {
     int elem = is_bf16 ? 2 : 4, nv = (int)(n / LANES);
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 1 << 16)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 1 << 14)
     for (int64_t r = 0; r < rows; r++) {
         const char *g = (const char *)gu + elem * r * gu_stride, *u = g + elem * n;
         char *o = (char *)out + elem * r * out_stride;

@@ -102,14 +102,29 @@ static inline v16 row_vec(const char *row, int c, int is_bf16) {
     return x;
 }
 
-/* Stores v as vector c (16 elements) of a float32 or bfloat16 row; bf16 rounded to nearest even, a NaN
-   kept a (quiet) NaN, as torch rounds. */
+/* v rounded to bfloat16, nearest even, as torch rounds (a NaN stays a NaN, its bits may differ). */
+static inline h16 to_bf16(v16 v) {
+    u16v u = (u16v)v;
+#ifdef __AVX512BF16__ /* one instruction, but it flushes subnormals to zero: those vectors take the long way */
+    u16v mag = u & 0x7fffffffu;
+    __mmask16 subnormal = _mm512_mask_cmplt_epu32_mask(_mm512_cmpneq_epi32_mask((__m512i)mag, _mm512_setzero_si512()),
+                                                       (__m512i)mag, _mm512_set1_epi32(0x00800000));
+    if (!subnormal) {
+        __m256bh h = _mm512_cvtneps_pbh((__m512)v);
+        h16 r;
+        memcpy(&r, &h, sizeof r);
+        return r;
+    }
+#endif
+    u16v nan = (u16v)((u & 0x7fffffffu) > 0x7f800000u);
+    u16v rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & rounded), h16);
+}
+
+/* Stores v as vector c (16 elements) of a float32 or bfloat16 row (to_bf16). */
 static inline void put_vec(char *row, int c, v16 v, int is_bf16) {
     if (is_bf16) {
-        u16v u = (u16v)v;
-        u16v nan = (u16v)((u & 0x7fffffffu) > 0x7f800000u);
-        u16v rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-        h16 h = __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & rounded), h16);
+        h16 h = to_bf16(v);
         memcpy(row + sizeof h * c, &h, sizeof h);
     } else
         memcpy(row + sizeof v * c, &v, sizeof v);
