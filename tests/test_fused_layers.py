@@ -137,3 +137,18 @@ def test_engine_prepares_the_model_and_packs_the_stacked_parts_once(tokenizer, m
     assert type(attn.q_proj) is torch.nn.Linear and type(attn.o_proj) is cpu_linear.Linear
     make_model(hf)  # a second engine on the same model changes nothing
     assert type(attn.q_proj) is torch.nn.Linear and hf.model.layers[0].self_attn.kvql_qkv is attn.kvql_qkv
+
+
+def test_a_copy_of_a_swapped_model_follows_its_own_weights(tokenizer):
+    import copy
+
+    hf = tiny_model(tokenizer, "llama", seed=9)
+    fused_layers.prepare(hf)
+    ids = torch.randint(0, len(tokenizer), (1, 11), generator=torch.Generator().manual_seed(7))
+    before = _logits(hf, ids)
+    twin = copy.deepcopy(hf)  # (kvql bench copies the engine's model for its baselines)
+    assert twin.model.layers[0].self_attn.kvql_qkv.parts[0] is twin.model.layers[0].self_attn.q_proj
+    assert torch.equal(_logits(twin, ids), before)
+    with torch.no_grad():
+        twin.model.layers[0].self_attn.q_proj.weight.mul_(-1.0)
+    assert not torch.allclose(_logits(twin, ids), before) and torch.equal(_logits(hf, ids), before)

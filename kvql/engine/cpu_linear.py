@@ -53,12 +53,12 @@ def _packed(w: torch.Tensor) -> torch.Tensor:
 
 
 class _Packed:
-    """A layer's slices, `(start, packed weight or None)` per reduction slice, and the weight they were
-    packed from (`source`). A copy or a pickle of the model carries none: oneDNN's packed tensors cannot be
+    """A layer's slices, `(start, packed weight or None)` per reduction slice, the weight they were packed
+    from (`source`), and (`Stacked`) the stacked bias. A copy or a pickle of the model carries none: oneDNN's packed tensors cannot be
     copied, and the copy packs its own weight at its first call."""
 
-    def __init__(self, slices: list | None = None, source: tuple | None = None):
-        self.slices, self.source = slices or [], source
+    def __init__(self, slices: list | None = None, source: tuple | None = None, bias: torch.Tensor | None = None):
+        self.slices, self.source, self.bias = slices or [], source, bias
 
     def __deepcopy__(self, memo) -> _Packed:
         return _Packed()
@@ -135,25 +135,27 @@ class Stacked:
         self.parts, self.max_reduction = list(parts), max_reduction
         self.in_features = parts[0].in_features
         self.step = _step(self.in_features, max_reduction)
-        self.packed, self.bias = _Packed(), None
+        self.packed = _Packed()
 
     def _source(self) -> tuple:
         return tuple((_version(p.weight), _version(p.bias)) for p in self.parts)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "packed": _Packed(), "bias": None}
+        return {**self.__dict__, "packed": _Packed()}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed.source != self._source():
+        packs = self.packed
+        if packs.source != self._source():
             with torch.no_grad():
                 w = torch.cat([p.weight.detach() for p in self.parts])
                 biases = [p.bias for p in self.parts]
-                self.bias = None if all(b is None for b in biases) else torch.cat(
+                bias = None if all(b is None for b in biases) else torch.cat(
                     [b.detach() if b is not None else w.new_zeros(p.out_features) for b, p in zip(biases, self.parts)])
-                self.packed = _Packed([(a, _packed(w[:, a:a + self.step])) for a in range(0, self.in_features, self.step)],
-                                      self._source())
-        out = _matmul(x, self.packed.slices, self.step, self.in_features, None)
-        return out if self.bias is None else out + self.bias
+                # one assignment: a thread calling meanwhile sees the old set or the new one, never a mix
+                self.packed = packs = _Packed([(a, _packed(w[:, a:a + self.step]))
+                                               for a in range(0, self.in_features, self.step)], self._source(), bias)
+        out = _matmul(x, packs.slices, self.step, self.in_features, None)
+        return out if packs.bias is None else out + packs.bias
 
 
 def prepare(model: torch.nn.Module, max_reduction: int | None = None, pack: bool | None = None) -> int:

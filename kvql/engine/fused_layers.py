@@ -8,8 +8,9 @@ arithmetic in fewer steps:
 - MLP: one GEMM for gate and up, then `fused_ops.silu_mul`, then down;
 - RMSNorm: `fused_ops.rms_norm`, one pass.
 
-Measured (SmolLM2-135M, batch-24 decode step, 2 threads; benchmarks/forward_overhead.py): see the README's
-numbers; the per-layer op count falls from ~50 to ~15 and q/k/v's three narrow GEMMs become one.
+Measured (SmolLM2-135M, 2 threads, benchmarks/forward_overhead.py: batch-24 decode step at 330 tokens of
+context, 24-prompt prefill): decode fp32 90 -> 75 ms, bf16 62 -> 53 ms; prefill fp32 672 -> 798 tok/s, bf16
+1,342 -> 1,365 tok/s. Per layer ~50 torch ops become ~15, and q/k/v's three narrow GEMMs one.
 
 Where it applies: modules of exactly the classes in SUPPORTED (Llama, Qwen2, Mistral and models built on
 them, e.g. SmolLM2), SiLU MLPs, sizes that are multiples of 16, on a CPU in float32 or bfloat16 with the
