@@ -152,3 +152,18 @@ def test_a_copy_of_a_swapped_model_follows_its_own_weights(tokenizer):
     with torch.no_grad():
         twin.model.layers[0].self_attn.q_proj.weight.mul_(-1.0)
     assert not torch.allclose(_logits(twin, ids), before) and torch.equal(_logits(hf, ids), before)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_engine_without_fused_layers_gives_the_same_greedy_tokens(tokenizer, make_model, monkeypatch, family):
+    """`KVQL_FUSED_OPS=0` (as where no compiler is) keeps transformers' layers; the answers stay."""
+    from conftest import random_prompts
+
+    prompts = random_prompts(seed=11, count=8, vocab=len(tokenizer), prefix_lengths=(0, 9))
+    fused = make_model(tiny_model(tokenizer, family, seed=10))
+    monkeypatch.setenv("KVQL_FUSED_OPS", "0")
+    plain = make_model(tiny_model(tokenizer, family, seed=10))
+    assert type(plain.hf_model.model.layers[0].self_attn).__name__ == f"{family.capitalize()}Attention"
+    assert type(fused.hf_model.model.layers[0].self_attn).__name__.startswith("Kvql")
+    assert ([c.token_ids for c in fused.generate(prompts, max_tokens=10)]
+            == [c.token_ids for c in plain.generate(prompts, max_tokens=10)])
