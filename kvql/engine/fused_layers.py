@@ -49,7 +49,7 @@ def _plain(x: torch.Tensor, module: torch.nn.Module) -> bool:
 
 class _Norm:
     def forward(self, hidden_states):
-        if _plain(hidden_states, self) or self.weight.dtype != hidden_states.dtype or hidden_states.stride(-1) != 1:
+        if _plain(hidden_states, self) or self.weight.dtype != hidden_states.dtype or not hidden_states.is_contiguous():
             return super().forward(hidden_states)
         return fused_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 

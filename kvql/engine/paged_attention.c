@@ -7,8 +7,8 @@
    (`lane_sums`). A row's softmax (vectorized, masked past its last key) and its weighted sum of values
    run over its own keys in slot-list order (two interleaved chains, even and odd key index, added at the
    end), in key tiles of fixed bounds. A single new token (a decode step) reads its keys and values
-   straight from the pool (`attend_one`) with that same arithmetic. Nothing depends on the batch, the chunking of a prompt, or the
-   thread: a token's output depends only on its own query and keys.
+   straight from the pool (`attend_one`) with that same arithmetic. Nothing depends on the batch, the
+   chunking of a prompt, or the thread: a token's output depends only on its own query and keys.
 
    float32 arithmetic for float32 and bfloat16 storage; bf16 results rounded to nearest even. No
    fast-math. Built with -O2: a first version of this kernel (compiler-vectorized reductions) rounded a
@@ -71,7 +71,8 @@ typedef struct {
 } Scratch;
 
 /* This thread's scratch of at least n floats, kept between calls (libgomp's threads persist), so that a
-   layer's call does not allocate and fault in fresh pages; NULL when memory ran out. */
+   layer's call does not allocate and fault in fresh pages; NULL when memory ran out. It grows to the
+   largest call's need (a few MB per thread for 8K-token contexts) and stays for the thread's life. */
 static __thread float *scratch_mem;
 static __thread size_t scratch_cap;
 
