@@ -135,7 +135,7 @@ class Stacked:
         self.parts, self.max_reduction = list(parts), max_reduction
         self.in_features = parts[0].in_features
         self.step = _step(self.in_features, max_reduction)
-        self.packed = _Packed()
+        self.repack()  # now, not at the first call: a fresh server's first requests do not pay it
 
     def _source(self) -> tuple:
         return tuple((_version(p.weight), _version(p.bias)) for p in self.parts)
@@ -143,17 +143,21 @@ class Stacked:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "packed": _Packed()}
 
+    def repack(self) -> _Packed:
+        with torch.no_grad():
+            w = torch.cat([p.weight.detach() for p in self.parts])
+            biases = [p.bias for p in self.parts]
+            bias = None if all(b is None for b in biases) else torch.cat(
+                [b.detach() if b is not None else w.new_zeros(p.out_features) for b, p in zip(biases, self.parts)])
+            # one assignment: a thread calling meanwhile sees the old set or the new one, never a mix
+            self.packed = _Packed([(a, _packed(w[:, a:a + self.step])) for a in range(0, self.in_features, self.step)],
+                                  self._source(), bias)
+        return self.packed
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         packs = self.packed
         if packs.source != self._source():
-            with torch.no_grad():
-                w = torch.cat([p.weight.detach() for p in self.parts])
-                biases = [p.bias for p in self.parts]
-                bias = None if all(b is None for b in biases) else torch.cat(
-                    [b.detach() if b is not None else w.new_zeros(p.out_features) for b, p in zip(biases, self.parts)])
-                # one assignment: a thread calling meanwhile sees the old set or the new one, never a mix
-                self.packed = packs = _Packed([(a, _packed(w[:, a:a + self.step]))
-                                               for a in range(0, self.in_features, self.step)], self._source(), bias)
+            packs = self.repack()  # a part changed since, or this is a copy
         out = _matmul(x, packs.slices, self.step, self.in_features, None)
         return out if packs.bias is None else out + packs.bias
 
