@@ -24,9 +24,7 @@ void kvql_rms_norm(const void *x, int64_t x_stride, const void *w, void *out, in
             v16 v = row_vec(xr, c, is_bf16);
             acc += v * v;
         }
-        v16 sums[LANES] = {acc};
-        for (int l = 1; l < LANES; l++) sums[l] = (v16){0};
-        float inv = 1.0f / sqrtf(lane_sums(sums)[0] / (float)n + eps);
+        float inv = 1.0f / sqrtf(lane_sum(acc) / (float)n + eps);
         for (int c = 0; c < nv; c++) {
             v16 y = round_to(row_vec(xr, c, is_bf16) * inv, is_bf16);
             put_vec(o, c, row_vec((const char *)w, c, is_bf16) * y, is_bf16);

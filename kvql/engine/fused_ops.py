@@ -29,7 +29,7 @@ import torch
 
 from . import native
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = native.DTYPES
 
 
 def _declare(lib: ctypes.CDLL) -> None:

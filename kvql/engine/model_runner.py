@@ -146,9 +146,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             # prepacked weights; in reduced precision a GEMM row then never depends on its batch (cpu_linear.py)
             max_reduction = cpu_linear.MAX_REDUCTION if self.batch_invariant else None
-            cpu_linear.prepare(hf_model, max_reduction=max_reduction)
-            # fewer, larger operations per layer (q/k/v and gate/up GEMMs stacked, norms and rotary fused)
+            # fewer, larger operations per layer (q/k/v and gate/up GEMMs stacked, norms and rotary fused);
+            # first, so that the stacked layers' parts are not packed only to be unpacked again
             fused_layers.prepare(hf_model, max_reduction=max_reduction)
+            cpu_linear.prepare(hf_model, max_reduction=max_reduction)
         self.paged = paged_attention.supports(self.device, pool.k.dtype, config.num_attention_heads,
                                               config.num_key_value_heads, pool.k.shape[-1])
         self.forward_seconds = 0.0

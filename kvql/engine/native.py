@@ -19,7 +19,11 @@ import threading
 import warnings
 from pathlib import Path
 
+import torch
+
 HERE = Path(__file__).parent
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""The dtypes kvql's kernels take, as their `is_bf16` argument."""
 BASE_FLAGS = ["-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 
 

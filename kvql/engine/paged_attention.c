@@ -59,9 +59,7 @@ static inline float softmax(float *row, int64_t nr) {
         sv[i] = pick(live, exp16(sv[i] - m), (v16){0});
         sumv += sv[i];
     }
-    v16 sums[LANES] = {sumv};
-    for (int l = 1; l < LANES; l++) sums[l] = (v16){0};
-    return 1.0f / lane_sums(sums)[0];
+    return 1.0f / lane_sum(sumv);
 }
 
 /* Per-thread scratch, 64-byte aligned: the widened K and V rows one task (segment, query block, KV head)

@@ -31,7 +31,7 @@ import torch
 
 from . import native
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = native.DTYPES
 MAX_GROUP, MAX_DIM = 16, 256  # as in the C file
 
 

@@ -56,6 +56,12 @@ static inline v16 lane_sums(const v16 *a) {
     return __builtin_shuffle(e[0], e[1], l4a) + __builtin_shuffle(e[0], e[1], l4b);
 }
 
+/* The sum of v's 16 lanes, by lane_sums' tree. */
+static inline float lane_sum(v16 v) {
+    v16 a[LANES] = {v}; /* the other vectors zero */
+    return lane_sums(a)[0];
+}
+
 static inline v16 splat(float x) { return (v16){0} + x; }
 
 static inline v16 pick(i16 mask, v16 a, v16 b) { /* mask lanes all-ones: a, zero: b */
