@@ -24,6 +24,10 @@ update), write (index_copy_ of new K/V into the pool), sdpa (SDPA kernels), line
 (matmuls), rest (everything else inside the forward: norms, rotary, activations, python). The plain
 forward is split the same way (its "gather" is the DynamicCache's torch.cat).
 
+Engine thread: the kvql decode step called on a second thread (as kvql's engine thread calls it) while
+this thread keeps the OpenMP worker pool its plain forward left, vs after releasing it (kvql.engine.openmp:
+with more OpenMP threads alive than CPUs, GNU libgomp's workers sleep between parallel regions).
+
 Batch invariance (--invariance N, default 24): N fuzz prompts (random token ids sharing prefixes of 0,
 5, 17 or 40 tokens, as tests/test_exactness.py's; --invariance-prefixes for others) generated greedily (16 tokens) by kvql's engine all at
 once, vs each prompt alone on an empty cache, vs the uncached reference (a plain forward of the whole
@@ -40,13 +44,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
 import torch
 from transformers import DynamicCache
 
 from kvql.backends.loader import load_hf
-from kvql.engine import attention_plan
+from kvql.engine import attention_plan, openmp
 from kvql.engine.kv_pool import KVPool
 from kvql.engine.model_runner import ModelRunner, Segment
 
@@ -220,7 +225,8 @@ def run_dtype(name: str, args) -> dict:
                           "shared merging": step(shared, False), "shared invariant": step(shared, True)},
                          args.repeats)
     runner.batch_invariant = default
-    result = {"dtype": name, "prefill": pre, "prefill_min": pre_min, "decode": dec, "decode_min": dec_min,
+    threads = engine_thread(decode["kvql"], plain_decode, args.repeats)
+    result = {"dtype": name, "engine_thread": threads, "prefill": pre, "prefill_min": pre_min, "decode": dec, "decode_min": dec_min,
               "decode_max_abs_logit_diff": diff,
               "prefill_tokens_per_s": pre and {k: B * C / v for k, v in pre.items()}, "modes": modes}
     def plan_of(segments):  # the plan the runner builds (paged on a CPU with the kernel)
@@ -238,6 +244,27 @@ def run_dtype(name: str, args) -> dict:
     return result
 
 
+def engine_thread(step, caller_work, repeats: int) -> dict:
+    """The kvql decode step called on a second thread, as the engine thread calls it, while this thread
+    keeps the OpenMP worker pool its own work (`caller_work`) left, or after releasing it
+    (kvql.engine.openmp): median seconds of each, alternating."""
+    def on_thread(release: bool) -> float:
+        caller_work()
+        if release:
+            openmp.release()
+        times = []
+        t = threading.Thread(target=lambda: times.extend(seconds(step) for _ in range(3)))
+        t.start()
+        t.join()
+        return statistics.median(times)
+    runs = {"caller pool kept": [], "caller pool released": []}
+    for _ in range(max(3, repeats // 3)):
+        for k in runs:
+            runs[k].append(on_thread(k.endswith("released")))
+    openmp.release()
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
 def _min_ratio(minima: dict | None) -> str:
     return f"{minima['kvql'] / minima['plain']:.2f}" if minima else "-"
 
@@ -250,6 +277,11 @@ def report(r: dict, args) -> None:
         print(f"decode step   kvql {d['kvql'] * 1e3:8.1f} ms   plain {d['plain'] * 1e3:8.1f} ms   "
               f"kvql/plain {d['kvql'] / d['plain']:.2f}  (target <= 1.20; of minima {_min_ratio(r.get('decode_min'))})   "
               f"max |logit diff| {r['decode_max_abs_logit_diff']:.2e}")
+    if "engine_thread" in r:
+        e = r["engine_thread"]
+        print("decode step on a second thread (as the engine runs it), this thread's OpenMP pool "
+              + "  ".join(f"{k.split()[-1]} {v * 1e3:.1f} ms" for k, v in e.items())
+              + f"  kept/released {e['caller pool kept'] / e['caller pool released']:.2f}")
     if "modes" in r:
         m = r["modes"]
         print("decode step by attention mode (ms; 'shared': every past starts with one common run of "
