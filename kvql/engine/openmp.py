@@ -11,9 +11,10 @@ decode step, 2 threads, benchmarks/forward_overhead.py's setup run on a second t
 loading thread's pool kept, 43.5 ms with it released (48 ms on the loading thread itself).
 
 `release()` frees the calling thread's pool (OpenMP 5.0 `omp_pause_resource_all`): its workers end; a
-later parallel region on that thread starts a new pool. The engine calls it where its caller loaded the
-model (`Engine.__init__`). Threads that keep running torch work of their own bring the slowdown back for
-as long as their pool lives (e.g. a benchmark's plain transformers baseline on the main thread): they may
+later parallel region on that thread starts a new pool. The engine calls it on the thread that built it
+(which loaded the model), on each thread that submits work or runs an entry point computing on its own
+thread, and on its own thread when it goes idle (engine.py's module doc). A thread that keeps running torch
+work of its own while the engine computes brings the slowdown back for as long as its pool lives; it may
 call `release()` when done.
 """
 
@@ -21,27 +22,33 @@ from __future__ import annotations
 
 import ctypes
 import os
-import functools
 
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: the pool's threads end (soft keeps them, asleep)
 
 
-@functools.cache
+_found = None
+
+
 def _runtime():
-    """The process's OpenMP runtime (torch's, already loaded: found by its soname), or None."""
-    for name in ("libgomp.so.1", "libomp.so", "libiomp5.so"):
+    """GNU libgomp when the process has it loaded (torch's on Linux, found by its soname), else None. Only
+    libgomp: its pause frees the calling thread's pool alone. LLVM's and Intel's runtimes (they export
+    `kmp_*` calls) wait by time (KMP_BLOCKTIME), not by a thread count, and their hard pause is not limited
+    to the calling thread (LLVM's frees the whole runtime)."""
+    global _found
+    if _found is None:  # (not found yet: torch may load it later)
         try:
-            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+            lib = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
         except OSError:
-            continue
-        if hasattr(lib, "omp_pause_resource_all"):
-            lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
-            return lib
-    return None
+            return None
+        if not hasattr(lib, "omp_pause_resource_all") or hasattr(lib, "kmp_set_blocktime"):
+            return None
+        lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
+        _found = lib
+    return _found
 
 
 def release() -> bool:
-    """Free the calling thread's OpenMP worker pool (module doc). True when the runtime did; False where
-    there is none loaded, it lacks the call, or it refused (inside a parallel region)."""
+    """Free the calling thread's OpenMP worker pool (module doc). True when libgomp did; False where it is
+    not the runtime, or it refused (inside a parallel region)."""
     lib = _runtime()
     return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_HARD) == 0
