@@ -15,6 +15,7 @@
    query differently by its place in a block at -O3 (gcc 12); tests/test_paged_attention.py catches such a
    build. */
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -68,17 +69,24 @@ typedef struct {
     float *k, *v, *q, *s, *odd;
 } Scratch;
 
-/* This thread's scratch of at least n floats, kept between calls (libgomp's threads persist), so that a
-   layer's call does not allocate and fault in fresh pages; NULL when memory ran out. It grows to the
-   largest call's need (a few MB per thread for 8K-token contexts) and stays for the thread's life. */
+/* This thread's scratch of at least n floats, kept between calls (libgomp's threads persist while their
+   pool lives), so that a layer's call does not allocate and fault in fresh pages; NULL when memory ran out.
+   It grows to the largest call's need (a few MB per thread for 8K-token contexts) and is freed when the
+   thread ends (a pthread key's destructor: the engine releases its idle OpenMP pool, whose workers end). */
 static __thread float *scratch_mem;
 static __thread size_t scratch_cap;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_key_init(void) { pthread_key_create(&scratch_key, free); }
 
 static float *scratch(size_t n) {
     if (n > scratch_cap) {
         free(scratch_mem);
         scratch_mem = aligned_alloc(64, sizeof(float) * n);
         scratch_cap = scratch_mem ? n : 0;
+        pthread_once(&scratch_once, scratch_key_init);
+        pthread_setspecific(scratch_key, scratch_mem);
     }
     return scratch_mem;
 }
