@@ -69,7 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
     assert x.stride(-1) == 1 and x.shape[-1] >= heads * head_dim and head_dim % 2 == 0 and x.dtype in DTYPES
     assert cos.shape == sin.shape == (x.shape[0], head_dim) and cos.stride() == sin.stride() and cos.stride(-1) == 1
-    assert cos.dtype == sin.dtype == x.dtype
+    assert cos.dtype == sin.dtype == x.dtype and x.device.type == cos.device.type == sin.device.type == "cpu"
     LIBRARY.get().kvql_rope(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(),
                             sin.data_ptr(), cos.stride(0), DTYPES[x.dtype], torch.get_num_threads())
 
