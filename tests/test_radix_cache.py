@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -61,6 +62,23 @@ def test_pool_never_grows_past_its_slots():
     assert pool.alloc(1) is None and pool.num_free == 0
     pool.free(a)
     assert pool.num_free == 8
+
+
+def test_pool_hands_out_slots_first_freed_first_taken_across_the_wrap():
+    pool, _ = make(num_slots=8)
+    assert pool.alloc(3).tolist() == [0, 1, 2] and pool.alloc(4).tolist() == [3, 4, 5, 6]
+    pool.free(torch.tensor([2, 0]))
+    pool.free(torch.tensor([5]))
+    assert pool.free_slots().tolist() == [7, 2, 0, 5] and pool.num_free == 4
+    assert pool.alloc(3).tolist() == [7, 2, 0]  # wraps past the ring's end
+    pool.free(torch.tensor([6, 4, 3, 1]))
+    assert pool.free_slots().tolist() == [5, 6, 4, 3, 1]
+    taken = pool.alloc(5)
+    assert taken.tolist() == [5, 6, 4, 3, 1] and pool.num_free == 0
+    pool.free(taken[:0])  # nothing
+    assert pool.num_free == 0
+    with pytest.raises(AssertionError, match="freed twice"):
+        pool.free(torch.arange(9))
 
 
 class CacheMachine(RuleBasedStateMachine):

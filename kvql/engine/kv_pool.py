@@ -26,7 +26,11 @@ class KVPool:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
         self.device = torch.device(device)
-        self._free = torch.arange(num_slots, dtype=torch.long, device=self.device)
+        # the free list, first in first out, as a ring: `_count` slots from `_head` (wrapping). Taking and
+        # returning k slots costs O(k), not a copy of the whole list (a 4 GiB pool has ~10^5 slots).
+        self._ring = torch.arange(num_slots, dtype=torch.long, device=self.device)
+        self._head = 0
+        self._count = num_slots
 
     @staticmethod
     def slot_bytes(*, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -39,20 +43,37 @@ class KVPool:
 
     @property
     def num_free(self) -> int:
-        return int(self._free.numel())
+        return self._count
+
+    def _span(self, start: int, n: int) -> torch.Tensor:
+        """A copy of the ring's `n` entries from `start` (wrapping)."""
+        end = start + n
+        if end <= self.num_slots:
+            return self._ring[start:end].clone()
+        return torch.cat([self._ring[start:], self._ring[:end - self.num_slots]])
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """Take `n` free slots (a long tensor), or None if fewer than `n` are free."""
-        if n > self._free.numel():
+        """Take `n` free slots (a long tensor: the longest-free first), or None if fewer than `n` are free."""
+        if n > self._count:
             return None
-        slots, self._free = self._free[:n], self._free[n:]
+        slots = self._span(self._head, n)
+        self._head = (self._head + n) % self.num_slots
+        self._count -= n
         return slots
 
     def free(self, slots: torch.Tensor) -> None:
         """Return slots to the free list. The caller must own them and stop using them."""
-        if slots.numel():
-            self._free = torch.cat([self._free, slots.to(self.device)])
+        k = slots.numel()
+        if not k:
+            return
+        assert self._count + k <= self.num_slots, "more slots freed than the pool has: a slot freed twice"
+        slots = slots.to(self.device).flatten()
+        tail = (self._head + self._count) % self.num_slots
+        first = min(k, self.num_slots - tail)
+        self._ring[tail:tail + first] = slots[:first]
+        self._ring[:k - first] = slots[first:]
+        self._count += k
 
     def free_slots(self) -> torch.Tensor:
-        """A copy of the free list, for integrity checks."""
-        return self._free.clone()
+        """A copy of the free list (in the order `alloc` takes them), for integrity checks."""
+        return self._span(self._head, self._count)

@@ -123,8 +123,10 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_running:
                 break
             m = matched[req.rid]
-            if not req.needs_prompt_logits and any(
-                    p.salt == req.salt and common_prefix_len(req.tokens, p.prompt_ids) - m >= self.dedup_min
+            tokens = req.tokens
+            # (fewer than dedup_min uncached tokens: no request can be computing that many of them)
+            if not req.needs_prompt_logits and len(tokens) - m >= self.dedup_min and any(
+                    p.salt == req.salt and common_prefix_len(tokens, p.prompt_ids) - m >= self.dedup_min
                     for p in prefilling):
                 continue  # another request is computing our prefix: hit it next step
             n = self.memory.admit(req, budget, reserve=len(self.running))
