@@ -83,9 +83,7 @@ class Linear(torch.nn.Linear):
     def repack(self) -> _Packed:
         w = self.weight
         pack = self.kvql_pack and w.device.type == "cpu" and w.dtype in PACKED_DTYPES
-        step = self.kvql_slice
-        self.kvql_packed = _Packed([(a, _packed(w[:, a:a + step]) if pack else None)
-                                    for a in range(0, self.in_features, step)], self._source())
+        self.kvql_packed = _Packed(_slices(w, self.kvql_slice, pack), self._source())
         return self.kvql_packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,6 +107,11 @@ def _matmul(x: torch.Tensor, slices: list, step: int, n_in: int, w: torch.Tensor
             y = torch.ops.mkldnn._linear_pointwise(xs, packed, None, "none", [], "")
         out = y if out is None else out + y
     return out
+
+
+def _slices(w: torch.Tensor, step: int, pack: bool) -> list:
+    """`(start, packed copy, or None without `pack`)` for each reduction slice of `step` inputs of `w`."""
+    return [(a, _packed(w[:, a:a + step]) if pack else None) for a in range(0, w.shape[1], step)]
 
 
 def _step(n: int, max_reduction: int | None) -> int:
@@ -150,8 +153,7 @@ class Stacked:
             bias = None if all(b is None for b in biases) else torch.cat(
                 [b.detach() if b is not None else w.new_zeros(p.out_features) for b, p in zip(biases, self.parts)])
             # one assignment: a thread calling meanwhile sees the old set or the new one, never a mix
-            self.packed = _Packed([(a, _packed(w[:, a:a + self.step])) for a in range(0, self.in_features, self.step)],
-                                  self._source(), bias)
+            self.packed = _Packed(_slices(w, self.step, True), self._source(), bias)
         return self.packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

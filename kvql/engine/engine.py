@@ -149,9 +149,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                if not self._inbox and not self._cancels and not self.has_work() and not self._closed:
+                if self._nothing_to_do():
                     openmp.release()  # idle: hold no OpenMP workers, which would slow other threads' (openmp.py)
-                while not self._inbox and not self._cancels and not self.has_work() and not self._closed:
+                while self._nothing_to_do():
                     self._wake.wait()
                 if self._closed:
                     return
@@ -162,6 +162,9 @@ class Engine:
                 with self._state:
                     for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                         self._fail(req.group, e, keep=False)
+
+    def _nothing_to_do(self) -> bool:  # (with `_wake` held)
+        return not (self._inbox or self._cancels or self.has_work() or self._closed)
 
     @_releases_openmp
     def close(self) -> None:

@@ -14,10 +14,15 @@ from ..completion import TokenLogprob
 from .request import Request
 
 
+def _bools(allowed) -> np.ndarray:
+    """A mask result as a flat bool array (nonzero: allowed), as given."""
+    return torch.as_tensor(allowed).to(device="cpu", dtype=torch.bool).flatten().numpy()
+
+
 def _allowed(allowed, vocab: int) -> np.ndarray:
     """A mask result as a bool array of `vocab` entries; a shorter one is padded with False (the model's
     vocab may be padded past the tokenizer's). Raises ValueError when it is longer or allows nothing."""
-    a = torch.as_tensor(allowed).to(device="cpu", dtype=torch.bool).flatten().numpy()
+    a = _bools(allowed)
     if a.size < vocab:
         a = np.concatenate([a, np.zeros(vocab - a.size, dtype=bool)])
     elif a.size > vocab:
@@ -79,7 +84,7 @@ def forced_token(allowed, vocab: int) -> int | None:
     (no restriction, several tokens, none, or a mask `sample` would reject: it raises there)."""
     if allowed is None:
         return None
-    a = torch.as_tensor(allowed).to(device="cpu", dtype=torch.bool).flatten().numpy()
+    a = _bools(allowed)
     if a.size > vocab or np.count_nonzero(a) != 1:
         return None
     return int(a.argmax())
