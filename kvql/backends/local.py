@@ -14,7 +14,7 @@ import torch
 from ..completion import Completion
 from ..engine.cache_dir import CacheDir
 from ..engine.engine import Engine
-from ..engine import healing
+from ..engine import healing, model_runner
 from ..engine.grammar import Grammar
 from ..engine.kv_pool import KVPool
 from ..engine.request import MaskFn, RequestGroup, SamplingParams, StopFn
@@ -76,19 +76,18 @@ class Model(Backend):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.device = next(hf_model.parameters()).device
-        self.context_length = int(getattr(config, "max_position_embeddings", None) or 2048)
-        window = getattr(config, "sliding_window", None)
-        if window and getattr(config, "use_sliding_window", True):
-            self.context_length = min(self.context_length, int(window))  # the engine masks no window
-        self.vocab_size = int(config.vocab_size)
+        text = config.get_text_config()
+        # the model's own maximum: sliding-window layers read their window, the pool keeps every token
+        self.context_length = int(getattr(text, "max_position_embeddings", None) or 2048)
+        self.vocab_size = int(text.vocab_size)
         budget = parse_bytes(cache_budget) if cache_budget is not None else default_budget(self.device)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        slot_bytes = KVPool.slot_bytes(num_layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads,
-                                       head_dim=head_dim, dtype=hf_model.dtype)
+        geometry = model_runner.read_geometry(hf_model)  # UnsupportedModel (a ValueError) says why not
+        slot_bytes = KVPool.slot_bytes(num_layers=len(geometry.layers), kv_heads=geometry.kv_heads,
+                                       head_dim=geometry.head_dim, dtype=hf_model.dtype)
         if budget < slot_bytes:
             raise ValueError(f"cache_budget {budget} bytes holds no token ({slot_bytes} bytes per token)")
-        self.engine = Engine(hf_model, tokenizer, num_slots=budget // slot_bytes,
-                             max_batch_tokens=max_batch_tokens, max_running=max_running, background=background)
+        self.engine = Engine(hf_model, tokenizer, num_slots=budget // slot_bytes, max_batch_tokens=max_batch_tokens,
+                             max_running=max_running, background=background, geometry=geometry)
         self.eos_ids = frozenset(self.engine.eos_ids)
         # Grammars are immutable: the runs of a query (a map over many inputs) share one per constraint.
         self._compiled = functools.lru_cache(maxsize=256)(self._compile)

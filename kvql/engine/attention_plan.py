@@ -82,7 +82,21 @@ class Bucket:
     mask: torch.Tensor      # [rows, 1, groups * q_len, k_len] bool, query heads of a KV head packed
     valid: torch.Tensor     # [rows * q_len] bool: which padded query rows are real
     out_index: torch.Tensor  # [n_valid] flat token positions of the real query rows
+    q_pos: torch.Tensor     # [rows, q_len] each query's position in its sequence
+    k_pos: torch.Tensor     # [rows, k_len] each key's position (a slot holds one position in every sequence)
     k_flat: torch.Tensor | None = None  # k_slots per KV head in the pool viewed [kv_heads * slots] (the runner's)
+    _windowed: dict | None = None
+
+    def window_mask(self, window: int | None, groups: int) -> torch.Tensor:
+        """`mask`, and for a sliding window of `window` keys also each query's window (built once per step)."""
+        if not window:
+            return self.mask
+        if self._windowed is None:
+            self._windowed = {}
+        if window not in self._windowed:
+            near = self.k_pos[:, None, :] > self.q_pos[:, :, None] - window  # [rows, q_len, k_len]
+            self._windowed[window] = self.mask & near.repeat(1, groups, 1)[:, None]
+        return self._windowed[window]
 
 
 def _shared_len(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -160,19 +174,23 @@ def _buckets(segments, indices: list[int], offsets: list[int], groups: int, devi
             keys, past = slots[i], segments[i].past_slots.numel()
             mask = (torch.arange(past + n, device=device)[None, :]
                     <= torch.arange(past, past + n, device=device)[:, None])
-            rows.append((torch.arange(offsets[i], offsets[i] + n), keys, mask))
+            rows.append((torch.arange(offsets[i], offsets[i] + n), keys, mask, torch.arange(past, past + n),
+                         torch.arange(past + n)))
             continue
         keys = torch.unique(torch.cat([slots[i] for i in members]))
         q_index = torch.cat([torch.arange(offsets[i], offsets[i] + len(segments[i].token_ids)) for i in members])
         mask = torch.zeros(q_index.numel(), keys.numel(), dtype=torch.bool, device=device)
+        q_pos, k_pos = [], torch.zeros(keys.numel(), dtype=torch.long)
         r = 0
         for i in members:
             n, past = len(segments[i].token_ids), segments[i].past_slots.numel()
             cols = torch.searchsorted(keys, slots[i])
             mask[r:r + n, cols] = (torch.arange(past + n, device=device)[None, :]
                                    <= torch.arange(past, past + n, device=device)[:, None])
+            k_pos[cols.cpu()] = torch.arange(past + n)
+            q_pos.append(torch.arange(past, past + n))
             r += n
-        rows.append((q_index, keys, mask))
+        rows.append((q_index, keys, mask, torch.cat(q_pos), k_pos))
     if not merge:  # batch-invariant: shapes from each request's own counts only (module doc)
         aligned: dict[tuple[int, int], list] = {}
         for row in rows:
@@ -197,16 +215,21 @@ def _pad(rows, groups: int, device, k_len: int | None = None) -> Bucket:
     q_len = max(r[0].numel() for r in rows)
     k_len = k_len or max(r[1].numel() for r in rows)
     q_index = torch.zeros(n_rows, q_len, dtype=torch.long)
+    q_pos = torch.zeros(n_rows, q_len, dtype=torch.long)
+    k_pos = torch.zeros(n_rows, k_len, dtype=torch.long)
     valid = torch.zeros(n_rows, q_len, dtype=torch.bool)
     k_slots = torch.empty(n_rows, k_len, dtype=torch.long, device=device)
     mask = torch.zeros(n_rows, q_len, k_len, dtype=torch.bool, device=device)
-    for r, (qi, keys, m) in enumerate(rows):
+    for r, (qi, keys, m, qp, kp) in enumerate(rows):
         nq, nk = qi.numel(), keys.numel()
         q_index[r, :nq], q_index[r, nq:] = qi, qi[0]
+        q_pos[r, :nq], q_pos[r, nq:] = qp, qp[0]  # a padded query sees key 0 (below): inside any window
+        k_pos[r, :nk], k_pos[r, nk:] = kp, qp[0]
         valid[r, :nq] = True
         k_slots[r, :nk], k_slots[r, nk:] = keys, keys[0]  # a written slot: never NaN garbage
         mask[r, :nq, :nk] = m
         mask[r, nq:, 0] = True  # padded queries see one key, so no row is fully masked
     q_index, valid = q_index.flatten(), valid.flatten()
     return Bucket(n_rows, q_len, k_len, q_index.to(device), k_slots.flatten(),
-                  mask.repeat(1, groups, 1)[:, None], valid.to(device), q_index[valid].to(device))
+                  mask.repeat(1, groups, 1)[:, None], valid.to(device), q_index[valid].to(device),
+                  q_pos.to(device), k_pos.to(device))

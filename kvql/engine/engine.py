@@ -57,7 +57,7 @@ from .radix_cache import RadixCache
 from .request import Request, RequestGroup, SamplingParams, State
 from .sampler import draw_forced, forced_logprob, forced_token, sample, token_logprobs
 from .scheduler import Scheduler
-from . import openmp, snapshot
+from . import admission, model_runner, openmp, snapshot
 
 
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -84,18 +84,21 @@ def _releases_openmp(method):
 
 class Engine:
     def __init__(self, hf_model, tokenizer, *, num_slots: int, max_batch_tokens: int = 1024,
-                 max_running: int = 64, background: bool = True):
+                 max_running: int = 64, background: bool = True, geometry: admission.Geometry | None = None):
+        """`geometry`: `model_runner.read_geometry(hf_model)` when the caller has it already (it probes the
+        model); a model the engine cannot run raises `admission.UnsupportedModel`, saying why."""
         config = hf_model.config
         self.tokenizer = tokenizer
         self.device = next(hf_model.parameters()).device
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.pool = KVPool(num_layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads,
-                           head_dim=head_dim, num_slots=num_slots, dtype=hf_model.dtype, device=self.device)
+        geometry = geometry or model_runner.read_geometry(hf_model)
+        self.pool = KVPool(num_layers=len(geometry.layers), kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+                           num_slots=num_slots, dtype=hf_model.dtype, device=self.device)
         self.tree = RadixCache(self.pool.free, self.device)
         self.memory = Memory(self.pool, self.tree)
         self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens,
                                    max_running=max_running)
-        self.runner = ModelRunner(hf_model, self.pool)
+        self.runner = ModelRunner(hf_model, self.pool, geometry)
+        self.runner.verify()
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
         self.background = background  # False: the caller drives `step()` (tests, deterministic stagger)

@@ -20,6 +20,7 @@ Mistral, SmolLM2, ...).
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -29,33 +30,46 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .attention_plan import Bucket, Causal, Plan, plan
-from . import cpu_linear, fused_layers, paged_attention
+from . import admission, cpu_linear, fused_layers, paged_attention
 from .kv_pool import KVPool
 
 ATTENTION = "kvql"
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvql_plan=None, **kwargs):
-    """Attention over pool K/V following `kvql_plan`; plain SDPA when called by ordinary transformers
-    code (no plan), so the same model object still works with `generate`."""
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvql_plan=None,
+               sliding_window=None, softcap=None, **kwargs):
+    """Attention over pool K/V following `kvql_plan`, with the layer's own `scaling`, `sliding_window` and
+    `softcap` (the keywords transformers' attention modules pass); the model's own attention when called by
+    ordinary transformers code (no plan), so the same model object still works with `generate`."""
     if kvql_plan is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
+        return _plain(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, kwargs)
+    if isinstance(kvql_plan, admission.Probe):
+        admission.record(kvql_plan, query, key, value, {"sliding_window": sliding_window, "softcap": softcap,
+                                                        **kwargs})
+        t = query.shape[2]
+        causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+        return _eager(query, key, value, causal, scaling, softcap, query.shape[1] // key.shape[1]).transpose(1, 2), None
     _, heads, t, d = query.shape
     k_pool, v_pool = key[0], value[0]  # [kv_heads, slots, head_dim]
     kv_heads = k_pool.shape[0]
     g = heads // kv_heads
     out = query.new_empty(t, heads, v_pool.shape[-1])
     if kvql_plan.paged is not None:  # a paged plan has nothing else: every segment read in place
-        paged_attention.attend(query[0], k_pool, v_pool, out, kvql_plan.paged, scaling or d ** -0.5)
+        paged_attention.attend(query[0], k_pool, v_pool, out, kvql_plan.paged, scaling or d ** -0.5,
+                               sliding_window, softcap)
         return out[None], None
     c: Causal
-    for c in kvql_plan.causal:  # no past: causal SDPA over the fresh K/V, read in place
+    for c in kvql_plan.causal:  # no past: causal attention over the fresh K/V, read in place
         span = slice(c.offset, c.offset + c.rows * c.q_len)
         q, k, v = (x[0, :, span].unflatten(1, (c.rows, c.q_len)).transpose(0, 1)
                    for x in (query, *kvql_plan.fresh))
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                                             enable_gqa=g > 1)
+        if sliding_window or softcap:
+            i = torch.arange(c.q_len, device=query.device)
+            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - (sliding_window or c.q_len))
+            o = _eager(q, k, v, mask, scaling, softcap, g)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                                                 enable_gqa=g > 1)
         out[span].unflatten(0, (c.rows, c.q_len)).copy_(o.transpose(1, 2))
     if not kvql_plan.buckets:
         return out[None], None
@@ -66,10 +80,44 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         q = qv[:, :, b.q_index].view(kv_heads, g, b.rows, b.q_len, d).permute(2, 0, 1, 3, 4)
         q = q.reshape(b.rows, kv_heads, g * b.q_len, d)
         k, v = (x.view(kv_heads, b.rows, b.k_len, -1).transpose(0, 1) for x in _gather(b, k_pool, v_pool))
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, scale=scaling)
+        mask = b.window_mask(sliding_window, g)
+        if softcap:
+            o = _eager(q, k, v, mask, scaling, softcap, 1)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
         o = o.view(b.rows, kv_heads, g, b.q_len, -1).permute(0, 3, 1, 2, 4).reshape(b.rows * b.q_len, heads, -1)
         out.index_copy_(0, b.out_index, o if b.out_index.numel() == o.shape[0] else o[b.valid])
     return out[None], None
+
+
+def _eager(q, k, v, mask, scaling, softcap, groups: int):
+    """Attention written out (for what SDPA cannot do: soft-capped scores): `q [.., heads, Q, d]` over
+    `k`/`v [.., heads / groups, K, d]`, boolean `mask` broadcast to `[.., Q, K]`; softmax in float32."""
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scaling or q.shape[-1] ** -0.5)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _plain(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, kwargs):
+    """A transformers call with no plan: SDPA as transformers' `sdpa` implementation, or, where SDPA cannot
+    compute the layer (soft-capped scores), the model's own eager attention with the mask made additive."""
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      sliding_window=sliding_window, **kwargs)
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    if attention_mask is None:  # transformers' SDPA mask is None where SDPA's own causal flag does it
+        q, k = query.shape[2], key.shape[2]
+        i, j = torch.arange(k - q, k, device=query.device)[:, None], torch.arange(k, device=query.device)[None]
+        attention_mask = ((j <= i) & (j > i - (sliding_window or k)))[None, None]
+    if attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                 sliding_window=sliding_window, softcap=softcap, **kwargs)
 
 
 def _gather(b: Bucket, k_pool, v_pool):
@@ -132,13 +180,30 @@ class Segment:
         return k
 
 
+def read_geometry(hf_model) -> admission.Geometry:
+    """The attention layers of `hf_model` as the engine runs them (admission.probe), or UnsupportedModel.
+    Sets the model's attention implementation to the engine's (a plain forward of it runs as before)."""
+    admission.check_config(hf_model.config)
+    if type(hf_model)._can_set_attn_implementation():
+        hf_model.set_attn_implementation(ATTENTION)
+
+    @torch.inference_mode()
+    def forward(probe, cache, ids, positions):
+        dev = next(hf_model.parameters()).device
+        hf_model(input_ids=ids[None].to(dev), position_ids=positions[None].to(dev), attention_mask=_NO_MASK.to(dev),
+                 cache=cache, kvql_plan=probe, logits_to_keep=1)
+
+    return admission.probe(hf_model, forward)
+
+
 class ModelRunner:
-    def __init__(self, hf_model, pool: KVPool):
+    def __init__(self, hf_model, pool: KVPool, geometry: admission.Geometry | None = None):
+        """`geometry`: the model's (`read_geometry(hf_model)`), probed here when not given; `pool` holds its K/V shape."""
         self.model = hf_model
         self.pool = pool
         self.device = pool.device
-        config = hf_model.config
-        self.groups = config.num_attention_heads // config.num_key_value_heads
+        self.geometry = geometry = geometry or read_geometry(hf_model)
+        self.groups = geometry.heads // geometry.kv_heads
         hf_model.set_attn_implementation(ATTENTION)
         # batch-invariant attention (attention_plan's module doc): on in reduced precision, where a
         # merged cluster's reduction order changes outputs; fp32 merges shared prefixes (cheaper)
@@ -150,8 +215,8 @@ class ModelRunner:
             # first, so that the stacked layers' parts are not packed only to be unpacked again
             fused_layers.prepare(hf_model, max_reduction=max_reduction)
             cpu_linear.prepare(hf_model, max_reduction=max_reduction)
-        self.paged = paged_attention.supports(self.device, pool.k.dtype, config.num_attention_heads,
-                                              config.num_key_value_heads, pool.k.shape[-1])
+        self.paged = paged_attention.supports(self.device, pool.k.dtype, geometry.heads, geometry.kv_heads,
+                                              pool.k.shape[-1])
         self.forward_seconds = 0.0
         self.forward_tokens = 0
 
@@ -185,3 +250,25 @@ class ModelRunner:
         self.forward_seconds += time.perf_counter() - started
         self.forward_tokens += len(ids)
         return [logits[a:b] if b > a else None for a, b in spans]
+
+    @torch.inference_mode()
+    def verify(self) -> None:
+        """UnsupportedModel unless logits computed over KV read back from the pool equal one plain forward of
+        the same tokens (admission.verify); uses pool slots while it runs and returns them."""
+        first, rest = admission.VERIFY_TOKENS
+        n = first + rest
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        ids = [(7 * i + 3) % vocab for i in range(n)]
+        slots = self.pool.alloc(n)
+        if slots is None:
+            return  # a pool smaller than the check: requests are refused by size anyway
+        counters = self.forward_seconds, self.forward_tokens  # the check is not the engine's work
+        try:
+            none = torch.empty(0, dtype=torch.long, device=self.device)
+            self.forward([Segment(ids[:first], 0, none, slots[:first], False)])
+            got = self.forward([Segment(ids[first:], first, slots[:first], slots[first:], True, all_logits=True)])[0]
+        finally:
+            self.pool.free(slots)
+            self.forward_seconds, self.forward_tokens = counters
+        want = self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0, first:].float()
+        admission.compare(self.model.config.model_type, got, want, self.pool.k.dtype)

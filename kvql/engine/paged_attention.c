@@ -42,25 +42,38 @@ static inline void widen(const void *src, float *dst, int d, int dp, int is_bf16
     for (int c = d; c < dp; c++) dst[c] = 0.0f;
 }
 
-/* Softmax over a row's `nr` scores in place, unnormalized (e^(s - max)); returns 1 / their sum. 16 at a
-   time from key 0, the last vector masked: the maximum, then the exponentials and one vector of lane
-   sums reduced by the fixed tree. */
-static inline float softmax(float *row, int64_t nr) {
+/* Softmax over a row's scores `lo .. nr - 1` in place, unnormalized (e^(s - max)), the scores before `lo`
+   (outside a sliding window) set to 0; returns 1 / their sum. 16 at a time from key 0, vectors masked
+   outside the live keys: the maximum, then the exponentials and one vector of lane sums reduced by the
+   fixed tree. Masked lanes add exact zeros, so where the row starts (any multiple of 16 at or below `lo`)
+   changes no result. */
+static inline float softmax(float *row, int64_t lo, int64_t nr) {
     v16 *sv = (v16 *)row, mv = splat(-INFINITY), sumv = (v16){0};
     const i16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     int64_t nvec = (nr + LANES - 1) / LANES;
     for (int64_t i = 0; i < nvec; i++) {
-        i16 live = lane < (i16){0} + (int)(nr - i * LANES);
+        i16 live = (lane < (i16){0} + (int)(nr - i * LANES)) & (lane >= (i16){0} + (int)(lo - i * LANES));
         mv = pick(live & (sv[i] > mv), sv[i], mv);
     }
     float m = mv[0];
     for (int l = 1; l < LANES; l++) m = mv[l] > m ? mv[l] : m;
     for (int64_t i = 0; i < nvec; i++) {
-        i16 live = lane < (i16){0} + (int)(nr - i * LANES);
+        i16 live = (lane < (i16){0} + (int)(nr - i * LANES)) & (lane >= (i16){0} + (int)(lo - i * LANES));
         sv[i] = pick(live, exp16(sv[i] - m), (v16){0});
         sumv += sv[i];
     }
     return 1.0f / lane_sum(sumv);
+}
+
+/* Attention logit soft-capping (Gemma 2): each score s becomes cap * tanh(s / cap). */
+static inline void soft_cap(float *row, int64_t lo, int64_t nr, float cap) {
+    for (int64_t j = lo; j < nr; j++) row[j] = cap * tanhf(row[j] / cap);
+}
+
+/* The first key a row with `nr` keys (counted from key `base`) sees under a sliding window of `win` keys
+   (0: none), counted from `base` too. */
+static inline int64_t window_start(int64_t nr, int64_t base, int64_t win) {
+    return win && nr + base > win ? nr - win : 0;
 }
 
 /* Per-thread scratch, 64-byte aligned: the widened K and V rows one task (segment, query block, KV head)
@@ -92,12 +105,15 @@ static float *scratch(size_t n) {
 }
 
 /* Rows `rows` of a block (row r = query r / g, head r % g of KV head h) whose first query sees `n0` keys;
-   keys and values already widened in `w` (kp = keys padded to 16). Writes outputs into `out` (also the
-   even-key accumulator; `w->odd` the odd-key one). Keys are visited in tiles of KEY_TILE for all rows,
-   so that a tile stays in cache while every row uses it; tiles start at fixed key indices and each row's
-   sums still run over its keys in order, so the tiling changes no result. */
+   keys and values already widened in `w` (kp = keys padded to 16), from key `base` (a multiple of 16) of
+   the segment on; `win`: the layer's sliding window (0: none), `cap` its soft-cap (0: none). Writes outputs
+   into `out` (also the even-key accumulator; `w->odd` the odd-key one). Keys are visited in tiles of
+   KEY_TILE for all rows, so that a tile stays in cache while every row uses it; tiles start at fixed key
+   indices and each row's sums still run over its keys in order, so the tiling changes no result; keys
+   outside a row's window take part with weight exactly 0. */
 static inline __attribute__((always_inline)) void attend_block(Scratch *w, int64_t rows, int g, int nv,
-                                                              int64_t n0, int64_t kp, float *out) {
+                                                              int64_t n0, int64_t kp, int64_t base,
+                                                              int64_t win, float cap, float *out) {
     int dv = nv * LANES; /* nv: vectors per padded row, a constant where the caller specializes it */
     int64_t n = n0 + (rows - 1) / g; /* keys of the last row */
     for (int64_t t0 = 0; t0 < n; t0 += KEY_TILE)
@@ -118,7 +134,9 @@ static inline __attribute__((always_inline)) void attend_block(Scratch *w, int64
         }
     float inv[QUERY_BLOCK * MAX_GROUP];
     for (int64_t r = 0; r < rows; r++) {
-        inv[r] = softmax(w->s + r * kp, n0 + r / g);
+        int64_t nr = n0 + r / g, lo = window_start(nr, base, win);
+        if (cap > 0) soft_cap(w->s + r * kp, lo, nr, cap);
+        inv[r] = softmax(w->s + r * kp, lo, nr);
         memset(out + r * dv, 0, sizeof(float) * dv);
         memset(w->odd + r * dv, 0, sizeof(float) * dv);
     }
@@ -200,12 +218,14 @@ static inline __attribute__((always_inline)) void values_one(Scratch *w, const c
 
 /* One new token: its g rows (heads of one KV head) over the same n keys, read straight from the pool
    (`kh`/`vh`: the KV head's rows, `row_bytes` apart, slot list `sl`) rather than widened into scratch
-   first: here each key serves g rows only, and the copy cost more than the arithmetic. The arithmetic
-   and its order are attend_block's, so a token's output is bit for bit the same on either path
-   (the tests split prompts so that both run). */
+   first: here each key serves g rows only, and the copy cost more than the arithmetic. Keys before `lo`
+   are outside its sliding window (weight 0); `cap`: the soft-cap (0: none). The arithmetic and its order
+   are attend_block's, so a token's output is bit for bit the same on either path (the tests split prompts
+   so that both run). */
 static inline __attribute__((always_inline)) void attend_one(Scratch *w, const char *kh, const char *vh,
                                                             const int64_t *sl, int64_t row_bytes, int g,
-                                                            int nv, int64_t n, int is_bf16, float *out) {
+                                                            int nv, int64_t n, int64_t lo, float cap,
+                                                            int is_bf16, float *out) {
     int dv = nv * LANES;
     int64_t kp = (n + LANES - 1) / LANES * LANES;
     for (int64_t j0 = 0; j0 < n; j0 += LANES) {
@@ -232,7 +252,10 @@ static inline __attribute__((always_inline)) void attend_one(Scratch *w, const c
         for (int r = 0; r < g; r++) *(v16 *)(w->s + r * kp + j0) = lane_sums(part[r]);
     }
     float inv[MAX_GROUP];
-    for (int r = 0; r < g; r++) inv[r] = softmax(w->s + r * kp, n);
+    for (int r = 0; r < g; r++) {
+        if (cap > 0) soft_cap(w->s + r * kp, lo, n, cap);
+        inv[r] = softmax(w->s + r * kp, lo, n);
+    }
     int r = 0;
     for (; r + 1 < g; r += 2) values_one(w, vh, sl, row_bytes, nv, n, kp, 2, r, inv, is_bf16, out);
     if (r < g) values_one(w, vh, sl, row_bytes, nv, n, kp, 1, r, inv, is_bf16, out);
@@ -243,7 +266,7 @@ static inline __attribute__((always_inline)) void attend_one(Scratch *w, const c
 int kvql_paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_stride,
                          const void *k_pool, const void *v_pool, int64_t kv_head_stride, int64_t slot_stride,
                          void *out, int64_t out_tok_stride, int64_t out_head_stride,
-                         int heads, int kv_heads, int d, int is_bf16, float scale,
+                         int heads, int kv_heads, int d, int is_bf16, float scale, int64_t window, float softcap,
                          int64_t n_seg, const int64_t *q_start, const int64_t *q_len,
                          const int64_t *key_start, const int64_t *n_keys, const int64_t *slots,
                          int64_t max_keys, int threads) {
@@ -277,29 +300,34 @@ int kvql_paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_str
             int64_t s = block[2 * (t / kv_heads)], i0 = block[2 * (t / kv_heads) + 1];
             int h = (int)(t % kv_heads);
             int64_t qb = q_len[s] - i0 < QUERY_BLOCK ? q_len[s] - i0 : QUERY_BLOCK, rows = qb * g;
-            int64_t n0 = n_keys[s] - q_len[s] + i0 + 1, n = n0 + qb - 1, kp = (n + LANES - 1) / LANES * LANES;
+            int64_t n0 = n_keys[s] - q_len[s] + i0 + 1, n = n0 + qb - 1;
+            /* a sliding window: the block's keys from its first row's window start, down to a multiple of
+               16 (lanes and even/odd chains keep their place), counted from there on */
+            int64_t base = window_start(n0, 0, window) / LANES * LANES;
+            n0 -= base, n -= base;
+            int64_t kp = (n + LANES - 1) / LANES * LANES;
             const char *kh = (const char *)k_pool + (int64_t)elem * h * kv_head_stride;
             const char *vh = (const char *)v_pool + (int64_t)elem * h * kv_head_stride;
-            const int64_t *sl = slots + key_start[s];
+            const int64_t *sl = slots + key_start[s] + base;
             for (int64_t r = 0; r < rows; r++) {
                 int64_t base = (q_start[s] + i0 + r / g) * q_tok_stride + (h * g + r % g) * q_head_stride;
                 for (int c = 0; c < dv; c++) w.q[r * dv + c] = c < d ? scale * load(q, base + c, is_bf16) : 0.0f;
             }
             if (qb == 1 && dv == d) { /* a decode step: keys read in place */
-                int64_t rb = elem * slot_stride;
-                if (nv == 4 && is_bf16) attend_one(&w, kh, vh, sl, rb, g, 4, n, 1, outs);
-                else if (nv == 4) attend_one(&w, kh, vh, sl, rb, g, 4, n, 0, outs);
-                else if (is_bf16) attend_one(&w, kh, vh, sl, rb, g, nv, n, 1, outs);
-                else attend_one(&w, kh, vh, sl, rb, g, nv, n, 0, outs);
+                int64_t rb = elem * slot_stride, lo = window_start(n, base, window);
+                if (nv == 4 && is_bf16) attend_one(&w, kh, vh, sl, rb, g, 4, n, lo, softcap, 1, outs);
+                else if (nv == 4) attend_one(&w, kh, vh, sl, rb, g, 4, n, lo, softcap, 0, outs);
+                else if (is_bf16) attend_one(&w, kh, vh, sl, rb, g, nv, n, lo, softcap, 1, outs);
+                else attend_one(&w, kh, vh, sl, rb, g, nv, n, lo, softcap, 0, outs);
             } else {
                 for (int64_t j = 0; j < n; j++) { /* the keys this block sees, widened */
                     widen(kh + elem * sl[j] * slot_stride, w.k + j * dv, d, dv, is_bf16);
                     widen(vh + elem * sl[j] * slot_stride, w.v + j * dv, d, dv, is_bf16);
                 }
                 memset(w.k + n * dv, 0, sizeof(float) * (size_t)((kp - n) * dv)); /* tile padding: scores unused */
-                if (nv == 4) attend_block(&w, rows, g, 4, n0, kp, outs); /* head_dim 64: constant loops */
-                else if (nv == 8) attend_block(&w, rows, g, 8, n0, kp, outs); /* head_dim 128 */
-                else attend_block(&w, rows, g, nv, n0, kp, outs);
+                if (nv == 4) attend_block(&w, rows, g, 4, n0, kp, base, window, softcap, outs); /* head_dim 64 */
+                else if (nv == 8) attend_block(&w, rows, g, 8, n0, kp, base, window, softcap, outs); /* 128 */
+                else attend_block(&w, rows, g, nv, n0, kp, base, window, softcap, outs);
             }
             for (int64_t r = 0; r < rows; r++) {
                 int64_t o = (q_start[s] + i0 + r / g) * out_tok_stride + (h * g + r % g) * out_head_stride;

@@ -3,8 +3,10 @@ without gathering them (paged_attention.c, compiled here with the system C compi
 
 Contract of `attend`: for each segment, each of its `q_len` new tokens (flat positions `q_start ...`)
 attends causally over the first `n_keys - q_len + i + 1` of its slots (`slots[key_start : key_start +
-n_keys]`: its past, then its new tokens, whose K/V the layer has already written to the pool), and its
-output rows are written to `out [T, heads, head_dim]`. Float32 arithmetic for float32 and bfloat16
+n_keys]`: its past, then its new tokens, whose K/V the layer has already written to the pool), or, in a
+layer with a sliding window of W, over the last W of those, and its output rows are written to
+`out [T, heads, head_dim]`. A windowed layer reads only the keys in its window (on long contexts it costs
+less than a full one). Float32 arithmetic for float32 and bfloat16
 storage. One task per (segment, block of 16 new tokens, KV head), keys in slot-list order: a segment's
 result does not depend on the other segments of the call, nor on how its tokens were split into calls
 (the C file's doc): batch-invariant by construction.
@@ -39,7 +41,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvql_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_float, i64, ptr, ptr, ptr, ptr, ptr, i64, ctypes.c_int]
+                   ctypes.c_int, ctypes.c_float, i64, ctypes.c_float, i64, ptr, ptr, ptr, ptr, ptr, i64, ctypes.c_int]
     fn.restype = ctypes.c_int
 
 
@@ -70,10 +72,12 @@ class Segments:
 
 
 def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
-           segs: Segments, scale: float) -> None:
+           segs: Segments, scale: float, window: int | None = None, softcap: float | None = None) -> None:
     """`query [heads, T, head_dim]` (any strides, last dim contiguous), `k_pool`/`v_pool` `[kv_heads, slots,
     head_dim]` (last dim contiguous, same strides), `out [T, heads, head_dim]` contiguous; all one dtype
-    of DTYPES on the CPU. Writes the rows of `segs`' tokens into `out` (module doc)."""
+    of DTYPES on the CPU. Writes the rows of `segs`' tokens into `out` (module doc). `window`: each token
+    sees only its last `window` keys (itself included; transformers' sliding window), `softcap`: scores
+    become `softcap * tanh(score / softcap)` (Gemma 2's attention logit soft-capping)."""
     if not segs.count:
         return
     lib = LIBRARY.get()
@@ -84,7 +88,7 @@ def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out:
         query.data_ptr(), query.stride(1), query.stride(0),
         k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0), k_pool.stride(1),
         out.data_ptr(), out.stride(0), out.stride(1),
-        heads, kv_heads, d, DTYPES[query.dtype], scale,
+        heads, kv_heads, d, DTYPES[query.dtype], scale, int(window or 0), float(softcap or 0.0),
         segs.count, segs.q_start.data_ptr(), segs.q_len.data_ptr(), segs.key_start.data_ptr(),
         segs.n_keys.data_ptr(), segs.slots.data_ptr(), segs.max_keys, torch.get_num_threads())
     if rc:

@@ -1,0 +1,178 @@
+"""Admission: whether a transformers model runs on the engine, judged by what its forward does, not by its name.
+
+The engine needs three things of a model: every attention layer writes its new K/V through
+`cache.update(key, value, layer_idx)` of the cache object it is given, then calls the attention function
+registered with transformers' `AttentionInterface` (with the keyword arguments of the forward passed
+through), and nothing else in the model carries state from one token to the next. Most decoder-only
+families of transformers 5.x are written that way (Llama, Qwen, Gemma, Phi, OLMo, Granite, Cohere,
+StarCoder2, GPT-2, GPT-NeoX, GPT-J, GLM, their MoE variants); recurrent and hybrid models (Mamba, Jamba,
+LFM2, Qwen3-Next, RecurrentGemma: a recurrent state is not a prefix of token-granular KV), encoder-decoder
+models and models whose attention bypasses the interface (Falcon in transformers 5.24) are not.
+
+`probe(model)` runs one forward of a few tokens with a recording cache and records, per layer, what the
+attention function receives: query heads, KV heads, head dim, the layer's sliding window and logit
+soft-cap. The result (`Geometry`) sizes the KV pool and tells the attention path each layer's variant; a
+model that does not behave as above is refused with `UnsupportedModel`, whose message says why.
+
+`verify(runner)` then checks the whole path numerically, once per engine: the logits of a sequence whose
+first part is computed, written to the pool and then read back as cached KV must equal those of one plain
+forward of the same tokens (to rounding). This catches anything the probe cannot see (state kept outside
+the cache, attention arguments the engine ignores such as attention sinks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PROBE_TOKENS = 6
+VERIFY_TOKENS = (7, 5)  # computed first, then computed over the first part read back from the pool
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # max |engine - plain| / max |plain|; others below
+REDUCED_TOLERANCE = 6e-2
+SINKS = ("s_aux", "sinks")
+
+
+class UnsupportedModel(ValueError):
+    """The model cannot run on the engine; the message says what it does that the engine cannot serve."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What one attention layer computes: `heads` query heads over `kv_heads` K/V heads of `head_dim`,
+    each query seeing its last `window` positions (None: all), scores soft-capped at `softcap` (None: not)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+    softcap: float | None = None
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The model's attention layers, in `layer_idx` order. The pool holds one K/V shape for all of them."""
+
+    layers: tuple[Layer, ...]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.layers[0].kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].head_dim
+
+    @property
+    def heads(self) -> int:
+        return self.layers[0].heads
+
+    def describe(self) -> str:
+        windows = sorted({x.window for x in self.layers if x.window})
+        w = f", sliding window {'/'.join(map(str, windows))} on {sum(bool(x.window) for x in self.layers)} " \
+            f"of {len(self.layers)} layers" if windows else ""
+        return f"{len(self.layers)} layers x {self.heads} heads ({self.kv_heads} KV heads) x {self.head_dim}{w}"
+
+
+class Probe:
+    """The `kvql_plan` of a probe forward: the attention function records each call here."""
+
+    def __init__(self):
+        self.updates: list[tuple[int, tuple]] = []  # (layer_idx, key shape) in call order
+        self.calls: list[dict] = []
+
+
+class ProbeCache:
+    """`cache=` of a probe forward: records each layer's K/V shape and hands the fresh K/V back (no past)."""
+
+    def __init__(self, probe: Probe):
+        self.probe = probe
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.probe.updates.append((layer_idx, tuple(key_states.shape), tuple(value_states.shape)))
+        return key_states, value_states
+
+
+def record(probe: Probe, query, key, value, kwargs) -> None:
+    """Called by the engine's attention function when its plan is a `Probe`."""
+    sinks = {k: kwargs[k] for k in SINKS if kwargs.get(k) is not None}
+    probe.calls.append({"heads": query.shape[1], "kv_heads": key.shape[1], "head_dim": key.shape[-1],
+                        "v_dim": value.shape[-1], "window": kwargs.get("sliding_window"),
+                        "softcap": kwargs.get("softcap"), "sinks": sorted(sinks)})
+
+
+def check_config(config) -> None:
+    """Refusals that the config alone shows, before any weights are loaded."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModel(f"{config.model_type!r} is an encoder-decoder model; kvql's engine runs "
+                               f"decoder-only language models")
+
+
+def probe(hf_model, forward) -> Geometry:
+    """The geometry of `hf_model` (module doc), or UnsupportedModel. `forward(probe, cache, ids, positions)`
+    runs the model's forward with the engine's attention function and `kvql_plan=probe`."""
+    config = hf_model.config
+    check_config(config)
+    name = config.model_type
+    if not type(hf_model)._can_set_attn_implementation():
+        raise UnsupportedModel(f"{name!r}: its attention does not go through transformers' AttentionInterface "
+                               f"(transformers cannot set its attention implementation), which is where the "
+                               f"engine reads and writes the KV cache")
+    p = Probe()
+    ids = torch.arange(1, PROBE_TOKENS + 1) % int(config.get_text_config().vocab_size)
+    try:
+        forward(p, ProbeCache(p), ids, torch.arange(PROBE_TOKENS))
+    except Exception as e:  # noqa: BLE001 -- any failure of the probe is the reason for refusing
+        raise UnsupportedModel(f"{name!r}: a forward through the engine's cache failed "
+                               f"({type(e).__name__}: {e}); its layers need more of a cache than "
+                               f"cache.update (e.g. a recurrent state)") from e
+    if not p.updates:
+        raise UnsupportedModel(f"{name!r}: no layer writes K/V through cache.update: a recurrent or otherwise "
+                               f"stateful model (its state is not a prefix of token-granular KV)")
+    layer_ids = [i for i, *_ in p.updates]
+    if sorted(layer_ids) != list(range(len(layer_ids))):
+        raise UnsupportedModel(f"{name!r}: its layers write K/V as layers {layer_ids}; the engine needs each "
+                               f"attention layer to write its own (layers sharing K/V are not supported)")
+    if len(p.calls) != len(p.updates):
+        raise UnsupportedModel(f"{name!r}: {len(p.updates)} layers write K/V but the registered attention "
+                               f"function was called {len(p.calls)} times: its attention does not pass the "
+                               f"forward's keyword arguments through to the attention interface")
+    n_layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    if n_layers is not None and len(p.updates) < n_layers:
+        raise UnsupportedModel(f"{name!r}: only {len(p.updates)} of its {n_layers} layers are attention layers "
+                               f"with a KV cache; the others keep a recurrent state, which is not a prefix of "
+                               f"token-granular KV (a hybrid model)")
+    layers = []
+    for (i, k_shape, v_shape), call in zip(p.updates, p.calls):
+        if call["sinks"]:
+            raise UnsupportedModel(f"{name!r}: layer {i} uses attention sinks ({', '.join(call['sinks'])}), "
+                                   f"which kvql's attention does not compute")
+        if call["v_dim"] != call["head_dim"] or k_shape[1:] != v_shape[1:]:
+            raise UnsupportedModel(f"{name!r}: layer {i} has keys {k_shape} and values {v_shape} of different "
+                                   f"shapes")
+        window = int(call["window"]) if call["window"] else None
+        softcap = float(call["softcap"]) if call["softcap"] else None
+        layers.append(Layer(int(call["heads"]), int(call["kv_heads"]), int(call["head_dim"]), window, softcap))
+    shapes = {(x.heads, x.kv_heads, x.head_dim) for x in layers}
+    if len(shapes) > 1:
+        raise UnsupportedModel(f"{name!r}: its layers differ in (heads, KV heads, head dim): {sorted(shapes)}; "
+                               f"the engine's KV pool holds one shape for every layer")
+    if layers[0].heads % layers[0].kv_heads:
+        raise UnsupportedModel(f"{name!r}: {layers[0].heads} query heads over {layers[0].kv_heads} KV heads")
+    return Geometry(tuple(layers))
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return TOLERANCE.get(dtype, REDUCED_TOLERANCE)
+
+
+def compare(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """UnsupportedModel unless the engine's logits `got` equal the plain forward's `want` to rounding."""
+    scale = float(want.abs().max()) or 1.0
+    err = float((got - want).abs().max()) / scale
+    if not err <= tolerance(dtype):  # also catches NaN
+        raise UnsupportedModel(
+            f"{name!r}: logits computed over cached KV differ from the model's own forward of the same tokens "
+            f"(max relative difference {err:.2g}, tolerance {tolerance(dtype):g} in {str(dtype).replace('torch.', '')}): "
+            f"the model keeps state outside cache.update or its attention computes something the engine's "
+            f"does not")
