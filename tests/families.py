@@ -94,3 +94,88 @@ def reference(model_type: str, overrides: dict, tokenizer, prompt_list, max_toke
                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)[0, len(p):].tolist()
         out.append(gen[:gen.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in gen else gen)
     return out
+
+
+def staggered(m, prompt_list, max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of `prompt_list` submitted two at a time while earlier ones decode, in small prefill
+    chunks (`m`: a Model with `background=False`), so that batches mix prefill chunks and decode steps."""
+    groups = []
+    for i in range(0, len(prompt_list), 2):
+        groups += m._submit(prompt_list[i:i + 2], max_tokens=max_tokens, stop=None, temperature=0.0, top_p=1.0, n=1,
+                            seed=None, logprobs=None, mask=None)
+        m.engine.step()
+        m.engine.step()
+    m.engine.run_until_idle()
+    return [g.future.result()[0].token_ids for g in groups]
+
+
+def windowed(m) -> bool:
+    return any(layer.window for layer in m.engine.runner.geometry.layers)
+
+
+def check_exact(name: str, tokenizer, max_tokens: int = 8) -> dict:
+    """fp32: greedy tokens of the family's tiny model on the engine against `reference`: cold (all prompts in
+    one batch, sharing prefixes), warm (every prompt then served from the cache but its last token), and
+    staggered (`staggered`, on a fresh engine). Returns what each gave, the reference, and the engine."""
+    import kvql
+
+    model_type, overrides = FAMILIES[name]
+    hf = build(model_type, overrides, len(tokenizer), tokenizer.eos_token_id)
+    m = kvql.Model(hf, tokenizer, cache_budget=8 << 20)
+    try:
+        ps = prompts(len(tokenizer), seed=2, long=windowed(m))
+        out = {"reference": reference(model_type, overrides, tokenizer, ps, max_tokens),
+               "prompts": ps, "geometry": m.engine.runner.geometry, "fused": _fused(hf)}
+        out["cold"] = [c.token_ids for c in m.generate(ps, max_tokens=max_tokens)]
+        warm = m.generate(ps, max_tokens=max_tokens)
+        out["warm"] = [c.token_ids for c in warm]
+        out["warm_cached"] = [c.cached_tokens == c.prompt_tokens - 1 for c in warm]
+        m.check_integrity()
+    finally:
+        m.close()
+    m = kvql.Model(hf, tokenizer, cache_budget=8 << 20, background=False, max_batch_tokens=16)
+    try:
+        out["staggered"] = staggered(m, ps, max_tokens)
+        out["mixed_steps"] = m.stats()["mixed_steps"]
+        m.check_integrity()
+    finally:
+        m.close()
+    return out
+
+
+def check_bf16_invariant(name: str, tokenizer, max_tokens: int = 10) -> list[int]:
+    """bf16, near-flat logits (small init: a last-bit difference flips greedy tokens often): the indices of
+    prompts whose greedy tokens batched (sharing prefixes) differ from the same prompt alone on an empty cache."""
+    import kvql
+
+    model_type, overrides = FAMILIES[name]
+    hf = build(model_type, {**overrides, "initializer_range": 0.05}, len(tokenizer), tokenizer.eos_token_id)
+    m = kvql.Model(hf.to(torch.bfloat16), tokenizer, cache_budget=8 << 20, background=False)
+    try:
+        ps = prompts(len(tokenizer), seed=3, count=12, long=windowed(m))
+        batched = [c.token_ids for c in m.generate(ps, max_tokens=max_tokens)]
+        alone = []
+        for p in ps:
+            m.clear_cache()
+            alone.append(m.generate([p], max_tokens=max_tokens)[0].token_ids)
+    finally:
+        m.close()
+    return [i for i, (a, b) in enumerate(zip(batched, alone)) if a != b]
+
+
+def _fused(hf) -> int:
+    """How many of the model's modules run kvql's fused layers (kvql.engine.fused_layers)."""
+    return sum(hasattr(type(mod), "kvql_original") for mod in hf.modules())
+
+
+def check_refused(name: str, tokenizer) -> str:
+    """The error text of building the engine over a refused family's tiny model."""
+    import kvql
+
+    model_type, overrides, _ = REFUSED[name]
+    hf = build(model_type, overrides, len(tokenizer), tokenizer.eos_token_id)
+    try:
+        kvql.Model(hf, tokenizer, cache_budget=8 << 20).close()
+    except ValueError as e:
+        return str(e)
+    return ""

