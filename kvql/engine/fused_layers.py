@@ -12,8 +12,12 @@ Measured (SmolLM2-135M, 2 threads, benchmarks/forward_overhead.py: batch-24 deco
 context, 24-prompt prefill): decode fp32 90 -> 75 ms, bf16 62 -> 53 ms; prefill fp32 672 -> 798 tok/s, bf16
 1,342 -> 1,365 tok/s. Per layer ~50 torch ops become ~15, and q/k/v's three narrow GEMMs one.
 
-Where it applies: modules of exactly the classes in SUPPORTED (Llama, Qwen2, Mistral and models built on
-them, e.g. SmolLM2), SiLU MLPs, sizes that are multiples of 16, on a CPU in float32 or bfloat16 with the
+Where it applies, by structure rather than by name: a module whose class's forward is the same function as
+that of Llama's, Qwen2's or Mistral's attention, MLP or RMSNorm (`same_function`: the same bytecode,
+constants and names, and every global it calls the same function in turn: transformers' modular copies
+are; a copy that calls another `apply_rotary_pos_emb`, GLM's partial rotary, is not). Which modules of
+each family it swaps: the README's family table (scripts/family_table.py counts them). Not (their own forward runs): Gemma's `(1 + w)` RMSNorm and GELU-gated MLPs (the kernels compute
+Llama's), attention with q/k norms (Qwen3, Gemma 3, OLMo 2) or partial rotary. Also: sizes that are multiples of 16, on a CPU in float32 or bfloat16 with the
 kernels built and oneDNN's packed GEMM (`cpu_linear.can_pack()`). Any call that is not that case (another
 device or dtype, autograd recording, training mode, batch rows whose positions do not line up) runs
 transformers' own forward of the original class, unchanged. The swapped model is the same object: its
@@ -24,21 +28,73 @@ through the same layers, so the engine's exactness contract (cached == uncached)
 
 from __future__ import annotations
 
+import inspect
 import sys
+import types
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import cpu_linear, fused_ops
 
-ATTENTION = {  # class name -> the extra keyword transformers' forward passes its attention function
-    "LlamaAttention": lambda m: {},
-    "Qwen2Attention": lambda m: {"sliding_window": m.sliding_window},
-    "MistralAttention": lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)},
-}
-MLP = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
-NORM = {"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"}
-SUPPORTED = set(ATTENTION) | MLP | NORM
+def _references():
+    """kind -> [(reference class, the extra keywords its forward passes the attention function)]."""
+    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.mistral import modeling_mistral as mistral
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+    return {
+        "attention": [(llama.LlamaAttention, lambda m: {}),
+                      (qwen2.Qwen2Attention, lambda m: {"sliding_window": m.sliding_window}),
+                      (mistral.MistralAttention, lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)})],
+        "mlp": [(llama.LlamaMLP, None)],
+        "norm": [(llama.LlamaRMSNorm, None)],
+    }
+
+
+def same_function(f, g, _seen=None) -> bool:
+    """Whether functions `f` and `g` compute the same thing as far as their code shows: equal bytecode,
+    constants and names (after unwrapping decorators), and each global name they use bound to the same
+    object in both, or to functions that are the same function in turn."""
+    f, g = inspect.unwrap(f), inspect.unwrap(g)
+    if f is g:
+        return True
+    if not (isinstance(f, types.FunctionType) and isinstance(g, types.FunctionType)):
+        return False
+    a, b = f.__code__, g.__code__
+    if (a.co_code, a.co_consts, a.co_names) != (b.co_code, b.co_consts, b.co_names):
+        return False
+    seen = _seen if _seen is not None else set()
+    if (a, b) in seen:
+        return True
+    seen.add((a, b))
+    for name in a.co_names:
+        x, y = f.__globals__.get(name, _MISSING), g.__globals__.get(name, _MISSING)
+        if x is y:
+            continue
+        if not (isinstance(x, types.FunctionType) and isinstance(y, types.FunctionType)
+                and same_function(x, y, seen)):
+            return False
+    return True
+
+
+_MISSING = object()
+_KINDS: dict[type, tuple] = {}
+
+
+def kind(cls: type) -> tuple[str | None, object]:
+    """`(kind, attention keywords)` of a module class: which reference forward it has (`same_function`),
+    or `(None, None)`."""
+    if cls not in _KINDS:
+        _KINDS[cls] = (None, None)
+        forward = getattr(cls, "forward", None)
+        for k, refs in _references().items():
+            match = next((extra for ref, extra in refs if forward is not None and same_function(forward, ref.forward)),
+                         _MISSING)
+            if match is not _MISSING:
+                _KINDS[cls] = (k, match)
+                break
+    return _KINDS[cls]
 
 
 def _plain(x: torch.Tensor, module: torch.nn.Module) -> bool:
@@ -80,7 +136,7 @@ class _Attention:
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, sys.modules[original.__module__].eager_attention_forward)
         out, weights = interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
-                                 **ATTENTION[original.__name__](self), **kwargs)
+                                 **kind(original)[1](self), **kwargs)
         return self.o_proj(out.reshape(*shape, -1).contiguous()), weights
 
 
@@ -101,21 +157,21 @@ def prepare(model: torch.nn.Module, max_reduction: int | None = None) -> int:
         return 0
     swapped = 0
     for module in model.modules():
-        name = type(module).__name__
         for attr in ("kvql_qkv", "kvql_gate_up"):  # swapped before: its GEMMs sliced as now asked
             stacked = module.__dict__.get(attr)
             if stacked is not None and stacked.max_reduction != max_reduction:
                 setattr(module, attr, cpu_linear.Stacked(stacked.parts, max_reduction))
-        if name not in SUPPORTED:
+        if hasattr(type(module), "kvql_original"):
             continue
-        if name in NORM and module.weight.shape[0] % 16 == 0:
+        what = kind(type(module))[0]
+        if what == "norm" and module.weight.shape[0] % 16 == 0:
             _swap(module, _Norm)
-        elif name in MLP and type(module.act_fn).__name__ in ("SiLU", "SiLUActivation") \
+        elif what == "mlp" and type(module.act_fn).__name__ in ("SiLU", "SiLUActivation") \
                 and module.gate_proj.out_features % 16 == 0:
             module.kvql_gate_up = cpu_linear.Stacked([module.gate_proj, module.up_proj], max_reduction)
             _stack(module.gate_proj, module.up_proj)
             _swap(module, _MLP)
-        elif name in ATTENTION and module.head_dim % 2 == 0:
+        elif what == "attention" and module.head_dim % 2 == 0:
             module.kvql_qkv = cpu_linear.Stacked([module.q_proj, module.k_proj, module.v_proj], max_reduction)
             _stack(module.q_proj, module.k_proj, module.v_proj)
             _swap(module, _Attention)
