@@ -288,7 +288,9 @@ def fp32_comparison(prompts, cold_texts, cold_wall, ref, base) -> dict:
 
 # ----------------------------------------------------------------------------------------------- main
 def main():
+    global MODEL
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=MODEL, help="a built-in model: smollm2-135m or gemma3-270m")
     ap.add_argument("--questions", type=int, default=24)
     ap.add_argument("--quick", action="store_true", help="8 questions")
     ap.add_argument("--threads", type=int, default=1,
@@ -299,6 +301,7 @@ def main():
                     help="every system computes in this dtype, so the reference is the uncached one-at-a-time "
                          "answers in it; with bfloat16, kvql in float32 runs too, for bf16/fp32 speed and agreement")
     args = ap.parse_args()
+    MODEL = args.model
     dtype = getattr(torch, args.dtype)
     n = min(8 if args.quick else args.questions, len(QUESTIONS))
     if args.threads > 0:

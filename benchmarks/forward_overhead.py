@@ -53,7 +53,7 @@ from transformers import DynamicCache
 from kvql.backends.loader import load_hf
 from kvql.engine import attention_plan, openmp
 from kvql.engine.kv_pool import KVPool
-from kvql.engine.model_runner import ModelRunner, Segment
+from kvql.engine.model_runner import ModelRunner, read_geometry, Segment
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -160,14 +160,15 @@ def run_dtype(name: str, args) -> dict:
         return {"dtype": name, "invariance": invariance(hf, tokenizer, args.invariance, prefixes=args.prefixes)}
     cfg = hf.config
     B, C, D = args.batch, args.context, min(args.decoded, args.context - 1)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    pool = KVPool(num_layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
+    engine_model = load_hf(args.model, dtype=dtype)[0]
+    geometry = read_geometry(engine_model)  # the model's layers as the engine runs them
+    pool = KVPool(num_layers=len(geometry.layers), kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
                   num_slots=B * (C + 1) + B * (C + 1), dtype=dtype, device="cpu")
     pool.k.zero_(), pool.v.zero_()  # touch the pool's pages once, as a long-running server has
     # its own copy of the model: the runner sets it up as the engine runs it (on a CPU prepacked linear
     # weights, in bf16 long reductions split to be batch-invariant: kvql.engine.cpu_linear), which the
     # plain side must not get
-    runner = ModelRunner(load_hf(args.model, dtype=dtype)[0], pool)
+    runner = ModelRunner(engine_model, pool, geometry)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(100, cfg.vocab_size - 100, (B, C + 1), generator=g)
     empty = torch.empty(0, dtype=torch.long)

