@@ -14,8 +14,9 @@ request, prompts included, attends over exactly its own keys padded to a length 
 any slot order is valid.
 
 Works for any model on the standard transformers path: attention modules that call
-`cache.update(k, v, layer_idx, ...)` and then the registered attention function (Llama, Qwen2,
-Mistral, SmolLM2, ...).
+`cache.update(k, v, layer_idx, ...)` and then the registered attention function; `read_geometry` probes a
+model for it (kvql.engine.admission) and reads each layer's heads, window and soft-cap, which the attention
+function also receives per call (`sliding_window`, `softcap`, `scaling`) and applies on every path.
 """
 
 from __future__ import annotations
