@@ -67,18 +67,12 @@ class Geometry:
     def heads(self) -> int:
         return self.layers[0].heads
 
-    def describe(self) -> str:
-        windows = sorted({x.window for x in self.layers if x.window})
-        w = f", sliding window {'/'.join(map(str, windows))} on {sum(bool(x.window) for x in self.layers)} " \
-            f"of {len(self.layers)} layers" if windows else ""
-        return f"{len(self.layers)} layers x {self.heads} heads ({self.kv_heads} KV heads) x {self.head_dim}{w}"
-
 
 class Probe:
     """The `kvql_plan` of a probe forward: the attention function records each call here."""
 
     def __init__(self):
-        self.updates: list[tuple[int, tuple]] = []  # (layer_idx, key shape) in call order
+        self.updates: list[tuple[int, tuple, tuple]] = []  # (layer_idx, key shape, value shape) in call order
         self.calls: list[dict] = []
 
 

@@ -184,7 +184,6 @@ class Segment:
 def read_geometry(hf_model) -> admission.Geometry:
     """The attention layers of `hf_model` as the engine runs them (admission.probe), or UnsupportedModel.
     Sets the model's attention implementation to the engine's (a plain forward of it runs as before)."""
-    admission.check_config(hf_model.config)
     if type(hf_model)._can_set_attn_implementation():
         hf_model.set_attn_implementation(ATTENTION)
 
