@@ -61,13 +61,30 @@ def test_rope_is_bit_for_bit_transformers(dtype, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_torch(dtype):
+def test_gemma_rms_norm_matches_transformers(dtype):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(37, 640, generator=g).to(dtype) * 3, torch.randn(640, generator=g).to(dtype)
+    norm = Gemma3RMSNorm(640, eps=1e-6).to(dtype)
+    norm.weight.data.copy_(w)
+    got, ref = fused_ops.rms_norm(x, w, 1e-6, plus_one=True), norm(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-6)
+    else:  # one rounding, of the product, as Gemma's: at most one bf16 step apart
+        torch.testing.assert_close(got, ref, rtol=8e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_mul_matches_torch(dtype, act):
     g = torch.Generator().manual_seed(2)
     gu = torch.randn(21, 2 * 1536, generator=g).to(dtype) * 4
     gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # far ends of the exp and its zero
-    ref = torch.nn.functional.silu(gu[:, :1536]) * gu[:, 1536:]
+    f = torch.nn.functional.silu if act == "silu" else lambda t: torch.nn.functional.gelu(t, approximate="tanh")
+    ref = f(gu[:, :1536]) * gu[:, 1536:]
     tol = 2e-6 if dtype == torch.float32 else 8e-3
-    torch.testing.assert_close(fused_ops.silu_mul(gu), ref, rtol=tol, atol=1e-6)
+    torch.testing.assert_close(fused_ops.gated_mul(gu, act), ref, rtol=tol, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -75,10 +92,11 @@ def test_each_row_is_the_same_alone_and_in_a_batch(dtype):
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(300, 576, generator=g).to(dtype), torch.randn(576, generator=g).to(dtype)
     gu = torch.randn(300, 2 * 1536, generator=g).to(dtype)  # 300 rows: the kernels run multithreaded
-    norm, act = fused_ops.rms_norm(x, w, 1e-6), fused_ops.silu_mul(gu)
-    for i in (0, 7, 151, 299):
-        assert torch.equal(fused_ops.rms_norm(x[i:i + 1], w, 1e-6), norm[i:i + 1])
-        assert torch.equal(fused_ops.silu_mul(gu[i:i + 1]), act[i:i + 1])
+    for plus_one, act in ((False, "silu"), (True, "gelu_tanh")):
+        norm, mul = fused_ops.rms_norm(x, w, 1e-6, plus_one), fused_ops.gated_mul(gu, act)
+        for i in (0, 7, 151, 299):
+            assert torch.equal(fused_ops.rms_norm(x[i:i + 1], w, 1e-6, plus_one), norm[i:i + 1])
+            assert torch.equal(fused_ops.gated_mul(gu[i:i + 1], act), mul[i:i + 1])
 
 
 def _logits(model, ids):
@@ -102,6 +120,36 @@ def test_swapped_model_computes_what_transformers_does(tokenizer, family, dtype)
     assert fused_layers.restore(hf) == 9
     assert type(hf.model.layers[0].self_attn).__name__ == type(hf.model.layers[0].self_attn).__name__.removeprefix("Kvql")
     assert torch.equal(_logits(hf, ids), before)  # transformers' own code again, bit for bit
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swapped_gemma_computes_what_transformers_does(tokenizer, family, dtype):
+    """Gemma's (1 + w) RMSNorm and GELU-tanh gated MLP run the kernels; Gemma 3's attention (q/k norms)
+    keeps its own forward, its q/k norms run the kernel."""
+    import families as F
+
+    model_type, overrides = F.FAMILIES[family]
+    hf = F.build(model_type, overrides, len(tokenizer), tokenizer.eos_token_id, seed=5).to(dtype)
+    ids = torch.randint(0, len(tokenizer), (2, 23), generator=torch.Generator().manual_seed(4))
+    before = _logits(hf, ids)
+    norms = 2 * (6 if family == "gemma3" else 2) + 1  # per layer two norms (Gemma 3: four and q/k norms); final
+    assert fused_layers.prepare(hf) == norms + 2 * 1 + 2 * (family == "gemma")  # MLPs; Gemma's attention too
+    assert type(hf.model.layers[0].mlp).__name__.startswith("Kvql")
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.1)
+    torch.testing.assert_close(_logits(hf, ids), before, **tol)
+    fused_layers.restore(hf)
+    assert torch.equal(_logits(hf, ids), before)
+
+
+def test_a_subclass_whose_helper_method_differs_keeps_its_own_forward():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    class Other(Gemma3RMSNorm):
+        def _norm(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 2 * self.eps)
+
+    assert fused_layers.kind(Gemma3RMSNorm) == ("norm", True) and fused_layers.kind(Other) == (None, None)
 
 
 def test_stacked_gemm_follows_edits_and_replacements_of_its_parts(tokenizer):

@@ -116,10 +116,15 @@ def probe(hf_model, forward) -> Geometry:
     ids = torch.arange(1, PROBE_TOKENS + 1) % int(config.get_text_config().vocab_size)
     try:
         forward(p, ProbeCache(p), ids, torch.arange(PROBE_TOKENS))
+    except AttributeError as e:
+        if not isinstance(e.obj, ProbeCache):
+            raise UnsupportedModel(f"{name!r}: a forward through the engine's cache failed ({e})") from e
+        raise UnsupportedModel(f"{name!r}: its layers ask the cache for {e.name!r}, which a KV cache does not "
+                               f"have: a recurrent (or convolutional) state, which is not a prefix of "
+                               f"token-granular KV") from e
     except Exception as e:  # noqa: BLE001 -- any failure of the probe is the reason for refusing
         raise UnsupportedModel(f"{name!r}: a forward through the engine's cache failed "
-                               f"({type(e).__name__}: {e}); its layers need more of a cache than "
-                               f"cache.update (e.g. a recurrent state)") from e
+                               f"({type(e).__name__}: {e})") from e
     if not p.updates:
         raise UnsupportedModel(f"{name!r}: no layer writes K/V through cache.update: a recurrent or otherwise "
                                f"stateful model (its state is not a prefix of token-granular KV)")

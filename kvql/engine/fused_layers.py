@@ -1,23 +1,25 @@
-"""Llama-family layers with fewer, larger operations on the CPU: `prepare(model)` swaps, in place, the class
+"""Decoder layers with fewer, larger operations on the CPU: `prepare(model)` swaps, in place, the class
 of each supported attention, MLP and RMSNorm module for a subclass whose forward does the same
 arithmetic in fewer steps:
 
 - attention: one GEMM for the q, k and v projections (`cpu_linear.Stacked`), rotary embedding applied in
   place on its output (`fused_ops.rope_`, bit for bit transformers'), then the model's cache and attention
   function exactly as transformers' forward calls them;
-- MLP: one GEMM for gate and up, then `fused_ops.silu_mul`, then down;
-- RMSNorm: `fused_ops.rms_norm`, one pass.
+- gated MLP: one GEMM for gate and up, then `fused_ops.gated_mul` (SiLU, or GELU's tanh form: Gemma's),
+  then down;
+- RMSNorm: `fused_ops.rms_norm`, one pass (Llama's `w * x_norm`, or Gemma's `(1 + w) * x_norm`).
 
 Measured (SmolLM2-135M, 2 threads, benchmarks/forward_overhead.py: batch-24 decode step at 330 tokens of
 context, 24-prompt prefill): decode fp32 90 -> 75 ms, bf16 62 -> 53 ms; prefill fp32 672 -> 798 tok/s, bf16
 1,342 -> 1,365 tok/s. Per layer ~50 torch ops become ~15, and q/k/v's three narrow GEMMs one.
 
 Where it applies, by structure rather than by name: a module whose class's forward is the same function as
-that of Llama's, Qwen2's or Mistral's attention, MLP or RMSNorm (`same_function`: the same bytecode,
+that of Llama's, Qwen2's or Mistral's attention, Llama's MLP, or Llama's or Gemma's RMSNorm (`same_function`: the same bytecode,
 constants and names, and every global it calls the same function in turn: transformers' modular copies
 are; a copy that calls another `apply_rotary_pos_emb`, GLM's partial rotary, is not). Which modules of
-each family it swaps: the README's family table (scripts/family_table.py counts them). Not (their own forward runs): Gemma's `(1 + w)` RMSNorm and GELU-gated MLPs (the kernels compute
-Llama's), attention with q/k norms (Qwen3, Gemma 3, OLMo 2) or partial rotary. Also: sizes that are multiples of 16, on a CPU in float32 or bfloat16 with the
+each family it swaps: the README's family table (scripts/family_table.py counts them). Not (their own
+forward runs): attention with q/k norms (Qwen3, Gemma 3, OLMo 2), soft-capping or partial rotary, MLPs
+with another activation (exact GELU: the kernels have no erf). Also: sizes that are multiples of 16, on a CPU in float32 or bfloat16 with the
 kernels built and oneDNN's packed GEMM (`cpu_linear.can_pack()`). Any call that is not that case (another
 device or dtype, autograd recording, training mode, batch rows whose positions do not line up) runs
 transformers' own forward of the original class, unchanged. The swapped model is the same object: its
@@ -39,6 +41,7 @@ from . import cpu_linear, fused_ops
 
 def _references():
     """kind -> [(reference class, the extra keywords its forward passes the attention function)]."""
+    from transformers.models.gemma import modeling_gemma as gemma
     from transformers.models.llama import modeling_llama as llama
     from transformers.models.mistral import modeling_mistral as mistral
     from transformers.models.qwen2 import modeling_qwen2 as qwen2
@@ -48,7 +51,7 @@ def _references():
                       (qwen2.Qwen2Attention, lambda m: {"sliding_window": m.sliding_window}),
                       (mistral.MistralAttention, lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)})],
         "mlp": [(llama.LlamaMLP, None)],
-        "norm": [(llama.LlamaRMSNorm, None)],
+        "norm": [(llama.LlamaRMSNorm, False), (gemma.GemmaRMSNorm, True)],  # plus_one
     }
 
 
@@ -83,18 +86,28 @@ _KINDS: dict[type, tuple] = {}
 
 
 def kind(cls: type) -> tuple[str | None, object]:
-    """`(kind, attention keywords)` of a module class: which reference forward it has (`same_function`),
-    or `(None, None)`."""
+    """`(kind, detail)` of a module class: which reference forward it has (`same_function`), with the
+    attention keywords of an attention or `plus_one` of a norm; `(None, None)` for none."""
     if cls not in _KINDS:
         _KINDS[cls] = (None, None)
         forward = getattr(cls, "forward", None)
         for k, refs in _references().items():
-            match = next((extra for ref, extra in refs if forward is not None and same_function(forward, ref.forward)),
-                         _MISSING)
+            match = next((extra for ref, extra in refs if forward is not None and same_function(forward, ref.forward)
+                          and _same_methods(cls, ref, forward)), _MISSING)
             if match is not _MISSING:
                 _KINDS[cls] = (k, match)
                 break
     return _KINDS[cls]
+
+
+def _same_methods(cls: type, ref: type, forward) -> bool:
+    """The methods `forward` calls on self (`self._norm(...)`) are the same functions in both classes too."""
+    for name in inspect.unwrap(forward).__code__.co_names:
+        a, b = getattr(cls, name, None), getattr(ref, name, None)
+        if isinstance(a, types.FunctionType) or isinstance(b, types.FunctionType):
+            if not (isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType) and same_function(a, b)):
+                return False
+    return True
 
 
 def _plain(x: torch.Tensor, module: torch.nn.Module) -> bool:
@@ -107,14 +120,19 @@ class _Norm:
     def forward(self, hidden_states):
         if _plain(hidden_states, self) or self.weight.dtype != hidden_states.dtype or not hidden_states.is_contiguous():
             return super().forward(hidden_states)
-        return fused_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        plus_one = kind(self.kvql_original)[1]
+        return fused_ops.rms_norm(hidden_states, self.weight, self.eps if plus_one else self.variance_epsilon, plus_one)
+
+
+# activation module classes -> fused_ops.ACTIVATIONS (GELUTanh: gelu_pytorch_tanh; NewGELU: gelu_new, the same formula)
+_ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh"}
 
 
 class _MLP:
     def forward(self, x):
         if _plain(x, self):
             return super().forward(x)
-        return self.down_proj(fused_ops.silu_mul(self.kvql_gate_up(x)))
+        return self.down_proj(fused_ops.gated_mul(self.kvql_gate_up(x), _ACTIVATIONS[type(self.act_fn).__name__]))
 
 
 class _Attention:
@@ -166,7 +184,7 @@ def prepare(model: torch.nn.Module, max_reduction: int | None = None) -> int:
         what = kind(type(module))[0]
         if what == "norm" and module.weight.shape[0] % 16 == 0:
             _swap(module, _Norm)
-        elif what == "mlp" and type(module.act_fn).__name__ in ("SiLU", "SiLUActivation") \
+        elif what == "mlp" and type(module.act_fn).__name__ in _ACTIVATIONS \
                 and module.gate_proj.out_features % 16 == 0:
             module.kvql_gate_up = cpu_linear.Stacked([module.gate_proj, module.up_proj], max_reduction)
             _stack(module.gate_proj, module.up_proj)

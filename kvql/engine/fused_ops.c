@@ -3,7 +3,7 @@
    nothing depends on the other rows of the call (batch-invariant), nor on the thread. bfloat16 inputs
    and outputs are rounded as the torch ops they replace round them: RoPE is bit for bit transformers'
    (built with -ffp-contract=off: each product and sum rounded alone, as torch's separate ops do);
-   RMSNorm and SiLU agree with torch to float32 rounding (own reduction order, own exp). */
+   RMSNorm and the activations agree with torch to float32 rounding (own reduction order, own exp). */
 
 #include <stdint.h>
 
@@ -11,9 +11,10 @@
 
 /* out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), n a multiple of 16. The mean: 16 lane sums of squares
    in order, then the fixed lane tree. bf16: the normalized row is rounded to bf16 before the weight (as
-   transformers' `weight * hidden.to(input_dtype)`). */
+   transformers' `weight * hidden.to(input_dtype)`, Llama's). With `plus_one` (Gemma's), the factor is
+   1 + w in float32 and only the product is rounded (`(x_norm * (1.0 + w.float())).type_as(x)`). */
 void kvql_rms_norm(const void *x, int64_t x_stride, const void *w, void *out, int64_t out_stride, int64_t rows,
-                   int64_t n, float eps, int is_bf16, int threads) {
+                   int64_t n, float eps, int plus_one, int is_bf16, int threads) {
     int elem = is_bf16 ? 2 : 4, nv = (int)(n / LANES);
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 1 << 14)
     for (int64_t r = 0; r < rows; r++) {
@@ -26,8 +27,8 @@ void kvql_rms_norm(const void *x, int64_t x_stride, const void *w, void *out, in
         }
         float inv = 1.0f / sqrtf(lane_sum(acc) / (float)n + eps);
         for (int c = 0; c < nv; c++) {
-            v16 y = round_to(row_vec(xr, c, is_bf16) * inv, is_bf16);
-            put_vec(o, c, row_vec((const char *)w, c, is_bf16) * y, is_bf16);
+            v16 y = row_vec(xr, c, is_bf16) * inv, wc = row_vec((const char *)w, c, is_bf16);
+            put_vec(o, c, plus_one ? (splat(1.0f) + wc) * y : wc * round_to(y, is_bf16), is_bf16);
         }
     }
 }
@@ -78,11 +79,13 @@ void kvql_rope(void *x, int64_t x_stride, int64_t rows, int64_t heads, int64_t d
     }
 }
 
-/* out[r, i] = silu(g) * u for g = gu[r, i], u = gu[r, n + i] (the gate and up projections side by side),
-   n a multiple of 16; silu(g) = g / (1 + e^-g) (exp16), rounded to the dtype before the product (as
-   transformers' `act_fn(gate) * up` in that dtype). */
-void kvql_silu_mul(const void *gu, int64_t gu_stride, void *out, int64_t out_stride, int64_t rows, int64_t n,
-                   int is_bf16, int threads) {
+/* out[r, i] = act(g) * u for g = gu[r, i], u = gu[r, n + i] (the gate and up projections side by side),
+   n a multiple of 16. act 0: silu(g) = g / (1 + e^-g); act 1: GELU's tanh form, 0.5 g (1 + tanh(y)) with
+   y = sqrt(2 / pi) (g + 0.044715 g^3), computed as g / (1 + e^-2y) (the same function, without the
+   cancellation of 1 + tanh(y) for negative g). exp16 on both. The activation is
+   rounded to the dtype before the product (as transformers' `act_fn(gate) * up` in that dtype). */
+void kvql_gated_mul(const void *gu, int64_t gu_stride, void *out, int64_t out_stride, int64_t rows, int64_t n,
+                    int act_kind, int is_bf16, int threads) {
     int elem = is_bf16 ? 2 : 4, nv = (int)(n / LANES);
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 1 << 14)
     for (int64_t r = 0; r < rows; r++) {
@@ -90,7 +93,8 @@ void kvql_silu_mul(const void *gu, int64_t gu_stride, void *out, int64_t out_str
         char *o = (char *)out + elem * r * out_stride;
         for (int c = 0; c < nv; c++) {
             v16 x = row_vec(g, c, is_bf16);
-            v16 act = round_to(x / (splat(1.0f) + exp16(-x)), is_bf16);
+            v16 z = act_kind == 0 ? x : splat(1.5957691216f) * (x + splat(0.044715f) * x * x * x); /* 2y */
+            v16 act = round_to(x / (splat(1.0f) + exp16(-z)), is_bf16);
             put_vec(o, c, act * row_vec(u, c, is_bf16), is_bf16);
         }
     }

@@ -1,4 +1,4 @@
-"""Row-wise layer operations in one pass each (fused_ops.c): RMSNorm, rotary embedding in place, SiLU(gate) * up.
+"""Row-wise layer operations in one pass each (fused_ops.c): RMSNorm, rotary embedding in place, act(gate) * up.
 
 Why: a batch-24 decode step of SmolLM2-135M runs ~50 small torch ops per layer besides its GEMMs and
 attention (the norm alone is 8: cast, pow, mean, add, rsqrt, mul, cast, mul); each costs 5-35 us on
@@ -8,11 +8,13 @@ them in the model's layers).
 Contracts (CPU tensors of one dtype, float32 or bfloat16; last dimension contiguous; rows may be strided):
 - `rms_norm(x [..., n], weight [n], eps)` -> new tensor: `weight * (x / sqrt(mean(x^2) + eps))`, the
   normalized row rounded to the dtype before the weight (transformers' LlamaRMSNorm). n % 16 == 0.
+  `plus_one=True`: `(1 + weight) * (x / ...)` in float32, rounded once (GemmaRMSNorm).
 - `rope_(x [rows, heads * d], cos [rows, d], sin [rows, d], heads, d)`: in place, the first `heads` heads
   of each row `x * cos + rotate_half(x) * sin`; bit for bit transformers' apply_rotary_pos_emb.
-- `silu_mul(gu [rows, 2n])` -> `[rows, n]`: `silu(gu[:, :n]) * gu[:, n:]`, the activation rounded to the
-  dtype before the product. n % 16 == 0.
-Each row is computed alone in a fixed order: batch-invariant. RMSNorm and SiLU equal torch's to float32
+- `gated_mul(gu [rows, 2n], act)` -> `[rows, n]`: `act(gu[:, :n]) * gu[:, n:]`, the activation rounded to
+  the dtype before the product; act one of ACTIVATIONS ("silu", "gelu_tanh": GELU's tanh approximation).
+  n % 16 == 0.
+Each row is computed alone in a fixed order: batch-invariant. RMSNorm and the activations equal torch's to float32
 rounding, not bit for bit (own reduction order and exp); the model runs them in both the engine and any
 plain forward of the same model object, so kvql's exactness (cached == uncached) is unaffected.
 
@@ -34,10 +36,10 @@ DTYPES = native.DTYPES
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.kvql_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, i32, i32]
+    lib.kvql_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, i32, i32, i32]
     lib.kvql_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i32, i32]
-    lib.kvql_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32, i32]
-    for fn in (lib.kvql_rms_norm, lib.kvql_rope, lib.kvql_silu_mul):
+    lib.kvql_gated_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32, i32, i32]
+    for fn in (lib.kvql_rms_norm, lib.kvql_rope, lib.kvql_gated_mul):
         fn.restype = None
 
 
@@ -56,13 +58,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.view(-1, x.shape[-1]) if x.dim() != 2 else x
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
     rows = _rows(x)
     n = rows.shape[1]
     assert n % 16 == 0 and weight.shape == (n,) and weight.dtype == x.dtype and weight.is_contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype)
     LIBRARY.get().kvql_rms_norm(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), n,
-                                rows.shape[0], n, eps, DTYPES[x.dtype], torch.get_num_threads())
+                                rows.shape[0], n, eps, int(plus_one), DTYPES[x.dtype], torch.get_num_threads())
     return out.view(x.shape)
 
 
@@ -74,11 +76,14 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, hea
                             sin.data_ptr(), cos.stride(0), DTYPES[x.dtype], torch.get_num_threads())
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def gated_mul(gu: torch.Tensor, act: str) -> torch.Tensor:
     rows = _rows(gu)
     n = rows.shape[1] // 2
     assert n % 16 == 0 and rows.shape[1] == 2 * n
     out = torch.empty(rows.shape[0], n, dtype=gu.dtype)
-    LIBRARY.get().kvql_silu_mul(rows.data_ptr(), rows.stride(0), out.data_ptr(), n, rows.shape[0], n,
-                                DTYPES[gu.dtype], torch.get_num_threads())
+    LIBRARY.get().kvql_gated_mul(rows.data_ptr(), rows.stride(0), out.data_ptr(), n, rows.shape[0], n,
+                                 ACTIVATIONS[act], DTYPES[gu.dtype], torch.get_num_threads())
     return out.view(*gu.shape[:-1], n)
