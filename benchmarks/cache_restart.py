@@ -41,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 from kvql.backends.loader import load_hf  # noqa: E402
-from kvql.backends.local import Model  # noqa: E402
+from kvql import Model  # noqa: E402
 from kvql.engine import snapshot  # noqa: E402
 from kvql.engine.kv_pool import KVPool  # noqa: E402
 

@@ -200,6 +200,8 @@ def run_dtype(name: str, args) -> dict:
     decode_segments = step  # token C of each request over its C cached slots
     cache = DynamicCache(config=cfg)
     hf(input_ids=tokens[:, :C], cache=cache, logits_to_keep=1)
+    for layer in cache.layers:  # a sliding-window layer keeps its window only: let crop roll a step back
+        getattr(layer, "activate_past_recording", lambda: None)()
     step_ids, step_pos = tokens[:, C:C + 1], torch.full((B, 1), C)
 
     def plain_decode():

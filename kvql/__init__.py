@@ -11,9 +11,9 @@ import sys
 import types
 
 _PUBLIC = {
-    "model": "backends.factory", "tokenizer": "backends.factory",
-    "Model": "backends.local", "StreamChunk": "backends.base", "Backend": "backends.base",
-    "Unsupported": "backends.base", "RemoteModel": "backends.remote",
+    "model": "factory", "tokenizer": "factory", "get_model": "factory", "set_default_model": "factory",
+    "Model": "local_model", "LocalModel": "local_model", "RemoteModel": "remote_model",
+    "StreamChunk": "backends.base", "Backend": "backends.base", "Unsupported": "backends.base",
     "ModelLoadError": "backends.loader", "load_hf": "backends.loader", "load_tokenizer": "backends.loader",
     "random_model": "backends.loader",
     "Completion": "completion", "TokenLogprob": "completion",
@@ -21,12 +21,12 @@ _PUBLIC = {
     "InferenceCertificate": "certificate", "LLM": "llm",
     "headless": "output", "printing": "output", "silent": "output", "stream": "output",
     **{name: "query" for name in ("F", "LMQLResult", "Query", "QueryError", "ScoreResult", "ScoringResult",
-                                  "UnmetConstraint", "generate", "generate_sync", "get_model", "main", "query",
-                                  "run", "run_sync", "score", "score_sync", "set_default_model")},
+                                  "UnmetConstraint", "main", "query", "run", "run_sync")},
+    **{name: "generations" for name in ("generate", "generate_sync", "score", "score_sync")},
     "ConstraintError": "runtime.constraints", "decorators": "runtime.decorators",
 }
 
-__all__ = ["model", "Model", "LLM", "RemoteModel", "Backend", "Unsupported", "Completion", "TokenLogprob",
+__all__ = ["model", "Model", "LocalModel", "LLM", "RemoteModel", "Backend", "Unsupported", "Completion", "TokenLogprob",
            "StreamChunk", "ModelLoadError", "query", "run", "run_sync", "F", "main", "generate", "generate_sync",
            "score", "score_sync", "set_default_model", "get_model", "Query", "LMQLResult", "ScoringResult",
            "ScoreResult", "QueryError", "UnmetConstraint", "QuerySyntaxError", "ConstraintError",

@@ -47,7 +47,7 @@ def version() -> str:
 
 
 def load(spec: str, args):
-    """The model for a command, with a loading line and the banner on stderr (see kvql.backends.factory)."""
+    """The model for a command, with a loading line and the banner on stderr (see kvql.factory)."""
     import kvql
 
     return kvql.model(spec, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", None),
@@ -146,7 +146,7 @@ def query_model_spec(q, inputs: dict, given: str | None) -> str | None:
     `from "..."` literal, else the default; None when the `from` clause is an expression."""
     if given:
         return given
-    compiled = q._compiled_for(inputs)
+    compiled = q.compiled_for(inputs)
     if compiled.model is not None:
         return compiled.model
     return None if compiled.model_source else DEFAULT_MODEL

@@ -16,12 +16,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 
+from .factory import get_model
+from .query import Query
 from .runtime import scoring
+from .sync import run_sync
 
 
 def _generate_query(bounded: bool):
-    from .query import Query  # the query layer imports the backends, which import this module
-
     key = "bounded" if bounded else "open"
     if key not in _queries:
         where = " where len(TOKENS(RESPONSE)) <= max_tokens" if bounded else ""
@@ -36,8 +37,6 @@ _queries: dict = {}
 
 async def generate(prompt: str, max_tokens: int | None = None, model=None, **kwargs):
     """Complete `prompt` (LMQL's `lmql.generate`): the generated text, or a list for several sequences."""
-    from .query import get_model
-
     if not isinstance(prompt, str):
         raise TypeError("LMQL's generate takes one prompt string; for kvql's batch form (lists of prompts, "
                         "token ids, Completion objects) use `await model.agenerate(prompts, ...)`")
@@ -56,24 +55,18 @@ async def generate(prompt: str, max_tokens: int | None = None, model=None, **kwa
 
 def generate_sync(prompt: str, max_tokens: int | None = None, model=None, **kwargs):
     """Synchronous `generate` (also callable from inside a running event loop: it runs on a worker thread)."""
-    from .query import _run_sync
-
-    return _run_sync(lambda: generate(prompt, max_tokens, model, **kwargs))
+    return run_sync(lambda: generate(prompt, max_tokens, model, **kwargs))
 
 
 async def score(prompt: str, values, model=None, **kwargs) -> scoring.ScoringResult:
     """Score `values` (a string or a list of them) as continuations of `prompt` (LMQL's `lmql.score`)."""
-    from .query import get_model
-
     if kwargs:
         raise TypeError(f"score() got unexpected keyword arguments {sorted(kwargs)}")
     return await scoring.score(get_model(model), prompt, values)
 
 
 def score_sync(prompt: str, values, model=None, **kwargs) -> scoring.ScoringResult:
-    from .query import _run_sync
-
-    return _run_sync(lambda: score(prompt, values, model, **kwargs))
+    return run_sync(lambda: score(prompt, values, model, **kwargs))
 
 
 class PendingGeneration(Sequence):

@@ -1,4 +1,5 @@
-"""Query entry points, named as in LMQL: `query`, `run`, `run_sync`, `F`, `generate`, `score`, ...
+"""Query entry points, named as in LMQL: `query`, `run`, `run_sync`, `F`, `main` (`generate` and `score`:
+kvql.generations; the model registry: kvql.factory).
 
 `import kvql as lmql` works for ordinary LMQL code. Queries run on kvql's engine: every run of every
 query shares one loaded model per spec and its radix KV cache; concurrent runs (asyncio, threads,
@@ -10,67 +11,28 @@ from __future__ import annotations
 import ast
 import asyncio
 import builtins
-import concurrent.futures
 import dis
 import functools
 import inspect
 import textwrap
 import types
 
-from .backends.base import Backend
 from .lang.compiler import CompiledQuery, Decoder, compile_query
 from .lang.prompt_string import Expr, Hole, parse_prompt
 from .runtime import constraints
 from .runtime.decoding import DECODER_OPTIONS, Decoding, decoding
 from .runtime.errors import QueryError, UnmetConstraint
+from .runtime.context import run_all
 from .runtime.program import Program
 from .runtime.result import LMQLResult
 from .runtime.trace import label_all
 from . import certificate as certificates
 from . import output
-from .generations import generate, generate_sync, score, score_sync
+from .factory import get_model, set_default_model
+from .sync import run_sync as _run_sync
 from .runtime.scoring import ScoringResult
 
 ScoreResult = ScoringResult  # kvql's earlier name
-
-DEFAULT_MODEL = "smollm2-135m"
-_models: dict[str, Backend] = {}
-_default: Backend | str | None = None
-
-
-def set_default_model(model: Backend | str) -> None:
-    """Model used by queries that name none (default: the embedded SmolLM2-135M)."""
-    global _default
-    _default = model
-
-
-def get_model(model: Backend | str | None = None) -> Backend:
-    """A loaded model: the object itself, or one loaded once per spec and shared by all queries."""
-    from .backends.factory import model as load
-
-    model = model if model is not None else (_default or DEFAULT_MODEL)
-    if isinstance(model, Backend):
-        return model
-    if not isinstance(model, str):
-        raise TypeError(f"model must be a kvql.Model or a spec string, got {type(model).__name__}")
-    if model not in _models:
-        _models[model] = load(model)
-    return _models[model]
-
-
-def _run_sync(make_coro):
-    """Run a coroutine to completion from sync code, also when this thread already runs an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        loop_running = False
-    else:
-        loop_running = True
-    if not loop_running:
-        return asyncio.run(make_coro())
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, make_coro()).result()
-
 
 _DECODER_KEYS = DECODER_OPTIONS  # LMQL's decoder options (see kvql.runtime.context.decoding)
 
@@ -130,7 +92,7 @@ class Query(Program):
             self._compiled[params] = compile_query(self.source, list(params), self.name)
         return self._compiled[params]
 
-    def _compiled_for(self, inputs: dict) -> CompiledQuery:
+    def compiled_for(self, inputs: dict) -> CompiledQuery:
         """The query compiled with its parameters, or, when it has none, with these inputs as locals."""
         params = tuple(self.signature.parameters) if self.signature else ()
         return self._compile(params or tuple(sorted(inputs)))
@@ -190,7 +152,7 @@ class Query(Program):
         return scope
 
     def body(self, inputs: dict):
-        compiled = self._compiled_for(inputs)
+        compiled = self.compiled_for(inputs)
         return self._module(compiled)["__kvql_query__"], bool(compiled.returns)
 
     async def run(self, *args, model=None, output_writer=None, certificate=None, **kwargs):
@@ -206,12 +168,12 @@ class Query(Program):
         overrides = {k: kwargs.pop(k) for k in list(kwargs)
                      if (k in _DECODER_KEYS or k == "decoder") and k not in reads}
         inputs = self.bind(args, kwargs)
-        compiled = self._compiled_for(inputs)
+        compiled = self.compiled_for(inputs)
         module = self._module(compiled)
         decoding = self._decoding(compiled, overrides, module["__kvql_decoder__"](inputs))
         m = _Deferred(model or self.model or module["__kvql_model__"](inputs))  # `from` is evaluated only if used
         n = decoding.runs
-        results, contexts = await self.run_all(m, decoding, inputs, (module["__kvql_query__"], bool(compiled.returns)))
+        results, contexts = await run_all(self, m, decoding, inputs, (module["__kvql_query__"], bool(compiled.returns)))
         # one per run; see kvql.runtime.trace (None for a run that never needed its model)
         self.last_traces = [ctx.trace() if ctx.model_used else None for ctx in contexts]
         label_all(self.last_traces + [r.trace for r in results if isinstance(r, LMQLResult)], query=self.name,
@@ -404,6 +366,6 @@ def _global_names(module_code) -> list[str]:
     return [n for n in dict.fromkeys(loads) if n not in defined]
 
 
-__all__ = ["query", "run", "run_sync", "F", "main", "generate", "generate_sync", "score", "score_sync", "Query",
+__all__ = ["query", "run", "run_sync", "F", "main", "Query",
            "ScoringResult", "ScoreResult", "set_default_model", "get_model", "LMQLResult", "QueryError",
            "UnmetConstraint"]

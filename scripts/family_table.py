@@ -1,8 +1,8 @@
-"""Writes the README's table of model families from the checks tests/test_families.py asserts (tests/families.py):
+"""Writes docs/models.md's table of model families from the checks tests/test_families.py asserts (tests/families.py):
 for each tiny random model, fp32 greedy equal to transformers.generate cold / warm / staggered on both CPU
 attention paths, bf16 batched equal to alone, how many modules run the fused layers, its sliding windows;
 for refused families the engine's reason. Run: `.venv/bin/python scripts/family_table.py` (about a minute;
-rewrites the part of README.md between the `families` markers, prints the table)."""
+rewrites the part of docs/models.md between the `families` markers, prints the table)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def rows(tok) -> list[str]:
 def main() -> None:
     table = "\n".join(rows(tokenizer()))
     print(table)
-    readme = ROOT / "README.md"
+    readme = ROOT / "docs" / "models.md"
     text = readme.read_text()
     block = f"<!-- families:begin (scripts/family_table.py writes this table) -->\n{table}\n<!-- families:end -->"
     new, n = re.subn(r"<!-- families:begin.*?<!-- families:end -->", lambda _: block, text, flags=re.S)

@@ -1,5 +1,5 @@
 """Tiny random models of every decoder-only family the tests try, built from a config in code, and the checks
-that tests/test_families.py asserts and scripts/family_table.py reports in the README.
+that tests/test_families.py asserts and scripts/family_table.py reports in docs/models.md.
 
 `FAMILIES`: family name -> (transformers model type, config fields besides the common tiny sizes). Windowed
 families get a window of `WINDOW` keys, so that the test prompts run past it. `REFUSED`: families the engine

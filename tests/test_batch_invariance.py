@@ -10,7 +10,7 @@ import torch
 
 import kvql
 from conftest import random_prompts, tiny_model
-from kvql.engine import paged_attention
+from kvql.engine.kernels import paged_attention
 
 
 def _flat_llama(tokenizer, seed: int):

@@ -1,4 +1,4 @@
-"""Fused layer operations (kvql.engine.fused_ops) and the layers that use them (kvql.engine.fused_layers):
+"""Fused layer operations (kvql.engine.kernels.fused_ops) and the layers that use them (kvql.engine.fused_layers):
 each kernel against the torch ops it replaces (RoPE bit for bit), each row independent of its batch, the
 swapped model's forward against the original's for every supported family, stacked GEMMs following
 edits of the weights, autograd and `restore` running transformers' own code again."""
@@ -13,7 +13,8 @@ import torch
 import transformers.models.llama.modeling_llama as modeling_llama
 
 from conftest import tiny_model
-from kvql.engine import cpu_linear, fused_layers, fused_ops
+from kvql.engine import cpu_linear, fused_layers
+from kvql.engine.kernels import fused_ops
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -215,3 +216,15 @@ def test_engine_without_fused_layers_gives_the_same_greedy_tokens(tokenizer, mak
     assert type(fused.hf_model.model.layers[0].self_attn).__name__.startswith("Kvql")
     assert ([c.token_ids for c in fused.generate(prompts, max_tokens=10)]
             == [c.token_ids for c in plain.generate(prompts, max_tokens=10)])
+
+
+def test_kernels_build_into_kvql_cache_dir_and_export_their_limits(monkeypatch, tmp_path):
+    from kvql.engine.kernels import build, paged_attention
+
+    monkeypatch.setenv("KVQL_CACHE_DIR", str(tmp_path))
+    assert build.cache_dir() == tmp_path / "kernels"
+    build.load("fused_ops", ["-ffp-contract=off"])
+    assert len(list((tmp_path / "kernels").glob("fused_ops-*.so"))) == 1
+    assert paged_attention.available()
+    assert paged_attention.LIBRARY.limits == {"kvql_max_group": 16, "kvql_max_dim": 256}  # read from the library
+    assert not paged_attention.supports("cpu", torch.float32, 34, 2, 64)  # 17 query heads per KV head

@@ -53,3 +53,49 @@ def test_kvql_query_stays_the_decorator_after_its_module_is_imported():
     out = subprocess.run([sys.executable, "-c", "import kvql.query, kvql\nprint(callable(kvql.query), "
                           "type(kvql.query).__name__)"], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["True", "function"]
+
+
+# -- the rules on the import graph read from the source (tests/import_graph.py; docs/architecture.md) --
+def test_no_module_imports_from_a_layer_above_its_own():
+    import import_graph as G
+
+    assert G.upward() == []
+
+
+def test_the_backend_contract_imports_nothing_of_kvql_but_completion():
+    import import_graph as G
+
+    assert {t for t, _, _ in G.imports()["kvql.backends.base"]} <= {"kvql.completion"}
+
+
+def test_the_server_uses_the_backend_through_public_names_only():
+    import import_graph as G
+
+    graph = G.imports()
+    server = [m for m in graph if m.startswith("kvql.server")]
+    assert server, "no server modules found"
+    assert [(m, t) for m in server for t, _, _ in graph[m] if t.startswith("kvql.engine")] == []
+    assert [u for u in G.private_uses() if u[0].startswith("kvql.server")] == []
+
+
+def test_no_package_uses_another_packages_private_names():
+    import import_graph as G
+
+    assert G.private_uses() == []
+
+
+def test_the_graph_reader_sees_what_it_must(tmp_path, monkeypatch):
+    """The checks above can fail: an upward import and a private use planted in a copy are found."""
+    import shutil
+
+    import import_graph as G
+
+    root = tmp_path / "kvql"
+    shutil.copytree(G.ROOT, root)
+    (root / "backends" / "base.py").write_text((root / "backends" / "base.py").read_text()
+                                               + "\n\ndef _late():\n    from ..query import Query\n")
+    (root / "server" / "app.py").write_text((root / "server" / "app.py").read_text()
+                                            + "\n\ndef _peek(model):\n    return model._prepare\n")
+    monkeypatch.setattr(G, "ROOT", root)
+    assert ("kvql.backends.base", "kvql.query") in [(m, t) for m, t, _ in G.upward()]
+    assert any(m == "kvql.server.app" and n == "._prepare" for m, n, _ in G.private_uses())

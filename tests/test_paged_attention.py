@@ -1,4 +1,4 @@
-"""The paged attention kernel (kvql.engine.paged_attention): causal attention over slots read in place equals
+"""The paged attention kernel (kvql.engine.kernels.paged_attention): causal attention over slots read in place equals
 float64 SDPA over the gathered slots; a segment's rows do not depend on the other segments of the call, on
 where its queries fall in the kernel's query blocks, or on how its tokens were split into chunks; the
 runner falls back to gather + SDPA when the kernel is switched off, with the same greedy tokens."""
@@ -14,7 +14,7 @@ import torch
 
 import kvql
 from conftest import random_prompts
-from kvql.engine import paged_attention as pa
+from kvql.engine.kernels import paged_attention as pa
 
 # the kernel is optional where there is no C compiler; where there is one it must build (not skip into green)
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")

@@ -18,7 +18,7 @@ import pytest
 
 import kvql
 import kvql as lmql
-from kvql.backends.remote import RemoteModel
+from kvql.backends.remote import RemoteBackend
 from kvql.completion import Completion
 from kvql.runtime.context import UnmetConstraint
 
@@ -116,7 +116,7 @@ def test_values_that_meet_their_constraints_still_come_back(m):
     assert re.fullmatch("[a-z]{2}", r.variables["Y"]) and isinstance(r.variables["Z"], int)
 
 
-class FakeServer(RemoteModel):
+class FakeServer(RemoteBackend):
     """A remote model that answers every request with one fixed completion (no HTTP)."""
 
     def __init__(self, text: str, finish_reason: str = "stop", stop_reason: str | None = None):

@@ -744,8 +744,8 @@ def test_operators_lmql_rejects_are_supported(m, tokenizer):
 
 
 def test_a_token_lower_bound_the_grammar_cannot_reach_is_an_error_on_every_backend(m):
-    # locally no token can continue the value; a server lets the complete grammar end it early (vLLM's
-    # rule for min_tokens): either way the value would break its where clause, so it is an error
+    # the complete grammar ends the value early (vLLM's rule for min_tokens, on every backend): the value
+    # breaks its where clause, so it is an error
     with pytest.raises(lmql.UnmetConstraint, match="X"):
         lmql.run_sync('"Letter:[X]" where REGEX(X, "[a-z]") and len(TOKENS(X)) > 2')
 

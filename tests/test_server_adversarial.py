@@ -206,13 +206,13 @@ class FailsAfterFirstToken(kvql.Model):
     """A real model whose requests fail in the engine after their first token (a mask that raises: the
     engine fails that request alone, with that error)."""
 
-    async def _asubmit(self, prompts, on_update=None, **options):
+    async def submit(self, prompts, on_update=None, **options):
         def mask(generated):
             if generated:
                 raise RuntimeError("the engine failed mid-generation")
             return None
 
-        return await super()._asubmit(prompts, on_update, **{**options, "mask": mask})
+        return await super().submit(prompts, on_update, **{**options, "mask": mask})
 
 
 @pytest.mark.parametrize("path, body", [

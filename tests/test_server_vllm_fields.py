@@ -127,6 +127,28 @@ def test_min_tokens_on_chat_holds_off_the_end(served):
     assert len(got["token_ids"]) >= want and re.fullmatch("[0-9]+", got["message"]["content"])
 
 
+def test_min_tokens_means_the_same_from_python_and_over_http(served):
+    """One rule (kvql.engine.masks, the detokenizer's stops): the Python API answers as the server does."""
+    url, model = served
+    full = model.generate(["x"], max_tokens=14, regex="[a-z ]{1,30}")[0]
+    stop = next(full.text[i:i + 2] for i in range(len(full.text)) if full.text.count(full.text[i:i + 2]) >= 2)
+    cases = [dict(max_tokens=16, min_tokens=10, choices=["yes"]),  # a complete grammar ends it early
+             dict(max_tokens=14, min_tokens=3, regex="[a-z ]{1,30}", stop=[stop]),  # stops count after 3 tokens
+             dict(max_tokens=8, min_tokens=5, logit_bias={"7": -100})]
+    for opts in cases:
+        (local,) = model.generate(["x"], **opts)
+        body = {"prompt": "x", "temperature": 0, "return_token_ids": True,
+                **{k: v for k, v in opts.items() if k not in ("choices", "regex")}}
+        if "choices" in opts:
+            body["structured_outputs"] = {"choice": opts["choices"]}
+        if "regex" in opts:
+            body["structured_outputs"] = {"regex": opts["regex"]}
+        remote = post(served, body).json()["choices"][0]
+        assert (remote["text"], remote["token_ids"], remote["finish_reason"], remote["stop_reason"]) == \
+            (local.text, local.token_ids, local.finish_reason, local.stop_reason), opts
+        assert "logit_bias" not in opts or 7 not in local.token_ids
+
+
 @pytest.mark.parametrize("body, words", [
     ({"prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens"),
     ({"prompt": "x", "max_tokens": 3, "min_tokens": -1}, "min_tokens"),

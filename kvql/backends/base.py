@@ -1,9 +1,12 @@
 """The backend contract: all that kvql's query runtime may ask of a model.
 
-Two backends implement it: `kvql.backends.local.Model` (kvql's engine, in this process) and
-`kvql.backends.remote.RemoteModel` (an OpenAI-compatible server: kvql serve, vLLM, SGLang). The runtime
+Two backends implement it: `kvql.backends.local.LocalBackend` (kvql's engine, in this process) and
+`kvql.backends.remote.RemoteBackend` (an OpenAI-compatible server: kvql serve, vLLM, SGLang). The runtime
 (`kvql.runtime`) uses nothing else, so a query runs the same way on both; where a backend cannot do
 something, it raises `Unsupported` before anything is computed or sent, naming itself and the feature.
+This module is the bottom of the stack: it imports nothing of kvql's but `kvql.completion`. The model
+objects users hold (`kvql.Model`, `kvql.RemoteModel`) are these backends with LMQL's model methods on top
+(`kvql.llm.LLM`: `generate`, `generate_sync`, `score`, `score_sync`).
 
 What a backend offers:
 - `tokenizer`: a Hugging Face tokenizer (its chat template included), or None. With one, the runtime
@@ -16,7 +19,9 @@ What a backend offers:
 - `stats()`: the backend's counters (prompt, cached and computed tokens, hit rate where known).
 
 Generation options (every backend accepts these names; unknown ones raise TypeError):
-    max_tokens=16, min_tokens=0 (no end of sequence before that many tokens), stop (strings; the text
+    max_tokens=16, min_tokens=0 (vLLM's meaning: no end of sequence before that many tokens unless the
+    constraint allows nothing else, and stop strings count only where they end after those tokens' text;
+    see `kvql.engine.masks`), stop (strings; the text
     ends before the first one found, `stop_reason` names it), stop_fn (called with the generated ids and
     text after each token or streamed chunk; True ends the sequence, the text is not cut: it may run past
     the point where the function first said True), temperature=0.0, top_p=1.0, top_k=0,
@@ -31,7 +36,7 @@ Generation options (every backend accepts these names; unknown ones raise TypeEr
     span the prompt's end ("A: " + " yes"); `text`, stops, `max_tokens` and `min_tokens` are the value's
     (after that text; `Completion.healed` says what was backed up). Off by default: the prompt's last tokens
     change. The rule of how many: `kvql.engine.healing`.
-`generate`, `complete` and `agenerate` also take progress=False: True shows a tqdm bar of completions
+`agenerate` (and the model objects' `generate` and `complete`) also take progress=False: True shows a tqdm bar of completions
 done / total on stderr, as vLLM's `LLM.generate(use_tqdm=True)` does; a callable is called as tqdm is
 (`functools.partial(tqdm, file=f)`, vLLM's other `use_tqdm` form). See `progress_bar`.
 Each capability below names options or methods that need it.
@@ -40,13 +45,10 @@ Each capability below names options or methods that need it.
 from __future__ import annotations
 
 import abc
-import asyncio
-import concurrent.futures
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 from ..completion import Completion
-from ..llm import LLM
 
 TOKEN_IDS = "token_ids"          # a tokenizer is known: prompts are token ids, chat templates render roles
 SCORE = "score"                  # ascore (prompt log-probabilities)
@@ -94,7 +96,7 @@ class StreamChunk:
     completion: Completion | None  # set on the sample's last chunk
 
 
-class Backend(LLM, abc.ABC):
+class Backend(abc.ABC):
     """A model the runtime can run queries on (see the module docstring for the contract)."""
 
     name: str
@@ -114,33 +116,6 @@ class Backend(LLM, abc.ABC):
 
     def describe(self) -> str:
         return repr(self)
-
-    def generate(self, prompts, **options) -> list[Completion]:
-        """Complete each prompt (a string or token ids); returns `len(prompts) * n` completions,
-        prompt by prompt, samples in order. Raises the first request's error after all finished.
-
-        Called inside a running event loop (an `async def`, a notebook) it returns a
-        `kvql.generations.PendingGeneration` instead, so that LMQL's `await m.generate(prompt, ...)`
-        works too: awaited, it is LMQL's generate (a str, or list[str] for n > 1; see
-        `kvql.generations.generate`); used as a sequence, it is this method's list of completions,
-        computed on first use (blocking that thread until they are done)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return self.complete(prompts, **options)
-        from ..generations import PendingGeneration  # the LMQL layer sits above the backends
-
-        return PendingGeneration(self, prompts, options)
-
-    def complete(self, prompts, **options) -> list[Completion]:
-        """`generate`, always synchronous: the list of completions, also inside an event loop (there,
-        on a worker thread)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.agenerate(prompts, **options))
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            return pool.submit(asyncio.run, self.agenerate(prompts, **options)).result()
 
     @abc.abstractmethod
     async def agenerate(self, prompts, **options) -> list[Completion]:

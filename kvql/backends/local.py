@@ -1,4 +1,5 @@
-"""`Model`: a local transformers model served by kvql's engine (radix KV cache + continuous batching)."""
+"""`LocalBackend`: a local transformers model served by kvql's engine (radix KV cache + continuous batching);
+the user's object is `kvql.Model` (`kvql.local_model`: this with LMQL's model methods)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ import torch
 from ..completion import Completion
 from ..engine.cache_dir import CacheDir
 from ..engine.engine import Engine
-from ..engine import healing, model_runner
-from ..engine.grammar import Grammar
+from ..engine import healing, masks, model_runner
+from ..engine.grammar import Grammar, warm_up
 from ..engine.kv_pool import KVPool
-from ..engine.request import MaskFn, RequestGroup, SamplingParams, StopFn
+from ..engine.request import RequestGroup, SamplingParams
 from . import base
 from .base import Backend, StreamChunk
+from .options import GenerateOptions
+
+LOCAL_OPTIONS = ("mask", "prompt_logprobs", "logit_bias")  # beyond the contract's (GenerateOptions)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -52,10 +56,10 @@ def default_budget(device: torch.device) -> int:
 _COMPILERS = {"regex": "regex", "choices": "choices", "json_schema": "json_schema", "grammar": "lark"}
 
 
-class Model(Backend):
+class LocalBackend(Backend):
     """A causal LM behind kvql's engine: the local implementation of the backend contract
     (`kvql.backends.base`), with every capability. Thread-safe: calls from many threads or tasks share
-    batches and the cache. LMQL's model methods (`generate_sync`, `score`, `score_sync`) come from `LLM`.
+    batches and the cache. LMQL's model methods come on top, in `kvql.Model` (`kvql.local_model`).
 
     Beyond the contract it takes `mask` (a Python function of the generated ids -> allowed tokens) and
     `prompt_logprobs=k` (every prompt token's log-probability and top k, vLLM's option).
@@ -106,7 +110,9 @@ class Model(Backend):
         return self._compiled(kind, value)
 
     # -- input checks (caller's thread, before anything is queued) -------------------------------
-    def _prompt_ids(self, prompts) -> list[list[int]]:
+    def prompt_ids(self, prompts) -> list[list[int]]:
+        """Each prompt (a string, or a list of token ids; one prompt or a list of them) as the token ids
+        the engine is fed for it; ValueError / TypeError naming the prompt that is not one."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
@@ -139,57 +145,45 @@ class Model(Backend):
             raise ValueError(f"cache_budget too small: prompt {i} needs {need} tokens of KV "
                              f"({need * per} bytes) but the budget holds {slots} tokens ({slots * per} bytes)")
 
-    def _prepare(self, prompts, *, max_tokens: int = 16, min_tokens: int = 0, stop: str | list[str] | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
-                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, n: int = 1, seed: int | None = None,
-                 logprobs: int | None = None, mask: MaskFn | None = None, regex: str | None = None,
-                 choices: list[str] | None = None, json_schema: dict | str | None = None, grammar: str | None = None,
-                 grammar_prefix: int = 0, stop_fn: StopFn | None = None, masked_logprobs: bool = False,
-                 ignore_eos: bool = False, cache_salt: str | None = None, prompt_logprobs: int | None = None,
-                 heal: bool = False):
+    def _prepare(self, prompts, **options):
         """Check every option and compile the constraint; nothing is queued yet. -> (ids, params, salt);
         with `heal`, params is a list (one per prompt: each backs up its own tokens)."""
-        constraints = {k: v for k, v in (("mask", mask), ("regex", regex), ("choices", choices),
-                                         ("json_schema", json_schema), ("grammar", grammar)) if v is not None}
-        if len(constraints) > 1:
-            raise ValueError(f"give at most one of mask, regex, choices, json_schema, grammar; got {sorted(constraints)}")
-        if not isinstance(min_tokens, int) or min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {min_tokens!r}")
-        if not isinstance(grammar_prefix, int) or grammar_prefix < 0:
-            raise ValueError(f"grammar_prefix must be an integer >= 0, got {grammar_prefix!r}")
-        if heal and (mask is not None or grammar_prefix):
-            raise ValueError("heal=True does not combine with mask= or grammar_prefix= (both read the generated "
-                             "ids, which then start inside the prompt)")
-        all_ids = self._prompt_ids(prompts)
-        if constraints and "mask" not in constraints and not heal:
-            (kind, value), = constraints.items()
-            mask = self._grammar(kind, value).mask_fn()
-        if grammar_prefix:
-            if mask is None or len(all_ids) != 1 or grammar_prefix > len(all_ids[0]):
+        o, extra = GenerateOptions.read(options, LOCAL_OPTIONS)
+        mask, logit_bias = extra.get("mask"), extra.get("logit_bias")
+        if mask is not None and o.constraint is not None:
+            raise ValueError(f"give at most one of mask, {', '.join(base.CONSTRAINTS)}; got mask and {o.constraint[0]}")
+        if o.heal and (mask is not None or o.grammar_prefix or logit_bias):
+            raise ValueError("heal=True does not combine with mask=, logit_bias= or grammar_prefix= (they read "
+                             "the generated ids, which then start inside the prompt)")
+        all_ids = self.prompt_ids(prompts)
+        if o.constraint is not None and not o.heal:
+            mask = self._grammar(*o.constraint).mask_fn()
+        if o.grammar_prefix:
+            if mask is None or len(all_ids) != 1 or o.grammar_prefix > len(all_ids[0]):
                 raise ValueError("grammar_prefix needs a constraint, one prompt, and at most the prompt's tokens")
-            mask = _continued(mask, all_ids[0][len(all_ids[0]) - grammar_prefix:])
-        if min_tokens and not heal:
-            mask = _no_end_before(mask, min_tokens, self.eos_ids, self.vocab_size)
-        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                                top_k=top_k, repetition_penalty=float(repetition_penalty),
-                                frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty), n=n,
-                                seed=seed, stop=stop, logprobs=logprobs, mask=mask, stop_fn=stop_fn,
-                                masked_logprobs=masked_logprobs, ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs)
+            mask = masks.continued(mask, all_ids[0][len(all_ids[0]) - o.grammar_prefix:])
+        mask = masks.logit_bias(logit_bias, self.vocab_size, mask)
+        if not o.heal:
+            mask = masks.no_end_before(mask, o.min_tokens, self.eos_ids, self.vocab_size)
+        params = SamplingParams(max_tokens=o.max_tokens, temperature=float(o.temperature), top_p=float(o.top_p),
+                                top_k=o.top_k, repetition_penalty=float(o.repetition_penalty),
+                                frequency_penalty=float(o.frequency_penalty), presence_penalty=float(o.presence_penalty),
+                                n=o.n, seed=o.seed, stop=o.stop, stop_after=o.min_tokens, logprobs=o.logprobs, mask=mask,
+                                stop_fn=o.stop_fn, masked_logprobs=o.masked_logprobs, ignore_eos=o.ignore_eos,
+                                prompt_logprobs=extra.get("prompt_logprobs"))
         params.validate()
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        if heal:
-            all_ids, params = self._heal(all_ids, params, constraints, min_tokens)
+        if o.heal:
+            all_ids, params = self._heal(all_ids, params, o)
         for i, ids in enumerate(all_ids):
             self._check_fits(ids, params[i] if isinstance(params, list) else params, i)
-        return all_ids, params, cache_salt
+        return all_ids, params, o.cache_salt
 
-    def _heal(self, all_ids, params: SamplingParams, constraints: dict, min_tokens: int):
+    def _heal(self, all_ids, params: SamplingParams, o: GenerateOptions):
         """heal=True: each prompt's healed ids and parameters (`kvql.engine.healing`); a prompt with
         nothing to heal keeps its own, with the constraint as given."""
         h = healing.healer(self.tokenizer)
-        kind, value = next(iter(constraints.items()), (None, None))
+        kind, value = o.constraint or (None, None)
+        min_tokens = o.min_tokens
         out_ids, out_params = [], []
         for ids in all_ids:
             heal = h.heal(ids, params.max_tokens, min_tokens, params.stop_fn)
@@ -197,8 +191,7 @@ class Model(Backend):
                 plain = (kind, value) if kind != "choices" else \
                     ("grammar", healing.canonical_choices(self.tokenizer, value))  # as healed choices are
                 mask = self._grammar(*plain).mask_fn() if kind else None
-                if min_tokens:
-                    mask = _no_end_before(mask, min_tokens, self.eos_ids, self.vocab_size)
+                mask = masks.no_end_before(mask, min_tokens, self.eos_ids, self.vocab_size)
                 out_ids.append(ids)
                 out_params.append(dataclasses.replace(params, mask=mask))
                 continue
@@ -217,10 +210,13 @@ class Model(Backend):
     def _submit(self, prompts, on_update=None, **options) -> list[RequestGroup]:
         return self._enqueue(self._prepare(prompts, **options), on_update)
 
-    async def _asubmit(self, prompts, on_update=None, **options) -> list[RequestGroup]:
-        """`_submit` for asyncio: a constraint to compile (ms, at worst the sandbox's time limit) is
-        compiled on a worker thread, so it never holds up the event loop that serves other requests;
-        nothing is queued if the caller is cancelled meanwhile."""
+    async def submit(self, prompts, on_update=None, **options) -> list[RequestGroup]:
+        """Queue the prompts' requests (the options of `agenerate`) and return their handles, one per
+        prompt, without waiting for them: `collect(groups)` waits, `cancel(group)` cancels.
+        `on_update(sample, text, token_id, completion)` is called on the engine thread after each step of
+        a request. A constraint to compile (ms, at worst the sandbox's time limit) is compiled on a worker
+        thread, so it never holds up the event loop that serves other requests; nothing is queued if the
+        caller is cancelled meanwhile."""
         if options.get("heal") or any(options.get(k) is not None for k in base.CONSTRAINTS):
             prepared = await asyncio.to_thread(self._prepare, prompts, **options)
         else:
@@ -228,11 +224,12 @@ class Model(Backend):
         return self._enqueue(prepared, on_update)
 
     # -- public API ------------------------------------------------------------------------------
-    # Options of generate / agenerate / stream: those of the backend contract (kvql.backends.base; unknown
-    # ones raise TypeError), and `mask` (a fn of the generated ids -> bool tensor) as a fifth kind of
-    # constraint. Constraints are compiled by kvql.engine.grammar. cache_salt (a string): requests share
-    # cached prefixes only with requests of the same salt, so tenants cannot probe each other's prompts
-    # through cached_tokens or timing.
+    # Options of generate / agenerate / stream: those of the backend contract (kvql.backends.options; unknown
+    # ones raise TypeError), `mask` (a fn of the generated ids -> bool tensor) as a fifth kind of
+    # constraint, `logit_bias` (OpenAI's, -100 / 100: kvql.engine.masks) and `prompt_logprobs` (vLLM's).
+    # Constraints are compiled by kvql.engine.grammar. cache_salt (a string): requests share cached
+    # prefixes only with requests of the same salt, so tenants cannot probe each other's prompts through
+    # cached_tokens or timing.
     def complete(self, prompts, *, progress=False, **options) -> list[Completion]:
         """`generate`, always synchronous: the list of completions, also inside an event loop.
         `progress=True`: a tqdm bar of completions done (see `base.progress_bar`)."""
@@ -256,10 +253,14 @@ class Model(Backend):
 
     async def agenerate(self, prompts, *, progress=False, **options) -> list[Completion]:
         """`generate` for asyncio; cancelling the awaiting task cancels the requests."""
-        groups = await self._asubmit(prompts, **options)
-        return await self._collect(groups, base.progress_bar(progress, sum(g.params.n for g in groups)))
+        groups = await self.submit(prompts, **options)
+        return await self.collect(groups, base.progress_bar(progress, sum(g.params.n for g in groups)))
 
-    async def _collect(self, groups: list[RequestGroup], bar=None) -> list[Completion]:
+    def cancel(self, group: RequestGroup) -> None:
+        """Cancel a submitted request (its samples end as cancelled; a no-op once it finished)."""
+        self.engine.cancel(group)
+
+    async def collect(self, groups: list[RequestGroup], bar=None) -> list[Completion]:
         """The completions of submitted `groups`, prompt by prompt; if the caller is cancelled or one
         group fails, every group is cancelled. `bar` (a tqdm bar, closed here) counts them."""
         async def done(g: RequestGroup) -> list[Completion]:
@@ -279,17 +280,12 @@ class Model(Backend):
                 bar.close()
         return [c for r in results for c in r]
 
-    async def stream(self, prompt, **options) -> AsyncIterator[StreamChunk]:
+    async def stream(self, prompt, *, on_token=None, on_group=None, **options) -> AsyncIterator[StreamChunk]:
         """Yield a `StreamChunk` per generated token of one prompt (all `n` samples interleaved).
-        Leaving the loop early cancels the request."""
+        Leaving the loop early cancels the request. A server's hooks: `on_token()` after each token (on
+        the engine thread) and `on_group(group)` once the request is queued (its handle, as `submit`'s)."""
         if not isinstance(prompt, str) and not (isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt)):
             raise TypeError("stream() takes one prompt: a string or a list of token ids")
-        async for chunk in self._stream(prompt, options):
-            yield chunk
-
-    async def _stream(self, prompt, options: dict, on_token=None, on_group=None) -> AsyncIterator[StreamChunk]:
-        """`stream`, with the server's hooks: `on_token()` after each token (on the engine thread) and
-        `on_group(group)` once the request is queued."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -298,7 +294,7 @@ class Model(Backend):
                 on_token()
             loop.call_soon_threadsafe(queue.put_nowait, StreamChunk(sample, text, token, completion))
 
-        (group,) = await self._asubmit(prompt, on_update, **options)
+        (group,) = await self.submit(prompt, on_update, **options)
         if on_group is not None:
             on_group(group)
         group.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
@@ -315,12 +311,30 @@ class Model(Backend):
         async def one(ids: list[int]):
             if not ids:
                 return [], None
-            (c,) = await self.agenerate([prompt_ids], max_tokens=len(ids), mask=_forcing(ids, self.vocab_size),
+            (c,) = await self.agenerate([prompt_ids], max_tokens=len(ids), mask=masks.forcing(ids, self.vocab_size),
                                         logprobs=0, ignore_eos=True)
             return [e.logprob for e in c.logprobs], c
 
         results = await asyncio.gather(*(one(ids) for ids in continuations))
         return [lps for lps, _ in results], [c for _, c in results if c is not None]
+
+    def warm_up(self) -> None:
+        """Do now what the first constrained request would pay (~1 s: llguidance's view of the tokenizer);
+        a server calls it at start."""
+        warm_up(self.tokenizer)
+
+    @property
+    def dtype(self):
+        return self.hf_model.dtype
+
+    @property
+    def cache_slots(self) -> int:
+        """Tokens the KV cache holds."""
+        return self.engine.pool.num_slots
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.engine.pool.bytes
 
     def stats(self) -> dict:
         """Engine counters: prompt/cached/computed tokens, hit rate, cache bytes and budget, evictions, ..."""
@@ -352,43 +366,10 @@ class Model(Backend):
 
     @property
     def closed(self) -> bool:
-        return self.engine._closed
+        return self.engine.closed
 
     def describe(self) -> str:
         return f"the local model {self.name!r}"
 
     def __repr__(self) -> str:
         return f"kvql.Model({self.name!r}, device={self.device}, cache_slots={self.engine.pool.num_slots})"
-
-
-def _continued(mask: MaskFn, prefix: list[int]) -> MaskFn:
-    """`mask` for a value whose first tokens (`prefix`) are already in the prompt."""
-    def continued(generated: list[int]):
-        return mask(prefix + generated)
-
-    continued.jump_forward = getattr(mask, "jump_forward", False)  # asked ahead if `mask` may be
-    return continued
-
-
-def _no_end_before(mask: MaskFn | None, min_tokens: int, eos_ids, vocab: int) -> MaskFn:
-    """`mask`, and no end-of-sequence token while fewer than `min_tokens` tokens are generated."""
-    def masked(generated: list[int]):
-        allowed = mask(generated) if mask is not None else None
-        if len(generated) < min_tokens:
-            allowed = torch.ones(vocab, dtype=torch.bool) if allowed is None else allowed.clone()
-            allowed[[e for e in eos_ids if e < allowed.numel()]] = False
-        return allowed
-
-    masked.jump_forward = getattr(mask, "jump_forward", mask is None)  # a function of the ids alone
-    return masked
-
-
-def _forcing(token_ids: list[int], vocab: int) -> MaskFn:
-    """A mask that allows exactly `token_ids`, one per step."""
-    def mask(generated: list[int]) -> torch.Tensor:
-        allowed = torch.zeros(vocab, dtype=torch.bool)
-        allowed[token_ids[len(generated)]] = True
-        return allowed
-
-    mask.jump_forward = True  # every token is forced: the continuation is computed in one forward
-    return mask

@@ -1,4 +1,4 @@
-"""`RemoteModel`: the backend contract over an OpenAI-compatible server (`kvql serve`, vLLM, SGLang).
+"""`RemoteBackend`: the backend contract over an OpenAI-compatible server (`kvql serve`, vLLM, SGLang).
 
 `kvql.model("http://HOST:PORT/v1", name=..., tokenizer=...)` returns one. On creation it asks the server
 what it serves (`/v1/models`) and what it is (`/metrics` for kvql, `/version` for vLLM,
@@ -44,6 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ..completion import Completion, TokenLogprob
 from . import base
 from .base import Backend, BackendError, StreamChunk, Unsupported
+from .options import GenerateOptions
 
 # constraint option -> (group, field) in a completions request body; group None: a top-level field
 _SPELLINGS = {
@@ -63,7 +64,7 @@ _EXTRAS = {  # what each kind of server offers besides constraints
 _CALLBACKS = ("mask",)  # Python functions that would have to run inside the server
 
 
-class RemoteModel(Backend):
+class RemoteBackend(Backend):
     def __init__(self, base_url: str, *, name: str | None = None, api_key: str | None = None, tokenizer=None,
                  timeout: float = 600.0):
         self.base_url = base_url.rstrip("/")
@@ -140,25 +141,16 @@ class RemoteModel(Backend):
         return client
 
     # -- requests --------------------------------------------------------------------------------
-    def _request(self, prompt, *, max_tokens: int = 16, min_tokens: int = 0, stop=None, stop_fn=None,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
-                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, n: int = 1, seed: int | None = None,
-                 logprobs: int | None = None, masked_logprobs: bool = False, ignore_eos: bool = False,
-                 cache_salt: str | None = None, grammar_prefix: int = 0, heal: bool = False,
-                 **constraints) -> tuple[dict, object]:
+    def _request(self, prompt, **options) -> tuple[dict, object]:
         """Check every option against this server; -> (the `completions.create` arguments, stop_fn)."""
-        if heal:
+        o, callbacks = GenerateOptions.read(options, _CALLBACKS)
+        if o.heal:
             self.require(base.HEAL, "token healing (heal=True, HEAL(X), token_healing=True)")
-        for key in _CALLBACKS:
-            if constraints.pop(key, None) is not None:
+        for key, value in callbacks.items():
+            if value is not None:
                 raise Unsupported(f"{key} is a Python callback and cannot run on {self.describe()}; "
                                   "use regex, choices, json_schema or grammar")
-        unknown = set(constraints) - set(base.CONSTRAINTS)
-        if unknown:
-            raise TypeError(f"unknown options {sorted(unknown)}")
-        given = {k: v for k, v in constraints.items() if v is not None}
-        if len(given) > 1:
-            raise ValueError(f"give at most one of regex, choices, json_schema, grammar; got {sorted(given)}")
+        given = dict([o.constraint]) if o.constraint is not None else {}
         if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt
                                                 and all(isinstance(t, int) for t in prompt)):
             raise TypeError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
@@ -169,37 +161,38 @@ class RemoteModel(Backend):
             if self.kind == "sglang" and key == "json_schema" and not isinstance(value, str):
                 value = json.dumps(value)  # SGLang takes the schema as a string
             (extra.setdefault(group, {}) if group else extra)[field] = value
-        if masked_logprobs and (given or min_tokens):
+        if o.masked_logprobs and (given or o.min_tokens):
             self.require(base.MASKED_LOGPROBS, "beam search under a constraint")
-        if grammar_prefix and given:
+        if o.grammar_prefix and given:
             self.require(base.MASKED_LOGPROBS, "a constraint that starts inside the prompt (grammar_prefix)")
-        if min_tokens:
+        if o.min_tokens:
             self.require(base.MIN_TOKENS, "min_tokens")
-            extra["min_tokens"] = min_tokens
-        if stop_fn is not None:
+            extra["min_tokens"] = o.min_tokens
+        if o.stop_fn is not None:
             self.require(base.STOP_FN, "a stop function")
-        sampling = {"top_k": top_k, "repetition_penalty": repetition_penalty}
-        if top_k or repetition_penalty != 1.0:
+        sampling = {"top_k": o.top_k, "repetition_penalty": o.repetition_penalty}
+        if o.top_k or o.repetition_penalty != 1.0:
             self.require(base.SAMPLING, f"sampling options {sorted(k for k, v in sampling.items() if v)}")
             extra.update({k: v for k, v in sampling.items() if v})
-        if ignore_eos:
+        if o.ignore_eos:
             extra["ignore_eos"] = True
-        if cache_salt is not None:
+        if o.cache_salt is not None:
             self.require(base.CACHE_SALT, "cache_salt (a per-tenant partition of the prefix cache)")
-            extra["cache_salt"] = cache_salt
-        if logprobs is not None:
+            extra["cache_salt"] = o.cache_salt
+        if o.logprobs is not None:
             self.require(base.LOGPROBS, "log-probabilities by token id")
             extra["return_tokens_as_token_ids"] = True
         if self.kind in ("kvql", "vllm", "sglang"):
             extra["return_token_ids"] = True
-        args = dict(model=self.name, prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                    n=n, extra_body=extra)
-        for key, value in (("stop", stop), ("seed", seed), ("logprobs", logprobs)):
+        args = dict(model=self.name, prompt=prompt, max_tokens=o.max_tokens, temperature=o.temperature,
+                    top_p=o.top_p, n=o.n, extra_body=extra)
+        for key, value in (("stop", list(o.stop) or None), ("seed", o.seed), ("logprobs", o.logprobs)):
             if value is not None:
                 args[key] = value
-        for key, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+        for key, value in (("frequency_penalty", o.frequency_penalty), ("presence_penalty", o.presence_penalty)):
             if value:  # sent only when set: not every server takes them
                 args[key] = value
+        stop_fn = o.stop_fn
         return args, stop_fn
 
     async def _create(self, **args):

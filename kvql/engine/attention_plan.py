@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import paged_attention
+from .kernels import paged_attention
 
 COPY_COST = 4  # gathering one slot's K and V costs about as much as this many query-key dot products
 KEY_BLOCK = 64  # batch-invariant mode: a request's keys are padded to a multiple of this (module doc)

@@ -11,11 +11,15 @@ class Detokenizer:
     longer become part of a stop string or of an incomplete UTF-8 character.
     `skip`: text the first tokens spell before the text proper (token healing's backed-up prompt text):
     it is left out of `text`, so stop strings are searched, and text streamed, after it only.
+    `after` (`min_tokens`, vLLM's meaning): no stop string is searched while at most `after` tokens are
+    generated, and then only one that ends after the text of the first `after` tokens counts (one that
+    straddles that point does).
     """
 
-    def __init__(self, tokenizer, stop: list[str], skip: str = ""):
+    def __init__(self, tokenizer, stop: list[str], skip: str = "", after: int = 0):
         self.tokenizer = tokenizer
         self._skip = skip
+        self._after, self._after_text = after, 0
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
@@ -44,7 +48,11 @@ class Detokenizer:
             self._skip, new = self._skip[cut:], new[cut:]
         self.text += new
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        hits = [(i, s) for s in self.stop if (i := self.text.find(s, searched_from)) >= 0]
+        if len(self.ids) <= self._after:
+            self._after_text = len(self.text)
+            return
+        hits = [(i, s) for s in self.stop
+                if (i := self.text.find(s, max(searched_from, self._after_text - len(s) + 1))) >= 0]
         if hits:
             cut, self.stop_string = min(hits)
             self.text = self.text[:cut]

@@ -54,8 +54,8 @@ from .kv_pool import KVPool
 from .memory import Memory
 from .model_runner import ModelRunner
 from .radix_cache import RadixCache
-from .request import Request, RequestGroup, SamplingParams, State
-from .sampler import draw_forced, forced_logprob, forced_token, sample, token_logprobs
+from .request import Request, RequestGroup, SamplingParams
+from .outputs import Outputs
 from .scheduler import Scheduler
 from . import admission, model_runner, openmp, snapshot
 
@@ -102,9 +102,7 @@ class Engine:
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
         self.background = background  # False: the caller drives `step()` (tests, deterministic stagger)
-        self.jump_forward = True  # append tokens a constraint forces without a decode step each (module doc)
-        self.generated_tokens = 0
-        self.forced_tokens = 0
+        self.outputs = Outputs(self.scheduler, tokenizer, self.device, self.eos_ids, self._cancel_later)
         self.steps = 0
         self.mixed_steps = 0  # steps whose batch held both prefill chunks and decode steps
         self.max_batch_requests = 0
@@ -117,6 +115,19 @@ class Engine:
         self._fingerprint: dict[str, str] | None = None  # of model, dtype, tokenizer: snapshot.py
         _engines.add(self)
         self._release_caller_openmp()  # this thread loaded the model (and packed its weights)
+
+    def _cancel_later(self, group: RequestGroup) -> None:
+        with self._wake:
+            self._cancels.append(group)
+
+    @property
+    def jump_forward(self) -> bool:
+        """Append the tokens a constraint forces without a decode step each (module doc); on by default."""
+        return self.outputs.jump_forward
+
+    @jump_forward.setter
+    def jump_forward(self, on: bool) -> None:
+        self.outputs.jump_forward = on
 
     def _release_caller_openmp(self) -> None:
         """The calling thread's OpenMP workers go, unless it is the one computing (module doc)."""
@@ -164,10 +175,14 @@ class Engine:
                 traceback.print_exc()
                 with self._state:
                     for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                        self._fail(req.group, e, keep=False)
+                        self.outputs.fail(req.group, e, keep=False)
 
     def _nothing_to_do(self) -> bool:  # (with `_wake` held)
         return not (self._inbox or self._cancels or self.has_work() or self._closed)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @_releases_openmp
     def close(self) -> None:
@@ -180,7 +195,7 @@ class Engine:
         with self._state:
             self._take_inbox()
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self._fail(req.group, concurrent.futures.CancelledError(), keep=True)
+                self.outputs.fail(req.group, concurrent.futures.CancelledError(), keep=True)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -200,14 +215,7 @@ class Engine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> None:
-        """One batch: schedule, forward, then commit KV and sample for each request.
-
-        Rows of the logits are addressed by request, never by a running counter: a request that
-        fails or finishes while the step is being applied must not shift its neighbours' rows.
-        Everything user-supplied (masks, stop functions, grammar state) runs in `_sample`, inside
-        the request's own error boundary; the engine's own bookkeeping runs first, for every
-        segment, so no failure can leave a segment's slots unaccounted for.
-        """
+        """One batch: schedule -> forward -> commit and process the outputs (outputs.py)."""
         with self._state:
             self._take_inbox()
             batch = self.scheduler.schedule()
@@ -221,31 +229,9 @@ class Engine:
                 outputs = self.runner.forward([seg for _, seg in batch])
             except Exception as e:  # the whole batch failed; its KV writes are discarded (slots freed)
                 for req, seg in batch:
-                    self._fail(req.group, e, keep=False)
+                    self.outputs.fail(req.group, e, keep=False)
                 return
-            rows = {}
-            for (req, seg), logits in zip(batch, outputs):
-                self.scheduler.commit(req, seg)
-                if seg.all_logits:
-                    self._score_prompt(req, seg, logits)
-                if logits is not None:
-                    rows[req] = (seg, logits)
-            for req, (seg, logits) in rows.items():
-                if not req.group.closed:  # a sibling may have failed it earlier in this loop
-                    self._advance(req, seg, logits)
-
-    @staticmethod
-    def _score_prompt(req: Request, seg, logits: torch.Tensor) -> None:
-        """Append the prompt logprobs this segment's logits give: row j (position `start + j`) scores
-        prompt token `start + j + 1`; rows for entries already present (recomputed after a
-        preemption) are skipped."""
-        have, prompt = len(req.prompt_logprobs), req.prompt_ids
-        first = have - 1 - seg.start
-        assert first >= 0, "a prompt position without logits was served from the cache"
-        end = min(len(seg.token_ids), len(prompt) - 1 - seg.start)
-        if end > first:
-            targets = prompt[seg.start + first + 1:seg.start + end + 1]
-            req.prompt_logprobs.extend(token_logprobs(logits[first:end], targets, req.params.prompt_logprobs))
+            self.outputs.apply(batch, outputs)
 
     def _take_inbox(self) -> None:
         with self._wake:
@@ -259,129 +245,7 @@ class Engine:
             self.scheduler.add(req)
         for group in cancels:
             group.cancelled = True
-            self._fail(group, concurrent.futures.CancelledError(), keep=True)
-
-    def _advance(self, req: Request, seg, logits: torch.Tensor) -> None:
-        """Use one segment's logits: append the pending forced tokens they score, then, at the end
-        of the request's tokens, sample its next token (and fork its `n - 1` siblings after the
-        prompt). The request's error boundary: whatever the caller supplied raises here fails this
-        group alone, with its KV kept in the tree (the forward was valid), and never the step."""
-        group = req.group
-        try:
-            if req.forced:
-                self._replay(req, seg, logits)
-            if seg.needs_logits and req.state is State.RUNNING:
-                self._sample(req, logits[-1])
-        except BaseException as e:  # even SystemExit from a callback must not end the engine thread
-            e.add_note(f"kvql: request {req.rid} failed while sampling:\n{traceback.format_exc(limit=3)}")
-            if not isinstance(e, Exception):  # asyncio and thread pools treat those as "stop the program"
-                wrapped = RuntimeError(f"a callback of request {req.rid} raised {e!r}")
-                wrapped.__cause__, e = e, wrapped
-            self._fail(group, e, keep=True)
-
-    def _sample(self, req: Request, row: torch.Tensor) -> None:
-        """Sample `req`'s next token from `row` (forking its siblings after the prompt), then jump forward."""
-        group = req.group
-        req.vocab_size = row.numel()
-        token, logprob = sample(row, req)
-        forks = []
-        if not req.forked:
-            req.forked = True
-            for i in range(1, req.params.n):
-                sib = Request(group, i, self.tokenizer, self.device)
-                sib.vocab_size = row.numel()
-                forks.append((sib, *sample(row, sib)))
-        for sib, _, _ in forks:  # share the prompt's KV: it is in the tree, each sibling locks it
-            sib.cached_tokens = req.cached_tokens
-            sib.prompt_logprobs = req.prompt_logprobs
-            group.requests.append(sib)
-            self.scheduler.fork(req, sib)
-        self._append(req, token, logprob)
-        self._jump(req)
-        for sib, tok, lp in forks:
-            if not group.closed:
-                self._append(sib, tok, lp)
-                self._jump(sib)
-
-    def _jump(self, req: Request) -> None:
-        """Jump-forward: while the mask allows exactly one token after `req`'s tokens, take it (module
-        doc). The mask result that leaves a choice is kept for `sample` (`Request.next_allowed`)."""
-        p = req.params
-        if not self.jump_forward or not getattr(p.mask, "jump_forward", False):
-            return
-        keep_pending = p.logprobs is not None  # its forced tokens wait for the rows that score them
-        while req.state is State.RUNNING and len(req.output_ids) + len(req.forced) < p.max_tokens:
-            history = req.output_ids + req.forced
-            allowed = p.mask(list(history))
-            token = forced_token(allowed, req.vocab_size)
-            ends = token in self.eos_ids and not p.ignore_eos
-            if token is None or (ends and req.forced):  # a choice, or an end that waits for its turn
-                req.next_allowed = (len(history), allowed)
-                return
-            draw_forced(req, token, req.vocab_size)
-            self.forced_tokens += 1
-            req.forced_tokens += 1
-            if not ends or p.ignore_eos:
-                req.forced_at.append(len(history))
-            if keep_pending and not ends:
-                req.forced.append(token)
-            else:  # needs no logits: appended now, exactly as `sample` would have returned it
-                self._append(req, token, None)
-
-    def _replay(self, req: Request, seg, logits: torch.Tensor) -> None:
-        """Append the pending forced tokens whose scoring rows (the logits of the position before
-        each) this segment computed, with the logprob entry `sample` would have given them."""
-        end = seg.start + len(seg.token_ids)
-        first = end - logits.shape[0]  # the position of the first row
-        while req.forced and req.state is State.RUNNING:
-            at = req.replay_from  # the row that scores the first pending token
-            if not first <= at < end:
-                return
-            token = req.forced[0]
-            entry = forced_logprob(logits[at - first], req, token)
-            req.forced.pop(0)  # into output_ids: `tokens` stays the same sequence
-            self._append(req, token, entry)
-        # the run ended at a choice (its mask result waits in `next_allowed`) or at max_tokens
-
-    def _append(self, req: Request, token: int, logprob) -> None:
-        p = req.params
-        self.generated_tokens += 1
-        if token in self.eos_ids and not p.ignore_eos:
-            req.finish_reason = "stop"
-        else:
-            req.output_ids.append(token)
-            if logprob is not None:
-                req.logprobs.append(logprob)
-            req.detok.append(token)
-            if req.detok.stopped or (p.stop_fn is not None and p.stop_fn(req.output_ids, req.detok.text)):
-                req.finish_reason = "stop"
-            elif len(req.output_ids) >= p.max_tokens:
-                req.finish_reason = "length"
-        done = req.finish_reason is not None
-        group = req.group
-        if done:
-            self.scheduler.finish(req, State.FINISHED, keep=True)
-            group.completions[req.sample] = req.completion()
-        if group.on_update is not None:
-            try:
-                group.on_update(req.sample, req.detok.pop_stream_delta(done), token,
-                                group.completions[req.sample] if done else None)
-            except Exception:  # the consumer is gone (e.g. its event loop closed): stop generating
-                with self._wake:
-                    self._cancels.append(group)
-        if done and all(c is not None for c in group.completions):
-            group.close()
-            group.future.set_result(list(group.completions))
-
-    def _fail(self, group: RequestGroup, error: BaseException, keep: bool) -> None:
-        """End every request of the group (idempotent; CANCELLED for a CancelledError, else FAILED)
-        and resolve its future with `error`."""
-        state = State.CANCELLED if isinstance(error, concurrent.futures.CancelledError) else State.FAILED
-        for req in group.requests:
-            self.scheduler.finish(req, state, keep=keep)
-        if not group.closed:
-            group.close()
-            group.future.set_exception(error)
+            self.outputs.fail(group, concurrent.futures.CancelledError(), keep=True)
 
     # -- inspection (any thread; waits for the current step) -----------------------------------
     @_releases_openmp
@@ -397,8 +261,8 @@ class Engine:
                 "prompt_tokens": s.prompt_tokens,
                 "cached_tokens": s.cached_tokens,
                 "computed_tokens": s.prompt_tokens - s.cached_tokens,
-                "generated_tokens": self.generated_tokens,
-                "forced_tokens": self.forced_tokens,
+                "generated_tokens": self.outputs.generated_tokens,
+                "forced_tokens": self.outputs.forced_tokens,
                 "forward_tokens": self.runner.forward_tokens,
                 "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
                 "cache_tokens": self.tree.total_tokens,

@@ -37,7 +37,8 @@ import types
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import cpu_linear, fused_ops
+from . import cpu_linear
+from .kernels import fused_ops
 
 def _references():
     """kind -> [(reference class, the extra keywords its forward passes the attention function)]."""

@@ -35,6 +35,7 @@ import llguidance
 import torch
 
 from .grammar import _ll_tokenizer
+from . import masks
 
 MAX_TOKENS = 8
 _healers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -177,26 +178,13 @@ class Healing:
         value's tokens (`stop_fn`), the backed-up text left out of the text."""
         if mask is None:
             mask = self.mask(vocab)
-        if self.min_tokens:
-            mask = self._no_end_before(mask, eos_ids, vocab)
+        mask = masks.no_end_before(mask, self.min_tokens, eos_ids, vocab,
+                                   counted=lambda generated: len(generated) - self.inside(generated))
         extra = len(self.data)  # tokens wholly inside the backed-up text: at most one per byte
         if context is not None:
             extra = max(0, min(extra, context - prompt_len - self.max_tokens))
         return dataclasses.replace(params, max_tokens=self.max_tokens + extra, mask=mask, stop_fn=self._stop_fn,
                                    healing=self)
-
-    def _no_end_before(self, mask, eos_ids, vocab: int):
-        eos = [e for e in eos_ids if e < vocab]
-
-        def masked(generated: list[int]):
-            allowed = mask(generated)
-            if len(generated) - self.inside(generated) < self.min_tokens:
-                allowed = torch.ones(vocab, dtype=torch.bool) if allowed is None else allowed.clone()
-                allowed[[e for e in eos if e < allowed.numel()]] = False
-            return allowed
-
-        masked.jump_forward = getattr(mask, "jump_forward", False)
-        return masked
 
     def _stop_fn(self, out: list[int], text: str) -> bool:
         value = out[self.inside(out):]

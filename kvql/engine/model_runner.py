@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -31,8 +30,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .attention_plan import Bucket, Causal, Plan, plan
-from . import admission, cpu_linear, fused_layers, paged_attention
+from . import admission, cpu_linear, fused_layers
+from .kernels import paged_attention
 from .kv_pool import KVPool
+from .segment import Segment
 
 ATTENTION = "kvql"
 
@@ -152,33 +153,6 @@ class PoolCache:
         k.index_copy_(1, self.write_slots, key_states[0])
         v.index_copy_(1, self.write_slots, value_states[0])
         return k[None], v[None]
-
-
-@dataclass
-class Segment:
-    """New tokens of one request in a batch: `token_ids` at positions `start ...`, written to `new_slots`;
-    `past_slots` hold the KV of its positions `0 .. start-1`. `needs_logits`: the logits of its last
-    token are wanted (to sample); `all_logits`: those of every token (prompt logprobs); `logits_from`: those
-    of every position from there on (jump-forward's pending forced tokens: their logprobs)."""
-
-    token_ids: list[int]
-    start: int
-    past_slots: torch.Tensor
-    new_slots: torch.Tensor
-    needs_logits: bool
-    all_logits: bool = False
-    logits_from: int | None = None
-
-    @property
-    def logit_rows(self) -> int:
-        """How many trailing tokens' logits the forward returns."""
-        n = len(self.token_ids)
-        if self.all_logits:
-            return n
-        k = 1 if self.needs_logits else 0
-        if self.logits_from is not None:
-            k = max(k, min(n, self.start + n - self.logits_from))
-        return k
 
 
 def read_geometry(hf_model) -> admission.Geometry:

@@ -42,6 +42,7 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_after: int = 0  # stop strings count only where they end after the text of this many tokens (min_tokens)
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # logprob of every prompt token (and its k best alternatives), as vLLM
     mask: MaskFn | None = None
@@ -154,7 +155,7 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] if self.params.prompt_logprobs is not None else None)
         healed = self.params.healing.text if self.params.healing is not None else ""
-        self.detok = Detokenizer(tokenizer, list(self.params.stop), skip=healed)
+        self.detok = Detokenizer(tokenizer, list(self.params.stop), skip=healed, after=self.params.stop_after)
         self.finish_reason: str | None = None
         self.forked = sample > 0
         seed = self.params.seed

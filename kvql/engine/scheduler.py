@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 
 from .memory import Memory
-from .model_runner import Segment
+from .segment import Segment
 from .radix_cache import common_prefix_len
 from .request import Request, State
 

@@ -524,3 +524,11 @@ class Context:
         self.buffer.flush()
         return LMQLResult(self._shown, dict(self.variables), name, values, self.cached_tokens, self.computed_tokens,
                           self.trace())
+
+
+async def run_all(program: Program, model, decoding: Decoding, inputs: dict, body) -> tuple[list, list]:
+    """All runs of one call of `program` (one per sample or beam), concurrently: -> (results, their contexts).
+    `body`: `program.body(inputs)`, made once for the whole call."""
+    contexts = [Context(model, decoding, k) for k in range(decoding.runs)]
+    results = await asyncio.gather(*(program.execute(ctx, (), inputs, body) for ctx in contexts))
+    return list(results), contexts

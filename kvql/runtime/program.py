@@ -5,7 +5,6 @@ alone, so it never imports the query layer or the language."""
 from __future__ import annotations
 
 import abc
-import asyncio
 from typing import Awaitable, Callable
 
 Body = Callable[..., Awaitable]
@@ -32,11 +31,3 @@ class Program(abc.ABC):
         value = await fn(ctx, inputs)
         await ctx.close_role()
         return value if returns else ctx.result()
-
-    async def run_all(self, model, decoding, inputs: dict, body: tuple[Body, bool]) -> tuple[list, list]:
-        """All runs of one call (one per sample or beam), concurrently: -> (results, their contexts)."""
-        from .context import Context  # context.py imports this module (nested queries are Programs)
-
-        contexts = [Context(model, decoding, k) for k in range(decoding.runs)]
-        results = await asyncio.gather(*(self.execute(ctx, (), inputs, body) for ctx in contexts))
-        return list(results), contexts

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over one local `Model`: many client processes share its radix cache.
+"""OpenAI-compatible HTTP server over one local model (`kvql.backends.local.LocalBackend`): many client processes share its radix cache.
 
 Endpoints: `GET /health` (the engine's integrity check), `GET /v1/models`, `POST /v1/completions`,
 `POST /v1/chat/completions` (both with `stream: true` as server-sent events ending in `[DONE]`),
@@ -40,19 +40,17 @@ from starlette.exceptions import HTTPException
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..backends.local import Model
+from ..backends.local import LocalBackend
 from .guard import Guard
-from .logit_bias import bias_mask
 from .logprobs import PROMPT_TOP, Spelling, chat_logprobs, completion_logprobs, prompt_logprobs
 from .metrics import AccessLog, Metrics, throughput_lines
-from .min_tokens import _COMPILERS, DeferredStops, with_min_tokens
 from .protocol import (ChatRequest, CompletionRequest, RequestError, constraint_options, error_response,
                        message_text, parse_request)
 
 POLL_S = 0.1  # how often a non-streaming request checks that its client is still connected
 
 
-def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] = (),
+def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterable[str] = (),
                api_key: str | Iterable[str] | None = None, salt_per_key: bool = False,
                allowed_hosts: Iterable[str] | None = None, max_body_bytes: int = 1 << 20,
                max_tokens_cap: int = 4096, log_interval: float = 10.0) -> FastAPI:
@@ -124,6 +122,7 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
             raise RequestError(f"min_tokens must be at most max_tokens={max_tokens}, got {req.min_tokens}", "min_tokens")
         opts = dict(max_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p, n=req.n,
                     seed=req.seed, stop=req.stop, logprobs=logprobs, ignore_eos=req.ignore_eos,
+                    min_tokens=req.min_tokens, logit_bias=req.logit_bias or None,
                     top_k=max(req.top_k or 0, 0), frequency_penalty=req.frequency_penalty,
                     presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
                     **constraint_options(req))
@@ -136,27 +135,6 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         if salt is not None:
             opts["cache_salt"] = salt
         return opts
-
-    async def prepared(req, opts: dict) -> tuple[dict, DeferredStops | None]:
-        """`opts` with `logit_bias` and `min_tokens` applied (a constraint compiled on a worker thread)."""
-        if not req.min_tokens and not req.logit_bias:
-            return opts, None
-        with _request_errors():
-            constrained = any(opts.get(k) is not None for k in _COMPILERS)
-            return await (asyncio.to_thread if constrained else _now)(with_bias_and_min_tokens, req, opts)
-
-    def with_bias_and_min_tokens(req, opts: dict) -> tuple[dict, DeferredStops | None]:
-        if req.logit_bias:
-            opts = dict(opts)
-            base = None
-            for kind, compile_ in _COMPILERS.items():
-                value = opts.pop(kind, None)
-                if value is not None:
-                    base = compile_(model.tokenizer, value).mask_fn()
-            opts["mask"] = bias_mask(req.logit_bias, model.vocab_size, base)
-        if not req.min_tokens:
-            return opts, None
-        return with_min_tokens(model, opts, req.min_tokens)
 
     def cache_salt(request: Request, req) -> str | None:
         key = request.scope.get("kvql.api_key") if salt_per_key else None
@@ -181,7 +159,7 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
     def engine_ids(prompts: list) -> list[list[int]]:
         """Each prompt (text or token ids) as the token ids the engine is fed for it."""
         with _request_errors():
-            return model._prompt_ids(prompts)
+            return model.prompt_ids(prompts)
 
     def chat_ids(req: ChatRequest) -> list[int]:
         """The chat template applied to the messages, opening the assistant's turn: the engine's prompt."""
@@ -205,13 +183,13 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
 
     async def generate(flight, prompts, opts):
         """`model.agenerate`, its groups kept in `flight` (timings, cancellation at shutdown)."""
-        groups = await model._asubmit(prompts, flight.on_update, **opts)
+        groups = await model.submit(prompts, flight.on_update, **opts)
         flight.groups.extend(groups)
-        return await model._collect(groups)
+        return await model.collect(groups)
 
     def stream(flight, prompt, opts):
         """`model.stream`, its group kept in `flight`."""
-        return model._stream(prompt, opts, flight.on_update, flight.groups.append)
+        return model.stream(prompt, on_token=flight.on_update, on_group=flight.groups.append, **opts)
 
     async def run(request: Request, prompts, opts):
         counters["requests"] += 1
@@ -229,8 +207,7 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
             flight.finish(out)
         return out
 
-    async def streamed(request: Request, prompt, opts, deferred: DeferredStops | None, make_chunk,
-                       usage_chunk=None):
+    async def streamed(request: Request, prompt, opts, make_chunk, usage_chunk=None):
         """Server-sent events of one prompt's `n` samples: `make_chunk(sample, text, token_ids, completion,
         first)` per engine step (`completion` set on a sample's last one, `first` on its first); then, with
         `usage_chunk` (stream_options.include_usage), `usage_chunk(completions)`."""
@@ -243,7 +220,6 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         except BaseException:
             flight.finish([])
             raise
-        hold = deferred.hold if deferred is not None else 0
 
         async def events():
             chunk, unfinished, sent, done = first, set(range(opts["n"])), {}, []
@@ -254,11 +230,9 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
                     if c is not None:
                         done.append(c)
                         unfinished.discard(chunk.sample)
-                        c = deferred.finish(c) if deferred is not None else c
                         text, ids = c.text[s.chars:], c.token_ids[s.ids:]
-                    else:  # text that may still become a stop string the server matches is held back
-                        s.text += chunk.text
-                        text, ids = s.text[s.chars:max(s.chars, len(s.text) - hold)], [chunk.token_id]
+                    else:
+                        text, ids = chunk.text, [chunk.token_id]
                     event = make_chunk(chunk.sample, text, ids, c, not s.started)
                     if usage_chunk is not None:
                         event["usage"] = None  # OpenAI's: null in every chunk but the last
@@ -309,7 +283,6 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
         opts = options(request, req, req.logprobs)
-        opts, deferred = await prepared(req, opts)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompts = completion_prompts(req)
         tok, spell = model.tokenizer, Spelling(model.tokenizer, bool(req.return_tokens_as_token_ids))
@@ -346,13 +319,11 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
             if len(prompts) != 1:
                 raise RequestError("stream: true takes one prompt", "prompt")
             p = prompts[0]
-            return await streamed(request, p, opts, deferred, lambda sample, text, ids, c, first: {
+            return await streamed(request, p, opts, lambda sample, text, ids, c, first: {
                 "id": rid, "object": "text_completion", "created": created, "model": name,
                 "choices": [{"index": sample, **shown(p, c, text, ids, first)}]},
                 usage_chunk(req, rid, created, "text_completion", echo_only))
         out = await run(request, prompts, opts)
-        if deferred is not None:
-            out = [deferred.finish(c) for c in out]
         choices = [{"index": i, **shown(prompts[c.index], c, c.text, c.token_ids, True)}
                    for i, c in enumerate(out)]
         return {"id": rid, "object": "text_completion", "created": created, "model": name,
@@ -364,7 +335,6 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
         ids = chat_ids(req)
         k = (req.top_logprobs or 0) if req.logprobs else None
         opts = options(request, req, k)
-        opts, deferred = await prepared(req, opts)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         spell = Spelling(model.tokenizer, bool(req.return_tokens_as_token_ids))
         if req.stream:
@@ -380,11 +350,9 @@ def create_app(model: Model, *, name: str | None = None, aliases: Iterable[str] 
                 if req.return_token_ids and first and sample == 0:
                     event["prompt_token_ids"] = ids
                 return event
-            return await streamed(request, ids, opts, deferred, make_chunk,
+            return await streamed(request, ids, opts, make_chunk,
                                   usage_chunk(req, rid, created, "chat.completion.chunk"))
         out = await run(request, [ids], opts)
-        if deferred is not None:
-            out = [deferred.finish(c) for c in out]
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                     "logprobs": chat_logprobs(spell, c.token_ids, c.logprobs, k) if k is not None else None}
@@ -430,14 +398,14 @@ def _request_errors():
         yield
     except RequestError:
         raise
-    except (ValueError, TypeError) as e:
-        raise RequestError(str(e)) from None
+    except (ValueError, TypeError) as e:  # the model's checks of an option name it first ("logit_bias: ...")
+        field = str(e).split(":", 1)[0]
+        raise RequestError(str(e), field if field in _NAMED else None) from None
     except RecursionError:
         raise RequestError("the constraint is nested too deeply") from None
 
 
-async def _now(fn, *args):
-    return fn(*args)
+_NAMED = ("logit_bias",)
 
 
 async def _unless_disconnected(request: Request, awaitable):
@@ -473,8 +441,7 @@ def _sse(events) -> StreamingResponse:
 
 
 class _Sent:
-    """What a stream has sent of one sample: its text so far (from the engine), and how many characters
-    and token ids of it went out."""
+    """What a stream has sent of one sample: how many characters and token ids went out."""
 
     def __init__(self):
-        self.text, self.chars, self.ids, self.started = "", 0, 0, False
+        self.chars, self.ids, self.started = 0, 0, False

@@ -86,8 +86,7 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
 
     import kvql
     from ..backends.dtype import name, resolve
-    from ..backends.factory import size_text
-    from ..engine.grammar import warm_up
+    from ..factory import size_text
     from .app import create_app
 
     dtype = resolve(args.dtype, args.device)
@@ -102,10 +101,9 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     if template is not None:
         m.tokenizer.chat_template = template
     # the first constrained request would otherwise pay for building llguidance's view of the tokenizer
-    threading.Thread(target=warm_up, args=(m.tokenizer,), name="kvql-grammar-warm-up", daemon=True).start()
-    pool = m.engine.pool
-    print(f"kvql serve: model {m.name} | device {m.device} | dtype {name(m.hf_model.dtype)} | "
-          f"context {m.context_length} tokens | KV cache {pool.num_slots} tokens ({size_text(pool.bytes)})", flush=True)
+    threading.Thread(target=m.warm_up, name="kvql-grammar-warm-up", daemon=True).start()
+    print(f"kvql serve: model {m.name} | device {m.device} | dtype {name(m.dtype)} | context {m.context_length} "
+          f"tokens | KV cache {m.cache_slots} tokens ({size_text(m.cache_bytes)})", flush=True)
     app = create_app(m, name=args.served_model_name, aliases=[args.model], api_key=args.api_key,
                      salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
                      max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap)

@@ -98,7 +98,7 @@ class Metrics:
         for f in list(self.flights):
             f.cancelled = True
             for g in f.groups:
-                self.model.engine.cancel(g)
+                self.model.cancel(g)
         return len(self.flights)
 
     async def _poll(self):

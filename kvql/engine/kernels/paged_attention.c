@@ -23,6 +23,7 @@
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
+const int kvql_max_group = MAX_GROUP, kvql_max_dim = MAX_DIM; /* the limits, for the Python side to read */
 #define QUERY_BLOCK 16
 #define KEY_TILE 64 /* a multiple of 2 * LANES */
 

@@ -20,32 +20,24 @@ prompts it runs at SDPA's speed (one 1,000-token prompt, one layer, 2 threads: 1
 kernel 13.0 ms, ~90 GFLOP/s): the softmax uses its own vectorized exp (the C file's `exp16`), which scalar
 `expf` made half as fast.
 
-Availability: the library is built once per machine (kvql.engine.native; at -O2, see the C file).
+Availability: the library is built once per machine (kvql.engine.kernels.build; at -O2, see the C file).
 `available()` is False when there is no compiler, the build fails, or `KVQL_PAGED_ATTENTION=0`; the
 model runner then gathers and calls SDPA as before.
 """
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from . import native
+from . import build
 
-DTYPES = native.DTYPES
-MAX_GROUP, MAX_DIM = 16, 256  # as in the C file
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    fn = lib.kvql_paged_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_float, i64, ctypes.c_float, i64, ptr, ptr, ptr, ptr, ptr, i64, ctypes.c_int]
-    fn.restype = ctypes.c_int
-
-
-LIBRARY = native.Library("paged_attention", "KVQL_PAGED_ATTENTION", "gathering K/V instead", _declare)
+DTYPES = build.DTYPES
+SIGNATURES = {"kvql_paged_attention": (build.I32, [
+    build.PTR, build.I64, build.I64, build.PTR, build.PTR, build.I64, build.I64, build.PTR, build.I64, build.I64,
+    build.I32, build.I32, build.I32, build.I32, build.F32, build.I64, build.F32, build.I64, build.PTR, build.PTR,
+    build.PTR, build.PTR, build.PTR, build.I64, build.I32])}
+LIBRARY = build.Library("paged_attention", "KVQL_PAGED_ATTENTION", "gathering K/V instead", SIGNATURES,
+                        limits=("kvql_max_group", "kvql_max_dim"))
 
 
 def available() -> bool:
@@ -54,10 +46,11 @@ def available() -> bool:
 
 
 def supports(device, dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel handles this pool and model (CPU, DTYPES, the C file's MAX_GROUP / MAX_DIM) and
-    can run here."""
-    return (torch.device(device).type == "cpu" and dtype in DTYPES and heads % kv_heads == 0
-            and heads // kv_heads <= MAX_GROUP and head_dim <= MAX_DIM and available())
+    """Whether the kernel handles this pool and model (CPU, DTYPES, the library's limits on query heads per
+    KV head and head dim) and can run here."""
+    if not (torch.device(device).type == "cpu" and dtype in DTYPES and heads % kv_heads == 0 and available()):
+        return False
+    return heads // kv_heads <= LIBRARY.limits["kvql_max_group"] and head_dim <= LIBRARY.limits["kvql_max_dim"]
 
 
 class Segments:

@@ -1,7 +1,8 @@
-"""kvql's C kernels (`kvql/engine/*.c`): built once per machine with the system C compiler and loaded with ctypes.
+"""The build of kvql's C kernels (`kvql/engine/kernels/*.c`): once per machine with the system C compiler,
+loaded with ctypes.
 
-`load(name, flags)` compiles `<name>.c` (with the headers beside it) into `~/.cache/kvql/kernels`
-(`$XDG_CACHE_HOME` honoured), keyed by the sources, the compiler, the flags and the CPU's feature flags
+`load(name, flags)` compiles `<name>.c` (with the headers beside it) into `$KVQL_CACHE_DIR/kernels`
+(default `~/.cache/kvql/kernels`, `$XDG_CACHE_HOME` honoured), keyed by the sources, the compiler, the flags and the CPU's feature flags
 (a library is built for the native instruction set), and loads it. Builds are atomic (`os.replace`), so
 concurrent processes each install a whole library. Raises when there is no compiler or the build fails:
 callers fall back to torch ops then. OpenMP: the libraries share torch's runtime (the same
@@ -37,6 +38,12 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+def cache_dir() -> Path:
+    """Where built libraries go: kvql's cache directory (as the model loader's), `kernels/` in it."""
+    root = os.environ.get("KVQL_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvql"
+    return Path(root) / "kernels"
+
+
 def load(name: str, flags: list[str] | None = None) -> ctypes.CDLL:
     """The library built from `<name>.c` with BASE_FLAGS plus `flags` (module doc)."""
     cc = os.environ.get("CC", "cc")
@@ -44,7 +51,7 @@ def load(name: str, flags: list[str] | None = None) -> ctypes.CDLL:
     source = HERE / f"{name}.c"
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
     key = hashlib.sha256(text + " ".join([cc, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvql" / "kernels"
+    cache = cache_dir()
     path = cache / f"{name}-{key}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
@@ -61,13 +68,21 @@ def load(name: str, flags: list[str] | None = None) -> ctypes.CDLL:
     return ctypes.CDLL(str(path))
 
 
+I64, F32, I32, PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p  # for signature tables
+
+
 class Library:
     """A kernel library built on first use (`load`), or the reason it cannot be: `available()` is False when
     there is no compiler, the build fails (warned about once: `what` says what runs instead), or the
-    environment variable `switch` is "0". `setup(lib)` declares the C signatures. Thread-safe."""
+    environment variable `switch` is "0". `signatures`: C function name -> (result type or None, [argument
+    types]), the one place each is declared; `limits`: names of `const int` the library exports (its
+    compile-time limits), read into `self.limits` once it is loaded. Thread-safe."""
 
-    def __init__(self, name: str, switch: str, what: str, setup, flags: list[str] | None = None):
-        self.name, self.switch, self.what, self.setup, self.flags = name, switch, what, setup, flags
+    def __init__(self, name: str, switch: str, what: str, signatures: dict, flags: list[str] | None = None,
+                 limits: tuple[str, ...] = ()):
+        self.name, self.switch, self.what, self.flags = name, switch, what, flags
+        self.signatures, self.limit_names = signatures, limits
+        self.limits: dict[str, int] = {}
         self.lib: ctypes.CDLL | None = None
         self.error: str | None = None
         self._lock = threading.Lock()
@@ -79,7 +94,9 @@ class Library:
             if self.lib is None and self.error is None:
                 try:
                     lib = load(self.name, self.flags)
-                    self.setup(lib)
+                    for fn, (result, args) in self.signatures.items():
+                        getattr(lib, fn).argtypes, getattr(lib, fn).restype = args, result
+                    self.limits = {n: ctypes.c_int.in_dll(lib, n).value for n in self.limit_names}
                     self.lib = lib
                 except Exception as e:  # no compiler, no OpenMP, a read-only cache
                     self.error = f"{type(e).__name__}: {e}"

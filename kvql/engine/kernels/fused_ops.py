@@ -18,33 +18,30 @@ Each row is computed alone in a fixed order: batch-invariant. RMSNorm and the ac
 rounding, not bit for bit (own reduction order and exp); the model runs them in both the engine and any
 plain forward of the same model object, so kvql's exactness (cached == uncached) is unaffected.
 
-Availability: built once per machine (kvql.engine.native) with -ffp-contract=off (each product and sum
+Availability: built once per machine (kvql.engine.kernels.build) with -ffp-contract=off (each product and sum
 rounded alone, as torch's separate ops); `available()` is False without a compiler, when the build fails,
 or with `KVQL_FUSED_OPS=0`: the layers then keep transformers' own forward.
 """
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from . import native
+from . import build
 
-DTYPES = native.DTYPES
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.kvql_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, i32, i32, i32]
-    lib.kvql_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i32, i32]
-    lib.kvql_gated_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, i32, i32, i32]
-    for fn in (lib.kvql_rms_norm, lib.kvql_rope, lib.kvql_gated_mul):
-        fn.restype = None
+DTYPES = build.DTYPES
 
 
-LIBRARY = native.Library("fused_ops", "KVQL_FUSED_OPS", "running transformers' own layers instead", _declare,
-                         flags=["-ffp-contract=off"])
+SIGNATURES = {
+    "kvql_rms_norm": (None, [build.PTR, build.I64, build.PTR, build.PTR, build.I64, build.I64, build.I64, build.F32,
+                             build.I32, build.I32, build.I32]),
+    "kvql_rope": (None, [build.PTR, build.I64, build.I64, build.I64, build.I64, build.PTR, build.PTR, build.I64,
+                         build.I32, build.I32]),
+    "kvql_gated_mul": (None, [build.PTR, build.I64, build.PTR, build.I64, build.I64, build.I64, build.I32, build.I32,
+                              build.I32]),
+}
+LIBRARY = build.Library("fused_ops", "KVQL_FUSED_OPS", "running transformers' own layers instead", SIGNATURES,
+                        flags=["-ffp-contract=off"])
 
 
 def available() -> bool:

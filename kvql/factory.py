@@ -1,11 +1,40 @@
-"""`kvql.model(spec)`: a backend for a model spec, local or remote (`kvql.model` and `kvql.tokenizer`)."""
+"""Models by spec: `model(spec)` loads one (local) or connects to a server (remote), `tokenizer(spec)`; and
+the registry queries use, `get_model(spec)`: one model per spec, loaded on first use and shared by every
+query of the process, with `set_default_model` for queries that name none.
+
+What it returns are the API's model objects (`kvql.local_model.LocalModel`, `kvql.remote_model.RemoteModel`):
+a backend with LMQL's model methods on top."""
 
 from __future__ import annotations
 
 import sys
 import time
 
+DEFAULT_MODEL = "smollm2-135m"
 _random_models: dict = {}
+_models: dict = {}
+_default = None
+
+
+def set_default_model(model) -> None:
+    """Model used by queries that name none (default: the embedded SmolLM2-135M); a model or a spec."""
+    global _default
+    _default = model
+
+
+def get_model(model=None):
+    """A loaded model: the object itself (any `kvql.backends.base.Backend`), or one loaded once per spec and
+    shared by all queries."""
+    from .backends.base import Backend
+
+    model = model if model is not None else (_default or DEFAULT_MODEL)
+    if isinstance(model, Backend):
+        return model
+    if not isinstance(model, str):
+        raise TypeError(f"model must be a kvql.Model or a spec string, got {type(model).__name__}")
+    if model not in _models:
+        _models[model] = load(model)
+    return _models[model]
 
 
 def size_text(n: int) -> str:
@@ -22,7 +51,7 @@ def banner(m) -> str:
     engine = getattr(m, "engine", None)
     if engine is None:
         return repr(m)
-    from .dtype import name
+    from .backends.dtype import name
 
     return (f"model {m.name} · device {m.device} · {name(m.hf_model.dtype)} · context {m.context_length:,} tokens · "
             f"KV cache {engine.pool.num_slots:,} tokens ({size_text(engine.pool.bytes)})")
@@ -30,12 +59,12 @@ def banner(m) -> str:
 
 def tokenizer(spec: str = "smollm2-135m"):
     """The Hugging Face tokenizer of model `spec` (as `model` reads specs), without loading the model."""
-    from .loader import load_tokenizer
+    from .backends.loader import load_tokenizer
 
     return load_tokenizer(spec)
 
 
-def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_budget: int | str | None = None,
+def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_budget: int | str | None = None,
           max_batch_tokens: int = 1024, max_running: int = 64, name: str | None = None, api_key: str | None = None,
           tokenizer=None, seed: int | None = None, silent: bool = True, cache_dir=None,
           cache_save_interval: float = 300.0):
@@ -62,7 +91,7 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
     file), then `banner(model)` with the seconds it took.
     """
     if not silent:
-        from .loader import first_load_note
+        from .backends.loader import first_load_note
 
         print(f"kvql: loading {spec} on {device} ...", file=sys.stderr, flush=True)
         note = first_load_note(spec)
@@ -81,14 +110,14 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
             raise TypeError("dtype= is for local models; a server computes in its own dtype (vLLM, kvql serve: --dtype)")
         if cache_dir is not None:
             raise TypeError("cache_dir= is for local models; a server keeps its own cache (kvql serve: --cache-dir)")
-        from .remote import RemoteModel
+        from .remote_model import RemoteModel
 
         return RemoteModel(spec, name=name, api_key=api_key, tokenizer=tokenizer)
     if tokenizer is not None:
         raise TypeError("tokenizer= is for remote models; a local model uses its own")
-    from .dtype import resolve
-    from .loader import ModelLoadError, load_hf, random_model
-    from .local import Model
+    from .backends.dtype import resolve
+    from .backends.loader import ModelLoadError, load_hf, random_model
+    from .local_model import LocalModel as Model
 
     dtype = resolve(dtype, device)
 
@@ -104,7 +133,7 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
         return shared
     if seed is not None:
         raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
-    from ..engine.admission import UnsupportedModel
+    from .engine.admission import UnsupportedModel
 
     hf_model, tok = load_hf(spec, device=device, dtype=dtype)
     try:
@@ -112,3 +141,6 @@ def model(spec: str = "smollm2-135m", *, device: str = "cpu", dtype=None, cache_
                      max_running=max_running, cache_dir=cache_dir, cache_save_interval=cache_save_interval)
     except UnsupportedModel as e:
         raise ModelLoadError(f"model {spec!r}: {e}") from None
+
+
+load = model  # what get_model calls (its parameter hides the name `model`)

@@ -1,0 +1,126 @@
+"""The masks a request's options become: each a `MaskFn` (generated ids -> allowed tokens as a bool
+tensor over the vocabulary, or None for all), composed over the request's constraint (a compiled
+`kvql.engine.grammar.Grammar`'s `mask_fn()`, or the user's own `mask`).
+
+- `no_end_before(mask, min_tokens, eos_ids, vocab)`: `min_tokens` with vLLM's meaning: while fewer than
+  `min_tokens` tokens are generated, the end-of-sequence ids are taken out of what `mask` allows, unless
+  that leaves nothing (the constraint allows only the end: its value is complete), where the constraint
+  wins. (Stop strings under `min_tokens`: `kvql.engine.detokenizer`.)
+- `logit_bias(bias, vocab, mask)`: OpenAI's `logit_bias` where a mask can express it: -100 bans a token,
+  100 restricts the choice to the tokens given 100; other values are a ValueError naming the field.
+- `continued(mask, prefix)`: a constraint whose value began `prefix` tokens before the generated ones.
+- `forcing(token_ids, vocab)`: exactly these tokens, one per step (scoring a continuation).
+
+Each keeps `jump_forward` (whether the engine may ask the mask ahead: a function of the ids alone) from
+the mask it wraps. Every mask runs inside the engine's per-request error boundary: its exception fails
+its own request only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .request import MaskFn
+
+BAN, ONLY = -100.0, 100.0
+
+
+def _allowed(mask: MaskFn | None, ids: list[int]) -> torch.Tensor | None:
+    got = mask(ids) if mask is not None else None
+    return None if got is None else got.to(torch.bool).flatten()
+
+
+class _Wrapped:
+    def __init__(self, mask: MaskFn | None):
+        self.mask = mask
+        self.jump_forward = getattr(mask, "jump_forward", mask is None)
+
+
+class NoEndBefore(_Wrapped):
+    """`no_end_before` (module doc). `counted(ids)`: how many of the generated ids count toward
+    `min_tokens` (token healing leaves out those that re-spell the backed-up prompt)."""
+
+    def __init__(self, mask: MaskFn | None, min_tokens: int, eos_ids, vocab: int, counted=len):
+        super().__init__(mask)
+        self.min_tokens, self.counted = min_tokens, counted
+        self.no_end = torch.ones(vocab, dtype=torch.bool)
+        self.no_end[[t for t in eos_ids if 0 <= t < vocab]] = False
+
+    def __call__(self, ids: list[int]) -> torch.Tensor | None:
+        allowed = _allowed(self.mask, ids)
+        if self.counted(ids) >= self.min_tokens:
+            return allowed
+        if allowed is None:
+            return self.no_end
+        n = min(allowed.numel(), self.no_end.numel())
+        kept = allowed.clone()
+        kept[:n] &= self.no_end[:n]
+        return kept if bool(kept.any()) else allowed  # only the end is allowed: the constraint wins
+
+
+def no_end_before(mask: MaskFn | None, min_tokens: int, eos_ids, vocab: int, counted=len) -> MaskFn | None:
+    return mask if min_tokens <= 0 else NoEndBefore(mask, min_tokens, eos_ids, vocab, counted)
+
+
+class _Bias(_Wrapped):
+    def __init__(self, allowed: torch.Tensor, mask: MaskFn | None):
+        super().__init__(mask)
+        self.allowed = allowed
+
+    def __call__(self, ids: list[int]) -> torch.Tensor:
+        got = _allowed(self.mask, ids)
+        if got is None:
+            return self.allowed
+        got = got.clone()
+        n = min(got.numel(), self.allowed.numel())
+        got[:n] &= self.allowed[:n]
+        return got
+
+
+def logit_bias(bias: dict | None, vocab: int, mask: MaskFn | None = None) -> MaskFn | None:
+    """`mask` with OpenAI's `logit_bias` (token id, as an int or its string -> -100 or 100) applied; `mask`
+    itself when the bias is empty. ValueError for another value, a key that is no token id, or a bias
+    that bans every token it allows."""
+    if not bias:
+        return mask
+    allowed = torch.ones(vocab, dtype=torch.bool)
+    only = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if not 0 <= token < vocab:
+            raise ValueError(f"logit_bias: key {key!r} is not a token id of this model (0 to {vocab - 1})")
+        if value == BAN:
+            allowed[token] = False
+        elif value == ONLY:
+            only.append(token)
+        else:
+            raise ValueError(f"logit_bias: {value} for token {token} is not supported; kvql takes -100 (never "
+                             "pick the token) and 100 (pick only among the tokens given 100)")
+    if only:
+        restricted = torch.zeros(vocab, dtype=torch.bool)
+        restricted[only] = True
+        allowed &= restricted
+    if not bool(allowed.any()):
+        raise ValueError("logit_bias bans every token it allows")
+    return _Bias(allowed, mask)
+
+
+def continued(mask: MaskFn, prefix: list[int]) -> MaskFn:
+    def mask_after(generated: list[int]):
+        return mask(prefix + generated)
+
+    mask_after.jump_forward = getattr(mask, "jump_forward", False)
+    return mask_after
+
+
+def forcing(token_ids: list[int], vocab: int) -> MaskFn:
+    def mask(generated: list[int]) -> torch.Tensor:
+        allowed = torch.zeros(vocab, dtype=torch.bool)
+        allowed[token_ids[len(generated)]] = True
+        return allowed
+
+    mask.jump_forward = True  # every token is forced: the continuation is computed in one forward
+    return mask

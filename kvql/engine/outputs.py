@@ -1,0 +1,182 @@
+"""What a step does with its logits, request by request: commit each segment's KV, score prompt tokens,
+append the pending forced tokens a forward scored, sample the next token (forking a group's siblings after
+the prompt), jump forward over the tokens a mask forces, and finish, stream or fail the request. Called by
+`Engine.step` with the engine's state held; what the engine module doc says about jump-forward and the
+error boundary is done here.
+
+Rows of the logits are addressed by request, never by a running counter: a request that fails or
+finishes while the step is being applied must not shift its neighbours' rows. Everything user-supplied
+(masks, stop functions, grammar state, stream consumers) runs inside the request's own error boundary
+(`_advance`); the bookkeeping runs first, for every segment, so no failure can leave a segment's slots
+unaccounted for.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import traceback
+
+import torch
+
+from .request import Request, RequestGroup, State
+from .sampler import draw_forced, forced_logprob, forced_token, sample, token_logprobs
+from .scheduler import Scheduler
+
+
+class Outputs:
+    """`apply(batch, logits)` after each forward; `fail(group, error, keep)` ends a group. `cancel_later(group)`:
+    how a group whose stream consumer is gone gets cancelled (by the engine, at its next step)."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, device, eos_ids: set[int], cancel_later):
+        self.scheduler, self.tokenizer, self.device, self.eos_ids = scheduler, tokenizer, device, eos_ids
+        self.cancel_later = cancel_later
+        self.jump_forward = True  # append tokens a constraint forces without a decode step each (engine doc)
+        self.generated_tokens = 0
+        self.forced_tokens = 0
+
+    def apply(self, batch: list, outputs: list) -> None:
+        """`batch`: (request, segment) pairs of a step; `outputs`: each segment's logits (or None)."""
+        rows = {}
+        for (req, seg), logits in zip(batch, outputs):
+            self.scheduler.commit(req, seg)
+            if seg.all_logits:
+                self._score_prompt(req, seg, logits)
+            if logits is not None:
+                rows[req] = (seg, logits)
+        for req, (seg, logits) in rows.items():
+            if not req.group.closed:  # a sibling may have failed it earlier in this loop
+                self._advance(req, seg, logits)
+
+    @staticmethod
+    def _score_prompt(req: Request, seg, logits: torch.Tensor) -> None:
+        """Append the prompt logprobs this segment's logits give: row j (position `start + j`) scores
+        prompt token `start + j + 1`; rows for entries already present (recomputed after a
+        preemption) are skipped."""
+        have, prompt = len(req.prompt_logprobs), req.prompt_ids
+        first = have - 1 - seg.start
+        assert first >= 0, "a prompt position without logits was served from the cache"
+        end = min(len(seg.token_ids), len(prompt) - 1 - seg.start)
+        if end > first:
+            targets = prompt[seg.start + first + 1:seg.start + end + 1]
+            req.prompt_logprobs.extend(token_logprobs(logits[first:end], targets, req.params.prompt_logprobs))
+
+    def _advance(self, req: Request, seg, logits: torch.Tensor) -> None:
+        """Use one segment's logits: append the pending forced tokens they score, then, at the end
+        of the request's tokens, sample its next token (and fork its `n - 1` siblings after the
+        prompt). The request's error boundary: whatever the caller supplied raises here fails this
+        group alone, with its KV kept in the tree (the forward was valid), and never the step."""
+        group = req.group
+        try:
+            if req.forced:
+                self._replay(req, seg, logits)
+            if seg.needs_logits and req.state is State.RUNNING:
+                self._sample(req, logits[-1])
+        except BaseException as e:  # even SystemExit from a callback must not end the engine thread
+            e.add_note(f"kvql: request {req.rid} failed while sampling:\n{traceback.format_exc(limit=3)}")
+            if not isinstance(e, Exception):  # asyncio and thread pools treat those as "stop the program"
+                wrapped = RuntimeError(f"a callback of request {req.rid} raised {e!r}")
+                wrapped.__cause__, e = e, wrapped
+            self.fail(group, e, keep=True)
+
+    def _sample(self, req: Request, row: torch.Tensor) -> None:
+        """Sample `req`'s next token from `row` (forking its siblings after the prompt), then jump forward."""
+        group = req.group
+        req.vocab_size = row.numel()
+        token, logprob = sample(row, req)
+        forks = []
+        if not req.forked:
+            req.forked = True
+            for i in range(1, req.params.n):
+                sib = Request(group, i, self.tokenizer, self.device)
+                sib.vocab_size = row.numel()
+                forks.append((sib, *sample(row, sib)))
+        for sib, _, _ in forks:  # share the prompt's KV: it is in the tree, each sibling locks it
+            sib.cached_tokens = req.cached_tokens
+            sib.prompt_logprobs = req.prompt_logprobs
+            group.requests.append(sib)
+            self.scheduler.fork(req, sib)
+        self._append(req, token, logprob)
+        self._jump(req)
+        for sib, tok, lp in forks:
+            if not group.closed:
+                self._append(sib, tok, lp)
+                self._jump(sib)
+
+    def _jump(self, req: Request) -> None:
+        """Jump-forward: while the mask allows exactly one token after `req`'s tokens, take it (module
+        doc). The mask result that leaves a choice is kept for `sample` (`Request.next_allowed`)."""
+        p = req.params
+        if not self.jump_forward or not getattr(p.mask, "jump_forward", False):
+            return
+        keep_pending = p.logprobs is not None  # its forced tokens wait for the rows that score them
+        while req.state is State.RUNNING and len(req.output_ids) + len(req.forced) < p.max_tokens:
+            history = req.output_ids + req.forced
+            allowed = p.mask(list(history))
+            token = forced_token(allowed, req.vocab_size)
+            ends = token in self.eos_ids and not p.ignore_eos
+            if token is None or (ends and req.forced):  # a choice, or an end that waits for its turn
+                req.next_allowed = (len(history), allowed)
+                return
+            draw_forced(req, token, req.vocab_size)
+            self.forced_tokens += 1
+            req.forced_tokens += 1
+            if not ends or p.ignore_eos:
+                req.forced_at.append(len(history))
+            if keep_pending and not ends:
+                req.forced.append(token)
+            else:  # needs no logits: appended now, exactly as `sample` would have returned it
+                self._append(req, token, None)
+
+    def _replay(self, req: Request, seg, logits: torch.Tensor) -> None:
+        """Append the pending forced tokens whose scoring rows (the logits of the position before
+        each) this segment computed, with the logprob entry `sample` would have given them."""
+        end = seg.start + len(seg.token_ids)
+        first = end - logits.shape[0]  # the position of the first row
+        while req.forced and req.state is State.RUNNING:
+            at = req.replay_from  # the row that scores the first pending token
+            if not first <= at < end:
+                return
+            token = req.forced[0]
+            entry = forced_logprob(logits[at - first], req, token)
+            req.forced.pop(0)  # into output_ids: `tokens` stays the same sequence
+            self._append(req, token, entry)
+        # the run ended at a choice (its mask result waits in `next_allowed`) or at max_tokens
+
+    def _append(self, req: Request, token: int, logprob) -> None:
+        p = req.params
+        self.generated_tokens += 1
+        if token in self.eos_ids and not p.ignore_eos:
+            req.finish_reason = "stop"
+        else:
+            req.output_ids.append(token)
+            if logprob is not None:
+                req.logprobs.append(logprob)
+            req.detok.append(token)
+            if req.detok.stopped or (p.stop_fn is not None and p.stop_fn(req.output_ids, req.detok.text)):
+                req.finish_reason = "stop"
+            elif len(req.output_ids) >= p.max_tokens:
+                req.finish_reason = "length"
+        done = req.finish_reason is not None
+        group = req.group
+        if done:
+            self.scheduler.finish(req, State.FINISHED, keep=True)
+            group.completions[req.sample] = req.completion()
+        if group.on_update is not None:
+            try:
+                group.on_update(req.sample, req.detok.pop_stream_delta(done), token,
+                                group.completions[req.sample] if done else None)
+            except Exception:  # the consumer is gone (e.g. its event loop closed): stop generating
+                self.cancel_later(group)
+        if done and all(c is not None for c in group.completions):
+            group.close()
+            group.future.set_result(list(group.completions))
+
+    def fail(self, group: RequestGroup, error: BaseException, keep: bool) -> None:
+        """End every request of the group (idempotent; CANCELLED for a CancelledError, else FAILED)
+        and resolve its future with `error`."""
+        state = State.CANCELLED if isinstance(error, concurrent.futures.CancelledError) else State.FAILED
+        for req in group.requests:
+            self.scheduler.finish(req, state, keep=keep)
+        if not group.closed:
+            group.close()
+            group.future.set_exception(error)

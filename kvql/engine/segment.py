@@ -1,0 +1,35 @@
+"""`Segment`: the unit of work a step hands the model runner, one per request in the batch (the scheduler
+makes them, the runner computes them, the step's outputs read their logits)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Segment:
+    """New tokens of one request in a batch: `token_ids` at positions `start ...`, written to `new_slots`;
+    `past_slots` hold the KV of its positions `0 .. start-1`. `needs_logits`: the logits of its last
+    token are wanted (to sample); `all_logits`: those of every token (prompt logprobs); `logits_from`: those
+    of every position from there on (jump-forward's pending forced tokens: their logprobs)."""
+
+    token_ids: list[int]
+    start: int
+    past_slots: torch.Tensor
+    new_slots: torch.Tensor
+    needs_logits: bool
+    all_logits: bool = False
+    logits_from: int | None = None
+
+    @property
+    def logit_rows(self) -> int:
+        """How many trailing tokens' logits the forward returns."""
+        n = len(self.token_ids)
+        if self.all_logits:
+            return n
+        k = 1 if self.needs_logits else 0
+        if self.logits_from is not None:
+            k = max(k, min(n, self.start + n - self.logits_from))
+        return k
