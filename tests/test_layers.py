@@ -24,8 +24,9 @@ def test_the_remote_backend_imports_neither_torch_nor_the_engine(statement):
     assert not modules & {"torch", "kvql.engine", "kvql.backends.local", "kvql.query", "kvql.lang"}
 
 
-@pytest.mark.parametrize("module", ["context", "program", "beam", "scoring", "constraints", "decoding", "prompt",
-                                   "trace", "chat", "decorators", "result", "errors", "program_state"])
+@pytest.mark.parametrize("module", ["context", "program", "beam", "scoring", "constraints", "hole_plan", "json_types",
+                                   "value_check", "decoding", "prompt", "trace", "chat", "decorators", "result",
+                                   "errors", "program_state"])
 def test_the_runtime_imports_no_engine_language_or_query_layer(module):
     modules = imported_after(f"import kvql.runtime.{module}")
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
@@ -99,3 +100,10 @@ def test_the_graph_reader_sees_what_it_must(tmp_path, monkeypatch):
     monkeypatch.setattr(G, "ROOT", root)
     assert ("kvql.backends.base", "kvql.query") in [(m, t) for m, t, _ in G.upward()]
     assert any(m == "kvql.server.app" and n == "._prepare" for m, n, _ in G.private_uses())
+
+
+def test_the_server_routes_are_short_functions():
+    import import_graph as G
+
+    server = [(n, f) for n, f in G.long_functions(top=10_000) if f.startswith("kvql.server.")]
+    assert server and max(n for n, _ in server) <= 80, server[:3]

@@ -14,7 +14,7 @@ import pytest
 
 import kvql
 import kvql as lmql
-from kvql.runtime.constraints import type_schema
+from kvql.runtime.json_types import type_schema
 
 
 @pytest.fixture

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 import kvql
-from kvql.runtime.constraints import And, Atom, HolePlan
+from kvql.runtime.constraints import And, Atom
+from kvql.runtime.hole_plan import HolePlan
 from kvql.runtime.trace import Trace, TraceHole, TraceToken, save_all, where_text
 
 QUERY = '''

@@ -22,8 +22,10 @@ import time
 from ..backends import base  # the contract only: no torch, no engine
 from .beam import beam_search
 from .chat import role_wrapper
-from .constraints import (INT_REGEX, And, Atom, ConstraintError, HolePlan, Node, Stop, fewest_tokens, from_json,
-                          longest_token, plan_for)
+from .constraints import INT_REGEX, And, Atom, ConstraintError, Node
+from .hole_plan import HolePlan, Stop, plan_for
+from .json_types import from_json
+from .value_check import fewest_tokens, longest_token
 from .decoding import Decoding
 from .decorators import Chain
 from .errors import QueryError, UnmetConstraint

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+class ConstraintError(ValueError):
+    """A `where` clause kvql cannot enforce, with the reason."""
+
+
 class QueryError(RuntimeError):
     """A query could not run as written (not a model error): names the hole and what is wrong."""
 

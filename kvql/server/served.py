@@ -1,0 +1,159 @@
+"""`Served`: one model as the server serves it, and the steps every route shares: read a request body
+(`parse`), translate its fields into the model's generation options (`options`), feed the model (`run`,
+`streamed`), and the parts of OpenAI's answers that do not depend on the route (`usage`,
+`usage_chunk`). The model is used through its public methods only (`kvql.backends.local.LocalBackend`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+
+import jinja2
+from fastapi import Request
+
+from . import streaming
+from .errors import request_errors, unless_disconnected
+from .logprobs import PROMPT_TOP
+from .metrics import Metrics
+from .protocol import ChatRequest, CompletionRequest, RequestError, constraint_options, message_text, parse_request
+
+
+class Served:
+    """`model` served as `name` (and `aliases`); `counters`: the app's request and error counts."""
+
+    def __init__(self, model, name: str, aliases, counters: dict, *, salt_per_key: bool, max_body_bytes: int,
+                 max_tokens_cap: int):
+        self.model, self.name, self.served, self.counters = model, name, {name, *aliases}, counters
+        self.metrics = Metrics(model, counters)
+        self.salt_per_key, self.max_body_bytes, self.max_tokens_cap = salt_per_key, max_body_bytes, max_tokens_cap
+
+    async def parse(self, request: Request, cls):
+        raw = bytearray()
+        async for chunk in request.stream():  # bounded also when no content-length was sent
+            raw += chunk
+            if len(raw) > self.max_body_bytes:
+                raise RequestError(f"request body over {self.max_body_bytes} bytes", status=413)
+        req = parse_request(bytes(raw), cls)
+        if req.model is not None and req.model not in self.served:
+            raise RequestError(f"model {req.model!r} is not served here; this server serves {self.name!r}",
+                               "model", 404, "model_not_found")
+        return req
+
+    def options(self, request: Request, req, logprobs) -> dict:
+        """The request's fields as the model's generation options (`logprobs`: the top-k to return)."""
+        max_tokens = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None), 16)
+        if max_tokens == 0 and not getattr(req, "echo", False):
+            raise RequestError("max_tokens must be at least 1 (0 only with echo: true, which returns the prompt; "
+                               "with logprobs, the prompt's log-probabilities)", "max_tokens")
+        if max_tokens > self.max_tokens_cap:
+            raise RequestError(f"max_tokens {max_tokens} is over this server's cap of {self.max_tokens_cap}",
+                               "max_tokens")
+        if req.min_tokens > max_tokens:
+            raise RequestError(f"min_tokens must be at most max_tokens={max_tokens}, got {req.min_tokens}", "min_tokens")
+        opts = dict(max_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p, n=req.n,
+                    seed=req.seed, stop=req.stop, logprobs=logprobs, ignore_eos=req.ignore_eos,
+                    min_tokens=req.min_tokens, logit_bias=req.logit_bias or None,
+                    top_k=max(req.top_k or 0, 0), frequency_penalty=req.frequency_penalty,
+                    presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
+                    **constraint_options(req))
+        if req.prompt_logprobs and req.stream:
+            raise RequestError("prompt_logprobs are not available when stream=true", "prompt_logprobs")
+        echo_scored = getattr(req, "echo", False) and logprobs is not None  # vLLM: echo + logprobs -> prompt logprobs
+        if (req.prompt_logprobs is not None and not req.stream) or echo_scored:
+            opts["prompt_logprobs"] = PROMPT_TOP  # k shown; more asked for, so that more ranks are exact
+        salt = self.cache_salt(request, req)
+        if salt is not None:
+            opts["cache_salt"] = salt
+        return opts
+
+    def cache_salt(self, request: Request, req) -> str | None:
+        key = request.scope.get("kvql.api_key") if self.salt_per_key else None
+        if key is None:
+            return req.cache_salt
+        # the key's own partition; a client salt subdivides it (a 64-hex prefix no client salt can forge)
+        own = hashlib.sha256(key.encode()).hexdigest()
+        return own if req.cache_salt is None else f"{own}:{req.cache_salt}"
+
+    def prompt_ids(self, prompts: list) -> list[list[int]]:
+        """Each prompt (text or token ids) as the token ids the engine is fed for it."""
+        with request_errors():
+            return self.model.prompt_ids(prompts)
+
+    def chat_ids(self, req: ChatRequest) -> list[int]:
+        """The chat template applied to the messages, opening the assistant's turn: the engine's prompt."""
+        tokenizer = self.model.tokenizer
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m, i)}
+                    for i, m in enumerate(req.messages)]
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestError("this model has no chat template; use /v1/completions")
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        except jinja2.TemplateError as e:  # templates refuse some message sequences (raise_exception)
+            raise RequestError(f"the model's chat template refused these messages: {e}", "messages") from None
+        return list(ids)
+
+    async def _generate(self, flight, prompts, opts):
+        """`model.agenerate`, its groups kept in `flight` (timings, cancellation at shutdown)."""
+        groups = await self.model.submit(prompts, flight.on_update, **opts)
+        flight.groups.extend(groups)
+        return await self.model.collect(groups)
+
+    async def run(self, request: Request, prompts, opts) -> list:
+        """The completions of `prompts` (cancelled if the client leaves; a 503 if the server shuts down)."""
+        self.counters["requests"] += 1
+        flight, out = self.metrics.flight(request.scope), []
+        try:
+            with request_errors():
+                out = await unless_disconnected(request, self._generate(flight, prompts, opts))
+        except (concurrent.futures.CancelledError, RequestError) as e:
+            # the engine's cancellation reaches an awaiting task as its own cancellation (a 499)
+            if isinstance(e, RequestError) and not (e.status == 499 and flight.cancelled):
+                raise
+            raise RequestError("the request was cancelled: the server is shutting down", status=503,
+                               kind="server_error") from None
+        finally:
+            flight.finish(out)
+        return out
+
+    async def streamed(self, request: Request, prompt, opts, make_chunk, usage_chunk=None):
+        """Server-sent events of one prompt's `n` samples (streaming.events): `make_chunk(sample, text,
+        token_ids, completion, first)` per engine step; then, with `usage_chunk`, `usage_chunk(completions)`."""
+        self.counters["requests"] += 1
+        flight = self.metrics.flight(request.scope)
+        chunks = self.model.stream(prompt, on_token=flight.on_update, on_group=flight.groups.append, **opts)
+        try:
+            with request_errors():  # errors in the request surface before the 200 is sent
+                first = await unless_disconnected(request, anext(chunks, None))
+        except BaseException:
+            flight.finish([])
+            raise
+        return streaming.sse(streaming.events(first, chunks, opts["n"], make_chunk, usage_chunk, self.counters, flight))
+
+    def usage_chunk(self, req, rid: str, created: int, kind: str, echo_only: bool = False):
+        """stream_options.include_usage: a last chunk with no choices and the request's usage (OpenAI's)."""
+        if req.stream_options is None or not req.stream_options.include_usage:
+            return None
+        return lambda completions: {"id": rid, "object": kind, "created": created, "model": self.name, "choices": [],
+                                    "usage": usage(completions, req.n, echo_only)}
+
+
+def usage(completions, n: int, echo_only: bool = False) -> dict:
+    completions = sorted(completions, key=lambda c: (c.index, c.sample))
+    prompt = sum(c.prompt_tokens for c in completions[::n])
+    cached = sum(c.cached_tokens for c in completions[::n])
+    generated = 0 if echo_only else sum(len(c.token_ids) for c in completions)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def completion_prompts(req: CompletionRequest) -> list:
+    p = req.prompt
+    return p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+
+
+def rendered(req, request_id: str, token_ids: list[int]) -> dict:
+    """vLLM's `GenerateRequest` as its render endpoints answer it, less `sampling_params` (vLLM's engine
+    options, which kvql's are not)."""
+    return {"request_id": request_id, "token_ids": token_ids, "model": req.model, "stream": req.stream,
+            "stream_options": req.stream_options.model_dump() if req.stream and req.stream_options else None,
+            "cache_salt": req.cache_salt}
