@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class ProgramState:
+class ProgramVariables:
     """The variables of a run, as LMQL passes them to writers (`program_variables.variable_values`)."""
 
     variable_values: dict = field(default_factory=dict)
@@ -86,6 +86,6 @@ async def report(writer, prompt: str, variables: dict, num_tokens: int) -> None:
         return
     last = next(reversed(variables), None) if variables else None
     out = writer.add_interpreter_head_state(last, 0, prompt, None, None, True, True, None, num_tokens,
-                                            ProgramState(dict(variables)))
+                                            ProgramVariables(dict(variables)))
     if inspect.isawaitable(out):
         await out

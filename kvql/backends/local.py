@@ -61,8 +61,10 @@ class LocalBackend(Backend):
     (`kvql.backends.base`), with every capability. Thread-safe: calls from many threads or tasks share
     batches and the cache. LMQL's model methods come on top, in `kvql.Model` (`kvql.local_model`).
 
-    Beyond the contract it takes `mask` (a Python function of the generated ids -> allowed tokens) and
-    `prompt_logprobs=k` (every prompt token's log-probability and top k, vLLM's option).
+    Beyond the contract it takes `mask` (a Python function of the generated ids -> allowed tokens),
+    `logit_bias` (OpenAI's, the -100 / 100 a mask can express: `kvql.engine.masks`) and `prompt_logprobs=k`
+    (every prompt token's log-probability and top k, vLLM's option). A server drives it through `submit`,
+    `collect`, `cancel` and `stream`'s hooks.
 
     `cache_dir`: keep the KV cache across restarts: loaded from there now (when the snapshot is this
     model's), saved on `close()` / exit and every `cache_save_interval` seconds when idle (0: only on

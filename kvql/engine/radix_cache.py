@@ -19,7 +19,7 @@ Contract (what callers may rely on):
 Invariants (`check_integrity` asserts them):
 1. every node but the root holds one slot per token of its key; no slot appears twice;
 2. `lock_ref(node) >= sum(lock_ref(child))` (a lock on a node counts on all its ancestors);
-3. `evictable_tokens + locked_tokens == total_tokens`.
+3. `total_tokens` and `locked_tokens` (the tokens of locked nodes; the rest is evictable) are the counts the tree holds.
 """
 
 from __future__ import annotations
@@ -152,10 +152,6 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.locked_tokens -= len(node.key)
             node = node.parent
-
-    @property
-    def evictable_tokens(self) -> int:
-        return self.total_tokens - self.locked_tokens
 
     # -- eviction ------------------------------------------------------------------------------
     def evict(self, n: int) -> int:
