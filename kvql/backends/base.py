@@ -18,7 +18,8 @@ What a backend offers:
   token ids) after the prompt, under the raw model distribution.
 - `stats()`: the backend's counters (prompt, cached and computed tokens, hit rate where known).
 
-Generation options (every backend accepts these names; unknown ones raise TypeError):
+Generation options (every backend accepts these names; unknown ones raise TypeError; their defaults and
+the checks every backend shares are written once, in `kvql.backends.options.GenerateOptions`):
     max_tokens=16, min_tokens=0 (vLLM's meaning: no end of sequence before that many tokens unless the
     constraint allows nothing else, and stop strings count only where they end after those tokens' text;
     see `kvql.engine.masks`), stop (strings; the text
