@@ -24,9 +24,9 @@ def test_the_remote_backend_imports_neither_torch_nor_the_engine(statement):
     assert not modules & {"torch", "kvql.engine", "kvql.backends.local", "kvql.query", "kvql.lang"}
 
 
-@pytest.mark.parametrize("module", ["context", "program", "beam", "scoring", "constraints", "hole_plan", "json_types",
-                                   "value_check", "decoding", "prompt", "trace", "chat", "decorators", "result",
-                                   "errors", "program_state"])
+@pytest.mark.parametrize("module", ["context", "holes", "nested", "program", "beam", "scoring", "constraints",
+                                   "hole_plan", "json_types", "value_check", "decoding", "prompt", "trace", "chat",
+                                   "decorators", "result", "errors", "program_state"])
 def test_the_runtime_imports_no_engine_language_or_query_layer(module):
     modules = imported_after(f"import kvql.runtime.{module}")
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))

@@ -20,7 +20,7 @@ import kvql
 import kvql as lmql
 from kvql.backends.remote import RemoteBackend
 from kvql.completion import Completion
-from kvql.runtime.context import UnmetConstraint
+from kvql.runtime.errors import UnmetConstraint
 
 
 @pytest.fixture
