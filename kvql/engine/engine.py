@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import functools
 import threading
 import traceback
 import weakref
@@ -56,8 +55,9 @@ from .model_runner import ModelRunner
 from .radix_cache import RadixCache
 from .request import Request, RequestGroup, SamplingParams
 from .outputs import Outputs
+from .persistence import Persistence
 from .scheduler import Scheduler
-from . import admission, model_runner, openmp, snapshot
+from . import admission, model_runner, openmp
 
 
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -70,19 +70,7 @@ def _close_all() -> None:
         engine.close()
 
 
-def _releases_openmp(method):
-    """For entry points whose torch work may run on a caller's thread: afterwards, that thread's OpenMP
-    worker pool is released (openmp.py), so the engine thread's workers keep spinning between regions."""
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._release_caller_openmp()
-    return wrapper
-
-
-class Engine:
+class Engine(Persistence):
     def __init__(self, hf_model, tokenizer, *, num_slots: int, max_batch_tokens: int = 1024,
                  max_running: int = 64, background: bool = True, geometry: admission.Geometry | None = None):
         """`geometry`: `model_runner.read_geometry(hf_model)` when the caller has it already (it probes the
@@ -184,7 +172,7 @@ class Engine:
     def closed(self) -> bool:
         return self._closed
 
-    @_releases_openmp
+    @openmp.releases_caller
     def close(self) -> None:
         """Stop the engine thread after its current step; pending requests are cancelled."""
         with self._wake:
@@ -248,7 +236,7 @@ class Engine:
             self.outputs.fail(group, concurrent.futures.CancelledError(), keep=True)
 
     # -- inspection (any thread; waits for the current step) -----------------------------------
-    @_releases_openmp
+    @openmp.releases_caller
     def clear_cache(self) -> int:
         with self._state:
             return self.tree.reset()
@@ -282,37 +270,7 @@ class Engine:
                 "forward_seconds": self.runner.forward_seconds,
             }
 
-    def fingerprint(self) -> dict[str, str]:
-        """What a snapshot must have been saved with to be loaded here (snapshot.fingerprint); computed
-        once: weights changed under a live engine would make its cache stale anyway."""
-        if self._fingerprint is None:
-            self._fingerprint = snapshot.fingerprint(self.runner.model, self.tokenizer, self.pool)
-        return self._fingerprint
-
-    @_releases_openmp
-    def save_cache(self, path) -> dict:
-        """Write the radix tree and its KV to `path` (snapshot.save). Steps run between the layers'
-        gathers (snapshot.write); if they evict meanwhile, the save starts again holding the engine."""
-        fp = self.fingerprint()
-        try:
-            pending = snapshot.write(self.tree, self.pool, path, fp, self._state)
-        except snapshot.CacheChanged:
-            with self._state:
-                pending = snapshot.write(self.tree, self.pool, path, fp, self._state)
-        return pending.commit()
-
-    @_releases_openmp
-    def load_cache(self, path) -> dict:
-        """Replace the cached tokens with the snapshot at `path` (snapshot.load), within the pool's
-        budget. Needs no request running (RuntimeError). SnapshotError if the snapshot is another
-        model's or damaged: the cache is then left empty."""
-        with self._state:
-            if self.scheduler.running:
-                raise RuntimeError(f"load_cache needs an idle engine; {len(self.scheduler.running)} requests are running")
-            self.tree.reset()
-            return snapshot.load(self.tree, self.pool, path, self.fingerprint())
-
-    @_releases_openmp
+    @openmp.releases_caller
     def check_integrity(self, full: bool = True) -> None:
         """Assert the invariants (module docstring). `full=False` checks only slot counts and the
         running requests' own fields (O(running requests), cheap enough for a health probe);

@@ -21,6 +21,7 @@ call `release()` when done.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: the pool's threads end (soft keeps them, asleep)
@@ -52,3 +53,15 @@ def release() -> bool:
     not the runtime, or it refused (inside a parallel region)."""
     lib = _runtime()
     return lib is not None and lib.omp_pause_resource_all(OMP_PAUSE_HARD) == 0
+
+
+def releases_caller(method):
+    """For an engine's entry points whose torch work may run on a caller's thread: afterwards, that thread's
+    OpenMP pool is released (`self._release_caller_openmp()`, which spares the engine's own thread)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._release_caller_openmp()
+    return wrapper
