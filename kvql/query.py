@@ -34,8 +34,6 @@ from .runtime.scoring import ScoringResult
 
 ScoreResult = ScoringResult  # kvql's earlier name
 
-_DECODER_KEYS = DECODER_OPTIONS  # LMQL's decoder options (see kvql.runtime.context.decoding)
-
 
 class _Deferred:
     """A query's model, loaded (by `get_model`) when a run first needs it: a query that ends before its
@@ -166,7 +164,7 @@ class Query(Program):
         # even when a decoder option has that name (`argmax(n=n)` called with n=2)
         reads = set(self.signature.parameters) if self.signature else set(self._free_names(()))
         overrides = {k: kwargs.pop(k) for k in list(kwargs)
-                     if (k in _DECODER_KEYS or k == "decoder") and k not in reads}
+                     if (k in DECODER_OPTIONS or k == "decoder") and k not in reads}
         inputs = self.bind(args, kwargs)
         compiled = self.compiled_for(inputs)
         module = self._module(compiled)
