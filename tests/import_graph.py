@@ -125,20 +125,21 @@ def private_uses(known: dict[str, Path] | None = None, kvql_names: bool = True) 
     package defines, or a `from m import _name` of another package's module. `kvql_names=False`: the
     private attributes of other libraries used instead (torch's, transformers')."""
     known = known or modules()
-    own = {m: {getattr(n, "name", None) or getattr(n, "id", None) for n in ast.walk(ast.parse(p.read_text()))
+    trees = {m: ast.parse(p.read_text()) for m, p in known.items()}  # each file read and parsed once
+    own = {m: {getattr(n, "name", None) or getattr(n, "id", None) for n in ast.walk(trees[m])
                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or
-               isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} for m, p in known.items()}
+               isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} for m in known}
     by_package: dict[str, set] = {}
     for m, names in own.items():
         by_package.setdefault(_package(m), set()).update(names)
-    for m, p in known.items():  # attributes set on self in a package are its own too
-        for n in ast.walk(ast.parse(p.read_text())):
+    for m in known:  # attributes set on self in a package are its own too
+        for n in ast.walk(trees[m]):
             if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
                 by_package[_package(m)].add(n.attr)
     everywhere = set().union(*by_package.values())
     out = []
     for m, path in known.items():
-        tree = ast.parse(path.read_text())
+        tree = trees[m]
         mine = by_package[_package(m)]
         for n in ast.walk(tree):
             if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__"):

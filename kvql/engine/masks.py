@@ -30,6 +30,14 @@ def _allowed(mask: MaskFn | None, ids: list[int]) -> torch.Tensor | None:
     return None if got is None else got.to(torch.bool).flatten()
 
 
+def _both(allowed: torch.Tensor, also: torch.Tensor) -> torch.Tensor:
+    """A copy of `allowed` with only the tokens `also` allows too (over the length both cover)."""
+    both = allowed.clone()
+    n = min(both.numel(), also.numel())
+    both[:n] &= also[:n]
+    return both
+
+
 class _Wrapped:
     def __init__(self, mask: MaskFn | None):
         self.mask = mask
@@ -52,9 +60,7 @@ class NoEndBefore(_Wrapped):
             return allowed
         if allowed is None:
             return self.no_end
-        n = min(allowed.numel(), self.no_end.numel())
-        kept = allowed.clone()
-        kept[:n] &= self.no_end[:n]
+        kept = _both(allowed, self.no_end)
         return kept if bool(kept.any()) else allowed  # only the end is allowed: the constraint wins
 
 
@@ -69,12 +75,7 @@ class _Bias(_Wrapped):
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
         got = _allowed(self.mask, ids)
-        if got is None:
-            return self.allowed
-        got = got.clone()
-        n = min(got.numel(), self.allowed.numel())
-        got[:n] &= self.allowed[:n]
-        return got
+        return self.allowed if got is None else _both(got, self.allowed)
 
 
 def logit_bias(bias: dict | None, vocab: int, mask: MaskFn | None = None) -> MaskFn | None:
