@@ -193,8 +193,6 @@ def run(args) -> None:
     traces = list(getattr(q, "last_traces", None) or [])
     if isinstance(result, list) and len(traces) > 1 and len(result) == len(traces):
         samples = result
-    elif isinstance(result, list) and len(result) == 1 and not any(traces):
-        samples = result  # a query without holes returns a one-element list, as in LMQL
     else:
         samples = [result]
     for k, r in enumerate(samples, 1):

@@ -35,6 +35,9 @@ from .runtime.scoring import ScoringResult
 ScoreResult = ScoringResult  # kvql's earlier name
 
 
+_RUN_OPTIONS = ("model", "decoder", "output_writer", "certificate")
+
+
 class _Deferred:
     """A query's model, loaded (by `get_model`) when a run first needs it: a query that ends before its
     first hole never loads its model, as in LMQL, so an unavailable one is no error there."""
@@ -153,18 +156,31 @@ class Query(Program):
         compiled = self.compiled_for(inputs)
         return self._module(compiled)["__kvql_query__"], bool(compiled.returns)
 
-    async def run(self, *args, model=None, output_writer=None, certificate=None, **kwargs):
-        """Run the query (once, or once per sample); `output_writer=` (see kvql.output) and
-        `certificate=` (see kvql.certificate) override those given at definition."""
+    def split_keywords(self, kwargs: dict) -> tuple[dict, dict]:
+        """-> (the call's inputs, its runtime options), by LMQL's rule: a keyword the query reads (a
+        parameter, or for a query without parameters a name its code uses) is an input, even one named
+        like an option (`def q(model)`, `argmax(n=n)` called with n=2); `model`, `decoder`,
+        `output_writer`, `certificate` and decoder options otherwise are options, and so is any other
+        keyword of a query with parameters (ignored with a warning, as LMQL's backends ignore it)."""
+        reads = set(self.signature.parameters) if self.signature else set(self._free_names(()))
+        inputs, options = {}, {}
+        for k, v in kwargs.items():
+            is_option = k in _RUN_OPTIONS or k in DECODER_OPTIONS or bool(self.signature and self.signature.parameters)
+            (options if is_option and k not in reads else inputs)[k] = v
+        return inputs, options
+
+    async def run(self, *args, **kwargs):
+        """Run the query (once, or once per sample); keywords as `split_keywords` reads them. The options
+        `model=`, `decoder=` and decoder options, `output_writer=` (see kvql.output) and `certificate=` (see
+        kvql.certificate) override those given at definition."""
+        kwargs, overrides = self.split_keywords(kwargs)
+        model = overrides.pop("model", None)
+        output_writer = overrides.pop("output_writer", None)
+        certificate = overrides.pop("certificate", None)
         output_writer = output_writer if output_writer is not None else self.output_writer
         certificate = certificate if certificate is not None else self.certificate
         output.check(output_writer)
         certificates.check(certificate)
-        # LMQL's rule: a keyword the query reads (a parameter, or a name its code uses) is an input,
-        # even when a decoder option has that name (`argmax(n=n)` called with n=2)
-        reads = set(self.signature.parameters) if self.signature else set(self._free_names(()))
-        overrides = {k: kwargs.pop(k) for k in list(kwargs)
-                     if (k in DECODER_OPTIONS or k == "decoder") and k not in reads}
         inputs = self.bind(args, kwargs)
         compiled = self.compiled_for(inputs)
         module = self._module(compiled)
@@ -182,9 +198,9 @@ class Query(Program):
             cert = certificates.make(self.name, m, decoding, self.last_traces, results)
             results = certificates.deliver(certificate, cert, results)
         if not any(ctx.variables for ctx in contexts):
-            # LMQL 0.7.3 returns a query that ends before its first hole (no model call) as a
-            # one-element list, whatever the decoder; LMQL code indexes it (`(await q(s))[0]`)
-            return [results[0]]
+            # a query that ends before its first hole returns its one value, whatever the decoder: LMQL's
+            # rule since 0.7.3 (whose PyPI release still wrapped it in a one-element list)
+            return results[0]
         return results if n > 1 else results[0]
 
     @property

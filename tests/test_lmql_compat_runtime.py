@@ -207,9 +207,12 @@ def test_openai_and_cache_options_are_accepted_without_effect(m):
     assert greedy(chunksize=30, verbose=False, cache=True, openai_chunksize=64, chunk_timeout=2.5) == greedy()
 
 
-def test_unknown_decoder_option_raises_type_error(m):
-    with pytest.raises(TypeError, match="unknown decoder options"):
-        lmql.query('"[X]"', frobnicate=1)
+def test_an_option_no_decoder_knows_is_ignored_with_a_warning(m):
+    # LMQL hands options it does not know to its model backend, which ignores them (`beams=2`)
+    with pytest.warns(UserWarning, match=r"ignores the option\(s\) \['frobnicate'\]"):
+        q = lmql.query(f'"{PROMPT}[X]" where len(TOKENS(X)) < 3\nreturn X', frobnicate=1, is_async=False)
+    with pytest.warns(UserWarning, match="frobnicate"):
+        assert q() == greedy("len(TOKENS(X)) < 3")
 
 
 # -- decoders (decoding.md: beam_sample, var, beam_var; dclib: best_k) ------------------------------

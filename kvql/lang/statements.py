@@ -21,18 +21,36 @@ from .where import conjunction, distribution_clause
 _UNIT = re.compile(r"\\(?:\n|N\{[^}]*\}|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[0-7]{1,3}|.)|.", re.S)
 
 
+def _without_blank_lines(s: str) -> tuple[str, list[int]]:
+    """A string token's source with its blank (empty or whitespace-only) lines removed, and where each
+    kept character is in `s`. LMQL's compiler drops them: a triple-quoted `A`, blank line, `B` is the
+    prompt "A" newline "B" (measured against LMQL 0.7.3; an escaped newline is kept)."""
+    kept, where, at = [], [], 0
+    for k, line in enumerate(s.split("\n")):
+        if k and line.strip() == "":
+            at += len(line) + 1
+            continue
+        piece = ("\n" if k else "") + line
+        start = at - 1 if k else at
+        kept.append(piece)
+        where += range(start, start + len(piece))
+        at += len(line) + 1
+    return "".join(kept), where
+
+
 def _char_positions(toks) -> list[tuple[int, int]]:
     """(row, col) in the body of each character of the value of these adjacent string tokens, and
     one more for the end, so that an error at an offset of the value points at its source."""
     out = []
     for tok in toks:
-        s = tok.string
+        s, source_index = _without_blank_lines(tok.string)
         prefix = re.match(r"[A-Za-z]*", s).group(0)
         quote = 3 if s[len(prefix):len(prefix) + 3] in ('"""', "'''") else 1
-        where, (row, col) = [], tok.start
-        for c in s:
-            where.append((row, col))
+        at, (row, col) = [], tok.start
+        for c in tok.string:
+            at.append((row, col))
             row, col = (row + 1, 0) if c == "\n" else (row, col + 1)
+        where = [at[i] for i in source_index]
         start = len(prefix) + quote
         body = s[start:len(s) - quote]
         units = re.finditer(".", body, re.S) if "r" in prefix.lower() else _UNIT.finditer(body)
@@ -45,7 +63,7 @@ def _char_positions(toks) -> list[tuple[int, int]]:
 
 
 def _string_value(tok) -> str:
-    s = tok.string
+    s = _without_blank_lines(tok.string)[0]
     prefix = re.match(r"[A-Za-z]*", s).group(0)
     if "b" in prefix.lower():
         raise ValueError("byte strings cannot be prompts")

@@ -31,7 +31,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-from .errors import ConstraintError
+from .errors import ConstraintError, InvalidCondition
 from .json_types import type_name, type_schema
 
 INT_REGEX = r" ?-?[0-9]+"
@@ -73,7 +73,7 @@ class Len:
 
 @dataclass(frozen=True)
 class Atom(Node):
-    kind: str  # stops_at, stops_before, regex, int, in, eq, contains, startswith, len
+    kind: str  # stops_at, stops_before, regex, int, in, eq, contains, startswith, len, type, heal, invalid
     var: str
     arg: object = None
 
@@ -112,20 +112,27 @@ def _var(x, fn: str) -> str:
     raise ConstraintError(f"{fn}() takes a variable that the prompt generates, got {x!r}")
 
 
-def _phrase(fn: str, var: str, phrase) -> str:
+def invalid(var: str, message: str) -> Atom:
+    """A condition on `var` that the values it reads do not make valid now. A global where is evaluated
+    at every prompt statement with the program's values at that moment (LMQL evaluates a hole's
+    condition when the hole is generated), so the error is raised by `plan_for` when `var` is
+    generated, never at another hole's statement (`B in opts`, with `opts` filled after hole A)."""
+    return Atom("invalid", var, message)
+
+
+def _stop(kind: str, fn: str, var, phrase) -> Atom:
+    name = _var(var, fn)
     if not str(phrase):  # it would match before the first token: the value would always be empty
-        raise ConstraintError(f'{fn}({var}, ""): the stop phrase is empty')
-    return str(phrase)
+        return invalid(name, f'{fn}({name}, ""): the stop phrase is empty')
+    return Atom(kind, name, str(phrase))
 
 
 def STOPS_AT(var, phrase: str) -> Atom:
-    name = _var(var, "STOPS_AT")
-    return Atom("stops_at", name, _phrase("STOPS_AT", name, phrase))
+    return _stop("stops_at", "STOPS_AT", var, phrase)
 
 
 def STOPS_BEFORE(var, phrase: str) -> Atom:
-    name = _var(var, "STOPS_BEFORE")
-    return Atom("stops_before", name, _phrase("STOPS_BEFORE", name, phrase))
+    return _stop("stops_before", "STOPS_BEFORE", var, phrase)
 
 
 def INT(var) -> Atom:
@@ -194,23 +201,23 @@ def CMP(op: str, a, b):
         a, b, op = b, a, _FLIP[op]
     if isinstance(a, Len):
         if not isinstance(b, int):
-            raise ConstraintError(f"len({a.var}) must be compared with an integer, got {b!r}")
+            return invalid(a.var.name, f"len({a.var}) must be compared with an integer, got {b!r}")
         return Atom("len", a.var.name, (a.unit, op, b))
     if isinstance(a, Var):
         if op in ("==", "!=") and isinstance(b, str):
             atom = Atom("eq", a.name, b)
             return atom if op == "==" else Not(atom)
-        raise ConstraintError(f"unsupported comparison {a.name} {op} {b!r}: compare a variable with == / != "
-                              "and a string, or its len() / len(TOKENS()) with a number")
+        return invalid(a.name, f"unsupported comparison {a.name} {op} {b!r}: compare a variable with == / != "
+                               "and a string, or its len() / len(TOKENS()) with a number")
     return _OPS[op](a, b)
 
 
 def IN(a, b, negate: bool = False):
     if isinstance(a, Var):
         if not isinstance(b, (list, tuple, set, frozenset)) or not all(isinstance(o, str) for o in b):
-            raise ConstraintError(f"'{a.name} in ...' needs a list of strings, got {b!r}")
+            return invalid(a.name, f"'{a.name} in ...' needs a list of strings, got {b!r}")
         if not b:
-            raise ConstraintError(f"'{a.name} in []': the list of choices is empty")
+            return invalid(a.name, f"'{a.name} in []': the list of choices is empty")
         atom = Atom("in", a.name, tuple(b))
     elif isinstance(b, Var):
         atom = Atom("contains", b.name, str(a))
@@ -221,6 +228,15 @@ def IN(a, b, negate: bool = False):
 
 BUILDERS = {"STOPS_AT": STOPS_AT, "STOPS_BEFORE": STOPS_BEFORE, "INT": INT, "REGEX": REGEX, "TOKENS": TOKENS,
             "HEAL": HEAL}
+
+
+def first_invalid(node) -> Atom | None:
+    """The first `invalid` condition in `node`, if any."""
+    if isinstance(node, (And, Or)):
+        return next(filter(None, map(first_invalid, node.items)), None)
+    if isinstance(node, Not):
+        return first_invalid(node.item)
+    return node if isinstance(node, Atom) and node.kind == "invalid" else None
 
 
 def describe(node) -> str:
@@ -244,6 +260,7 @@ def describe(node) -> str:
         "len": lambda: f"len({'TOKENS(' + v + ')' if arg[0] == 'tokens' else v}) {arg[1]} {arg[2]}",
         "type": lambda: f"type({v}) is {type_name(arg)}",
         "heal": lambda: f"HEAL({v})",
+        "invalid": lambda: arg,
     }[node.kind]()
 
 

@@ -145,6 +145,24 @@ class Context(Holes, Nested):
         return Trace(tokens, list(self._hole_log), time.perf_counter() - self._started, model=self.model.name,
                      sample=self.run_index)
 
+    async def finish(self) -> LMQLResult:
+        """End the run (a bare `return`): its open role closed, its result."""
+        await self.close_role()
+        return self.result()
+
+    # -- LMQL's `context` inside a query ---------------------------------------------------------
+    async def get_var(self, name: str):
+        """The value of hole `name` so far (KeyError if it has none yet)."""
+        return self.variables[name]
+
+    async def get_all_vars(self) -> dict:
+        return dict(self.variables)
+
+    @property
+    def num_calls(self) -> int:
+        """Model calls this run made so far (one per hole)."""
+        return len(self._hole_log)
+
     def result(self) -> LMQLResult:
         name, values = self.dist_clause or (None, None)
         if not self.model_used:  # the run never needed its model: nothing to tokenize or trace

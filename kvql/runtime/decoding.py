@@ -7,6 +7,7 @@ the `Decoding` every run of one call shares.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_LEN = 2048
@@ -55,11 +56,15 @@ class Decoding:
 
 
 def decoding(name: str, opts: dict) -> Decoding:
-    """Validate LMQL decoder `name` and its options; TypeError for an unknown option, ValueError for a
-    bad value or an unknown decoder."""
-    unknown = set(opts) - DECODER_OPTIONS
+    """Validate LMQL decoder `name` and its options; ValueError for a bad value or an unknown decoder.
+    An option no decoder knows is ignored with a warning (LMQL hands such options to its model backend,
+    which ignores those it does not know: `stop=None`, `beams=2` run there unchanged)."""
+    unknown = sorted(set(opts) - DECODER_OPTIONS)
     if unknown:
-        raise TypeError(f"unknown decoder options {sorted(unknown)}; known: {sorted(DECODER_OPTIONS)}")
+        warnings.warn(f"kvql ignores the option(s) {unknown}: no decoder or model here has them (known: "
+                      f"{', '.join(sorted(DECODER_OPTIONS - set(IGNORED_OPTIONS) - set(BEAM_OPTIONS)))}, and "
+                      f"LMQL's beam and OpenAI options)", UserWarning, stacklevel=3)
+        opts = {k: v for k, v in opts.items() if k in DECODER_OPTIONS}
     if name not in DECODERS:
         raise ValueError(f"unknown decoder {name!r}; use one of {', '.join(DECODERS)}")
     if name == "var" and opts.get("subdecoder", "sample") not in ("sample", "beam"):

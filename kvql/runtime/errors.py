@@ -7,6 +7,11 @@ class ConstraintError(ValueError):
     """A `where` clause kvql cannot enforce, with the reason."""
 
 
+class InvalidCondition(ConstraintError):
+    """A condition whose values, as the program made them, are wrong (an empty list of choices, an empty
+    stop phrase): raised as is when its hole is generated."""
+
+
 class QueryError(RuntimeError):
     """A query could not run as written (not a model error): names the hole and what is wrong."""
 

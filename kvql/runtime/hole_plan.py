@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from llguidance import regex_to_lark
 
-from .constraints import ANY, INT_REGEX, And, Atom, Node, Not, Or, describe, finite_values
-from .errors import ConstraintError
+from .constraints import ANY, INT_REGEX, And, Atom, Node, Not, Or, describe, finite_values, first_invalid
+from .errors import ConstraintError, InvalidCondition
 from .json_types import type_schema
 from .value_check import matcher
 
@@ -226,6 +226,9 @@ def plan_for(constraint, name: str) -> HolePlan:
     for c in conjuncts:
         if name not in c.vars():
             continue
+        bad = first_invalid(c)
+        if bad is not None:
+            raise InvalidCondition(bad.arg)
         if len(c.vars()) > 1:
             raise ConstraintError(f"a condition relates several variables ({', '.join(sorted(c.vars()))}); "
                                   "kvql constrains each variable on its own")

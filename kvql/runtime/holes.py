@@ -17,7 +17,7 @@ from ..backends import base  # the contract only: no torch, no engine
 from .beam import beam_search
 from .constraints import INT_REGEX, And, Atom, Node
 from .decorators import Chain
-from .errors import QueryError, UnmetConstraint
+from .errors import InvalidCondition, QueryError, UnmetConstraint
 from .hole_plan import HolePlan, Stop, plan_for
 from .json_types import from_json
 from .program import Program
@@ -87,6 +87,8 @@ class Holes:
                              "a dataclass or a query")
         try:
             plan = plan_for(constraint, name)
+        except InvalidCondition:
+            raise
         except ValueError as e:
             raise QueryError(f"constraint on {name}: {e}") from None
         if type is int:

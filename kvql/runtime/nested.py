@@ -8,7 +8,7 @@ import math
 from ..backends import base  # the contract only: no torch, no engine
 from .constraints import ConstraintError
 from .decorators import Chain
-from .errors import QueryError, UnmetConstraint
+from .errors import InvalidCondition, QueryError, UnmetConstraint
 from .hole_plan import HolePlan, plan_for
 from .holes import stop_name, tokens_text
 from .program import Program
@@ -25,6 +25,8 @@ class Nested:
         `where` conditions on the hole are checked on that value (see `_check_nested`)."""
         try:
             plan = plan_for(constraint, name)
+        except InvalidCondition:
+            raise
         except ConstraintError as e:
             raise QueryError(f"constraint on {name}: {e}") from None
         if plan.heal:

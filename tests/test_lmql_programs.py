@@ -1,0 +1,194 @@
+"""LMQL programs as people wrote them run unchanged (issue 24): each test states one behaviour of LMQL
+(0.7.3, or its main branch where that changed a 0.7.3 rule, as named), on both query forms (a decorated
+function, a query string) and both entry points (a call, `lmql.run` / `run_sync`), on the local engine
+and through the remote backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+
+import pytest
+
+import kvql
+import kvql as lmql
+
+
+@pytest.fixture
+def m(each_backend):
+    return each_backend
+
+
+# -- 1. a query that generates nothing returns its value itself -------------------------------------
+def test_a_decorated_query_without_holes_returns_its_value(m):
+    @lmql.query
+    def f(x):
+        '''lmql
+        return x + 1
+        '''
+
+    @lmql.query
+    async def g(x):
+        '''lmql
+        "some text"
+        return x + 1
+        '''
+
+    assert f(1) == 2 and asyncio.run(g(1)) == 2
+
+
+def test_a_query_string_without_holes_returns_its_value_on_every_entry_point(m):
+    assert lmql.run_sync("return 5") == 5
+    assert asyncio.run(lmql.run('"no holes"\nreturn 5')) == 5
+    assert lmql.query("return a + b", is_async=False)(a=1, b=2) == 3
+
+
+def test_without_holes_a_return_of_none_is_none_and_no_return_is_the_result(m):
+    assert lmql.run_sync('"text"\nreturn None') is None
+    r = lmql.run_sync('"no holes at all"')
+    assert isinstance(r, lmql.LMQLResult) and r.prompt == "no holes at all" and r.variables == {}
+
+
+def test_a_bare_return_gives_the_result_object_with_and_without_holes(m):
+    r = lmql.run_sync('"Hi"\nreturn')
+    assert isinstance(r, lmql.LMQLResult) and r.prompt == "Hi"
+    r = lmql.run_sync('"Say[X]" where len(TOKENS(X)) < 3\nif True:\n    return\n"never"')
+    assert isinstance(r, lmql.LMQLResult) and list(r.variables) == ["X"] and not r.prompt.endswith("never")
+
+
+def test_a_method_query_without_holes_returns_its_value(m):
+    class Agent:
+        @lmql.query
+        def act(self, s):
+            '''lmql
+            return s, self
+            '''
+
+    a = Agent()
+    assert a.act("go") == ("go", a)
+
+
+# -- 2. blank lines inside a multi-line prompt string ------------------------------------------------
+@pytest.mark.parametrize("source, prompt", [
+    ('"""Line one.\n\nLine two."""', "Line one.\nLine two."),
+    ('"""A\n\n\nB"""', "A\nB"),
+    ('"""A\n   \nB"""', "A\nB"),              # whitespace only counts as blank
+    ('"A\\n\\nB"', "A\n\nB"),                  # escaped newlines are text
+    ('"""A\\n\nB"""', "A\n\nB"),
+    ('"""A\n    B\n  C"""', "A\n    B\n  C"),  # indentation inside the string stays
+    ('"""\nA\nB\n"""', "\nA\nB\n"),
+])
+def test_blank_lines_of_a_prompt_string_are_dropped_as_lmql_drops_them(m, source, prompt):
+    # measured with LMQL 0.7.3 itself (scripts/lmql_differential.py)
+    assert lmql.run_sync(source).prompt == prompt
+
+
+def test_a_blank_line_is_dropped_in_a_decorated_query_too_and_before_a_hole(m):
+    @lmql.query
+    def q(x):
+        '''lmql
+        """Question: {x}
+
+        Answer:[A]""" where len(TOKENS(A)) < 2
+        '''
+
+    assert q("why?").prompt.startswith("Question: why?\nAnswer:")
+
+
+def test_an_error_after_a_dropped_blank_line_points_at_its_own_line(m):
+    with pytest.raises(kvql.QuerySyntaxError) as info:
+        lmql.query('"""A\n\nB {x!z}"""')
+    assert (info.value.lineno, info.value.offset) == (3, 5)
+
+
+# -- 3. a later hole's conditions are evaluated when that hole is generated ---------------------------
+def test_a_global_where_reads_the_programs_values_when_each_hole_is_generated(m):
+    @lmql.query
+    def q():
+        '''lmql
+        opts = []
+        "First:[A]\\n"
+        opts.append(" yes")
+        opts.append(" no")
+        "Second:[B]"
+        return A, B
+        where len(TOKENS(A)) < 3 and B in opts
+        '''
+
+    a, b = q()
+    assert b in (" yes", " no") and a
+
+
+def test_a_later_holes_bad_condition_still_fails_when_that_hole_is_generated(m):
+    src = 'argmax\n    opts = []\n    "First:[A]"\n    "Second:[B]"\nwhere len(TOKENS(A)) < 3 and B in opts'
+    with pytest.raises(ValueError, match=r"'B in \[\]': the list of choices is empty"):
+        lmql.run_sync(src)
+
+
+# -- 4. a call keyword that names a parameter is the parameter ------------------------------------------
+def test_a_parameter_named_model_is_an_input_not_the_model_choice(m):
+    @lmql.query
+    def q(description, model):
+        '''lmql
+        "Describe {description}:[D]" where len(TOKENS(D)) < 3
+        return description, model
+        '''
+
+    assert q(description="hi", model="gpt-4") == ("hi", "gpt-4")
+    assert q("hi", "any name") == ("hi", "any name")
+
+
+def test_a_query_that_reads_a_name_like_an_option_gets_it_as_input(m):
+    assert lmql.run_sync("return decoder, n", decoder="mine", n=7) == ("mine", 7)
+
+
+def test_model_is_still_the_model_where_no_parameter_has_that_name(m, make_model):
+    @lmql.query
+    def q(x):
+        '''lmql
+        "{x}[Y]" where len(TOKENS(Y)) < 3
+        return Y
+        '''
+
+    other = make_model()
+    assert q("Hi", model=other) == q("Hi")  # the same weights: the same greedy value
+
+
+# -- 5. runtime options LMQL passes on are accepted -------------------------------------------------------
+def test_an_unknown_call_keyword_is_ignored_with_a_warning(m):
+    # SGLang's LMQL benchmark backend calls its queries with stop=None
+    @lmql.query
+    def q(question):
+        '''lmql
+        "Q: {question} A:[ANSWER]" where len(TOKENS(ANSWER)) < 3
+        return ANSWER
+        '''
+
+    expected = q("why?")
+    with pytest.warns(UserWarning, match=r"ignores the option\(s\) \['stop'\]"):
+        assert q("why?", stop=None) == expected
+
+
+def test_an_unknown_decorator_option_is_ignored_with_a_warning(m):
+    with pytest.warns(UserWarning, match="beams"):
+        @lmql.query(beams=2)
+        def q():
+            '''lmql
+            "Hi[X]" where len(TOKENS(X)) < 3
+            return X
+            '''
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert isinstance(q(), str)
+
+
+def test_known_runtime_options_keep_their_meaning_at_the_call(m):
+    @lmql.query
+    def q():
+        '''lmql
+        "Hi[X]" where len(TOKENS(X)) < 3
+        return X
+        '''
+
+    assert len(q(decoder="sample", n=3, temperature=0.9, seed=1)) == 3
