@@ -84,7 +84,9 @@ def test_seed_is_refused_for_models_with_fixed_weights(tmp_path):
 def test_generate_sync_returns_the_generated_text_without_the_prompt(rnd):
     text = lmql.generate_sync("Test", max_tokens=10)
     assert type(text) is str and text
-    assert text == rnd.complete(["Test"], max_tokens=10)[0].text
+    # as LMQL sends it: the tokenizer's BOS first (SmolLM2's tokenizer adds none itself)
+    ids = [rnd.tokenizer.bos_token_id] + rnd.tokenizer.encode("Test", add_special_tokens=False)
+    assert text == rnd.complete([ids], max_tokens=10)[0].text
 
 
 def test_generate_max_tokens_bounds_the_generated_tokens(rnd):

@@ -12,15 +12,28 @@ from __future__ import annotations
 from .trace import TraceToken
 
 
+def with_bos(tokenizer, ids: list[int]) -> list[int]:
+    """`ids` as LMQL sends a prompt: starting with the tokenizer's BOS token when it has one (LMQL 0.7.3's
+    model client prepends it unless it is there; SmolLM2's tokenizer, for one, adds none itself).
+    Measured against LMQL on the same weights: without it greedy answers differ."""
+    bos = tokenizer.bos_token_id
+    return ids if bos is None or ids[:1] == [bos] else [bos] + ids
+
+
 class Prompt:
     def __init__(self, tokenizer, ids: list[int] | None = None, text: str = ""):
         self.tokenizer = tokenizer
         self.text = text  # what the model sees (role tags rendered by its chat template)
         self._pending: list[str] = []  # model text not tokenized yet
+        self._bos_pending = False  # the first tokens decide whether BOS goes first (see `with_bos`)
         if tokenizer is None:
             self.ids = None
+        elif ids is not None:
+            self.ids = list(ids)
         else:
-            self.ids = list(ids) if ids is not None else tokenizer("", add_special_tokens=True).input_ids
+            self.ids = tokenizer("", add_special_tokens=True).input_ids
+            # a prompt that starts with BOS itself (a chat template's <|im_start|>) gets no second one
+            self._bos_pending = not self.ids and tokenizer.bos_token_id is not None
         n = len(self.ids or ())
         self.served: list[str | None] = [None] * n  # "cached" | "computed" | None (never sent)
         self.hole_of: list[str | None] = [None] * n
@@ -40,7 +53,7 @@ class Prompt:
         return self.text if self.ids is None else list(self.ids)
 
     def ensure_start(self) -> None:
-        """A hole at the very start, and a tokenizer that adds no BOS: give the model one token to read."""
+        """A hole at the very start: give the model one token to read (BOS, or EOS for a tokenizer without one)."""
         self.flush()
         if self.ids is not None and not self.ids:
             tok = self.tokenizer
@@ -69,6 +82,9 @@ class Prompt:
             self._extend(self.tokenizer.encode(value, add_special_tokens=False), hole)
 
     def _extend(self, token_ids: list[int], hole: str | None) -> None:
+        if self._bos_pending and token_ids:
+            self._bos_pending = False
+            self._extend(with_bos(self.tokenizer, token_ids)[:-len(token_ids)], None)
         self.ids += token_ids
         self.served += [None] * len(token_ids)
         self.hole_of += [hole] * len(token_ids)

@@ -119,7 +119,7 @@ async def score(model, prompt: str, values) -> ScoringResult:
     if not values:
         raise ValueError("score() needs at least one value")
     tok = model.tokenizer
-    prompt_ids = tok(prompt, add_special_tokens=True).input_ids
+    prompt_ids = tok(prompt, add_special_tokens=True).input_ids  # LMQL's score adds no BOS (measured)
     value_ids = [tok.encode(str(v), add_special_tokens=False) for v in values]
     per_token, _ = await model.ascore(prompt_ids, value_ids)
     return ScoringResult(prompt, values, prompt_ids, value_ids, per_token, getattr(model, "name", "model"))
