@@ -192,3 +192,31 @@ def test_known_runtime_options_keep_their_meaning_at_the_call(m):
         '''
 
     assert len(q(decoder="sample", n=3, temperature=0.9, seed=1)) == 3
+
+
+# -- 6. the standalone form's clause keywords are found at any indentation ------------------------------
+def test_an_indented_decoder_keyword_opens_the_decoder_clause(m):
+    # a plain docstring whose `where` is less indented than its decoder (LMQL 0.7.3 runs it)
+    @lmql.query
+    def q():
+        """
+            sample(n=2)
+                "Hello[X]"
+        where len(TOKENS(X)) < 3
+        """
+
+    rs = q()
+    assert isinstance(rs, list) and len(rs) == 2 and all(r.prompt.startswith("Hello") for r in rs)
+    r = lmql.run_sync('    argmax\n        "Hi[X]"\nwhere len(TOKENS(X)) < 2')
+    assert list(r.variables) == ["X"]
+
+
+def test_from_and_where_at_the_bodys_indentation_are_clauses(m, make_model):
+    named = make_model()
+    r = lmql.run_sync('argmax\n    "Hello[X]"\n    from m\n    where len(TOKENS(X)) < 3', m=named)
+    assert len(named.tokenizer.encode(r.variables["X"], add_special_tokens=False)) <= 2
+
+
+def test_clause_words_used_as_python_names_stay_python(m):
+    src = 'argmax\n    where = 3\n    if where:\n        from os import path\n    "Hi[X]" where len(TOKENS(X)) < 2\n    return where'
+    assert lmql.run_sync(src) == 3

@@ -2,12 +2,13 @@
 
     [prologue]  [decoder[(kwargs)]]  body  [from MODEL]  [where COND]  [distribution VAR in VALUES]
 
-- The decoder clause (`argmax`, `sample(n=2)`, `beam(n=n)`, ...) opens at the start of an
-  unindented line before the first prompt statement, and is followed by the end of its line or by
-  a prompt string (the one-line form: `argmax "Hi [X]" where len(X) < 9 from "m"`). Python lines
-  before it are the prologue, run at module level as in LMQL (their names are the query's globals).
-- `from`, `where` and `distribution` (any case) end the body where they start an unindented line
-  (`from` not as an import, `where` / `distribution` not as a name being assigned or read), and
+- The decoder clause (`argmax`, `sample(n=2)`, `beam(n=n)`, ...) opens at the start of a line (at
+  any indentation, as LMQL finds it by its tokens) before the first prompt statement, and is followed
+  by the end of its line or by a prompt string (the one-line form: `argmax "Hi [X]" where len(X) < 9
+  from "m"`). Python lines before it are the prologue, run at module level as in LMQL (their names
+  are the query's globals).
+- `from`, `where` and `distribution` (any case) end the body where they start a line, at any
+  indentation (`from` not as an import, `where` / `distribution` not as a name being assigned or read), and
   `from` also after a prompt string on its line (the one-line form). A `where` or `distribution`
   after a prompt string on its line belongs to that statement. Each clause runs to the next clause
   keyword: on its own line, on indented lines below it, or continued with `\\`.
@@ -73,7 +74,7 @@ def _closing(toks, k: int) -> int:
 
 def _decoder_end(toks) -> int | None:
     """If this logical line opens with a decoder clause, the index of the first token after it."""
-    if toks[0].type != tokenize.NAME or toks[0].string.lower() not in DECODERS or toks[0].start[1] != 0:
+    if toks[0].type != tokenize.NAME or toks[0].string.lower() not in DECODERS:
         return None
     k = 1
     if k < len(toks) and toks[k].type == tokenize.OP and toks[k].string == "(":
@@ -90,7 +91,7 @@ def _opens_clause(toks, i: int, in_body: bool, first_in_line: bool) -> bool:
         return False
     if not in_body:  # inside a clause, the others' keywords cannot be part of its expression
         return True
-    at_line_start = i == 0 and first_in_line and toks[i].start[1] == 0
+    at_line_start = i == 0 and first_in_line  # at any indentation: LMQL finds clauses by their tokens
     if kw == "from":
         if at_line_start:
             return not any(t.type == tokenize.NAME and t.string == "import" for t in toks)
@@ -141,8 +142,6 @@ def split_clauses(source: str) -> Layout:
         nested_at = depth if starts_scope(toks) else None
         if toks[0].type == tokenize.STRING:  # a prompt statement: the body has begun
             break
-        if toks[0].start[1] != 0:
-            continue
         if _opens_clause(toks, 0, True, True):
             break
         decoder_end = _decoder_end(toks)
