@@ -9,14 +9,8 @@ their where clause). LMQL calls it on every decoding step; kvql does not stream 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 
-
-@dataclass
-class ProgramVariables:
-    """The variables of a run, as LMQL passes them to writers (`program_variables.variable_values`)."""
-
-    variable_values: dict = field(default_factory=dict)
+from .runtime.program_state import ProgramState
 
 
 class BaseOutputWriter:
@@ -86,6 +80,6 @@ async def report(writer, prompt: str, variables: dict, num_tokens: int) -> None:
         return
     last = next(reversed(variables), None) if variables else None
     out = writer.add_interpreter_head_state(last, 0, prompt, None, None, True, True, None, num_tokens,
-                                            ProgramVariables(dict(variables)))
+                                            ProgramState(prompt, variables))
     if inspect.isawaitable(out):
         await out

@@ -220,3 +220,51 @@ def test_from_and_where_at_the_bodys_indentation_are_clauses(m, make_model):
 def test_clause_words_used_as_python_names_stay_python(m):
     src = 'argmax\n    where = 3\n    if where:\n        from os import path\n    "Hi[X]" where len(TOKENS(X)) < 2\n    return where'
     assert lmql.run_sync(src) == 3
+
+
+# -- 7. the state decorators and output writers receive ------------------------------------------------
+def test_a_streaming_decorator_gets_a_program_state_with_the_diff_of_each_step(m):
+    from kvql.runtime.program_state import ProgramState  # LMQL's module path, under kvql
+
+    seen = []
+
+    @lmql.decorators.streaming
+    def watch(value, context):
+        seen.append((value, context.get_diff("X"), context.get("X"), context.final("X"), context.get("A")))
+
+    r = lmql.run_sync('"One:[A]" where len(TOKENS(A)) < 2\n"Two:[@watch X]" where len(TOKENS(X)) < 4', watch=watch)
+    values = [v for v, *_ in seen]
+    assert values[0] == "" and values[-1] == r.variables["X"]
+    # the text added since the last call (all of it where a token's bytes completed an earlier character)
+    assert all(d == (v[len(p):] if v.startswith(p) else v) for (v, d, *_), p in zip(seen[1:], values))
+    assert seen[0][1] == "" and sum(v.startswith(p) for v, p in zip(values[1:], values)) >= len(values) // 2
+    assert all(v == got and fin == "var" and a == r.variables["A"] for v, _, got, fin, a in seen)
+    assert ProgramState  # the class decorators are annotated with
+
+
+def test_pre_and_post_decorators_get_the_state_of_the_holes_before(m):
+    states = []
+
+    def post(value, prompt_value, context):
+        states.append(context)
+        return value.upper()
+
+    r = lmql.run_sync('"A:[A]" where len(TOKENS(A)) < 2\n"B:[@post B]" where len(TOKENS(B)) < 3', post=post)
+    (state,) = states
+    assert state.get("A") == r.variables["A"] and state.final("A") == "fin" and state.get("B") is None
+    assert state.prompt.startswith("A:") and r.variables["B"] == r.variables["B"].upper()
+
+
+def test_an_output_writer_gets_lmqls_program_state(m):
+    got = []
+
+    class Writer:
+        async def add_interpreter_head_state(self, variable, head, prompt, where, trace, is_valid, is_final, mask,
+                                             num_tokens, program_variables):
+            got.append((variable, prompt, program_variables))
+
+    r = lmql.run_sync('"Hi[X]" where len(TOKENS(X)) < 3', output_writer=Writer())
+    (variable, prompt, state), = got
+    assert variable == "X" and prompt == r.prompt == state.prompt
+    assert state.variable_values == r.variables and state.get("X") == r.variables["X"] == state["X"]
+    assert state.get_program_value("X") == r.variables["X"] and state.final("X") == "fin"

@@ -23,6 +23,7 @@ from .hole_plan import HolePlan
 from .holes import Holes
 from .nested import Nested
 from .program import Program
+from .program_state import ProgramState
 from .prompt import Prompt
 from .result import LMQLResult
 from .trace import Trace, TraceHole
@@ -144,6 +145,13 @@ class Context(Holes, Nested):
             return None
         return Trace(tokens, list(self._hole_log), time.perf_counter() - self._started, model=self.model.name,
                      sample=self.run_index)
+
+    def program_state(self, growing: str | None = None, value: str = "", diff: str = "") -> ProgramState:
+        """The run's state as LMQL hands it to decorators and output writers; `growing`: a hole being
+        generated, its `value` so far and the `diff` added since the last look."""
+        values = {**self.variables, growing: value} if growing is not None else self.variables
+        return ProgramState(self.prompt, values, diffs={growing: diff} if growing is not None else None,
+                            growing=growing)
 
     async def finish(self) -> LMQLResult:
         """End the run (a bare `return`): its open role closed, its result."""

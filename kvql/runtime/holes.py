@@ -70,7 +70,7 @@ class Holes:
     context's (`kvql.runtime.context.Context`)."""
 
     async def hole(self, name: str, constraint=None, type=None, post=()):
-        fixed = Chain(post).pre(name, self)
+        fixed = Chain(post).pre(name, self.program_state())
         if fixed is not None:  # a pre-stage decorator supplied the value: the model is not asked
             value, shown = fixed
             self._append_value(shown, None, name)
@@ -203,7 +203,7 @@ class Holes:
         text = value
         chain = Chain(post)
         if chain.streams:  # a healed value's first token also spells prompt text: shown whole at the end
-            self._stream(chain, text, None if self._healed else tokens)
+            self._stream(chain, name, text, None if self._healed else tokens)
         if plan.as_int or plan.as_float:
             try:
                 value = (int if plan.as_int else float)(value.strip())
@@ -218,7 +218,7 @@ class Holes:
         # a typed value stays in the prompt as the JSON the model wrote
         shown = text if plan.value_type is not None else str(value)
         if chain:  # [@f @g X] is f(g(X)), as Python applies stacked decorators
-            value, shown = chain.post(value, shown, self)
+            value, shown = chain.post(value, shown, self.program_state())
         changed = plan.as_int or plan.as_float or shown != text
         healed, self._healed = self._healed, None
         (forced, _), self._forced = self._forced, ([], 0)
@@ -230,13 +230,17 @@ class Holes:
         self.variables[name] = value
         return value
 
-    def _stream(self, chain: Chain, text: str, tokens: list[int] | None) -> None:
+    def _stream(self, chain: Chain, name: str, text: str, tokens: list[int] | None) -> None:
         """Streaming decorators see the hole's text grow: "", each token's prefix, then the final text
-        (after the hole is generated: kvql does not call user code inside the engine's loop)."""
-        chain.stream("", self)
-        for i in range(1, len(tokens or ()) + 1):
-            chain.stream(self.model.tokenizer.decode(tokens[:i], skip_special_tokens=True), self)
-        chain.stream(text, self)
+        (after the hole is generated: kvql does not call user code inside the engine's loop); their
+        `context` is the state at that point (`get_diff(name)`: the text added since the last call)."""
+        grown = [""] + [self.model.tokenizer.decode(tokens[:i], skip_special_tokens=True)
+                        for i in range(1, len(tokens or ()) + 1)] + [text]
+        before = ""
+        for now in grown:
+            diff = now[len(before):] if now.startswith(before) else now
+            chain.stream(now, self.program_state(name, now, diff))
+            before = now
 
     def _seed(self) -> int | None:
         """Per (call seed, run, hole): the runs of a `sample(n)` differ, and a seeded call repeats."""

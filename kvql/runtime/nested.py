@@ -49,7 +49,7 @@ class Nested:
         if isinstance(value, LMQLResult):
             value = value.prompt[len(self._shown):]
         self._check_nested(name, plan, value)
-        value, shown = Chain(post).post(value, str(value), self)
+        value, shown = Chain(post).post(value, str(value), self.program_state())
         self.cached_tokens += child.cached_tokens
         self.computed_tokens += child.computed_tokens
         self.variables[name] = value
