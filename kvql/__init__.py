@@ -23,14 +23,15 @@ _PUBLIC = {
     **{name: "query" for name in ("F", "LMQLResult", "Query", "QueryError", "ScoreResult", "ScoringResult",
                                   "UnmetConstraint", "main", "query", "run", "run_sync")},
     **{name: "generations" for name in ("generate", "generate_sync", "score", "score_sync")},
-    "ConstraintError": "runtime.constraints", "decorators": "runtime.decorators",
+    "ConstraintError": "runtime.constraints", "decorators": "runtime.decorators", "algorithms": "algorithms",
 }
+_MODULES = ("decorators", "algorithms")  # public names that are modules themselves
 
 __all__ = ["model", "Model", "LocalModel", "LLM", "RemoteModel", "Backend", "Unsupported", "Completion", "TokenLogprob",
            "StreamChunk", "ModelLoadError", "query", "run", "run_sync", "F", "main", "generate", "generate_sync",
            "score", "score_sync", "set_default_model", "get_model", "Query", "LMQLResult", "ScoringResult",
            "ScoreResult", "QueryError", "UnmetConstraint", "QuerySyntaxError", "ConstraintError",
-           "InferenceCertificate", "decorators", "printing", "stream", "headless", "silent", "tokenizer"]
+           "InferenceCertificate", "decorators", "algorithms", "printing", "stream", "headless", "silent", "tokenizer"]
 
 
 def __getattr__(name: str):
@@ -38,7 +39,7 @@ def __getattr__(name: str):
     if module is None:
         raise AttributeError(f"module 'kvql' has no attribute {name!r}")
     mod = importlib.import_module(f".{module}", __name__)
-    value = mod if name == "decorators" else getattr(mod, name)
+    value = mod if name in _MODULES else getattr(mod, name)
     globals()[name] = value  # resolved once
     return value
 

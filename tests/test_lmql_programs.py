@@ -268,3 +268,46 @@ def test_an_output_writer_gets_lmqls_program_state(m):
     assert variable == "X" and prompt == r.prompt == state.prompt
     assert state.variable_values == r.variables and state.get("X") == r.variables["X"] == state["X"]
     assert state.get_program_value("X") == r.variables["X"] and state.final("X") == "fin"
+
+
+# -- 8. a stop phrase inside a value the grammar fixes ---------------------------------------------------
+@pytest.mark.parametrize("where, value", [
+    ("""STOPS_BEFORE(X, '",') and X == 'abc",'""", "abc"),
+    ("""STOPS_AT(X, '",') and X == 'abc",'""", 'abc",'),
+    ("""STOPS_BEFORE(X, 'b') and X == 'abc'""", "a"),   # LMQL 0.7.3 gives "a" (measured)
+    ("""STOPS_AT(X, 'b') and X == 'abc'""", "ab"),
+])
+def test_a_stop_phrase_cuts_a_fixed_value_where_it_appears(m, where, value):
+    r = lmql.run_sync(f'"Say:[X]" where {where}')
+    assert r.variables["X"] == value and r.prompt == "Say:" + value
+
+
+def test_a_value_that_breaks_its_grammar_before_the_stop_phrase_is_still_an_error(m):
+    with pytest.raises(lmql.UnmetConstraint):
+        lmql.run_sync('"Say:[X]" where STOPS_AT(X, "c") and X == "abc" and len(TOKENS(X)) < 2')
+
+
+# -- 9. lmql.algorithms ----------------------------------------------------------------------------------
+def test_algorithms_map_runs_a_query_per_item_in_order(m):
+    import kvql.algorithms as la
+
+    q = lmql.F("Summarize this text: {text}: [SUMMARY]", "len(TOKENS(SUMMARY)) < 4", is_async=True)
+    data = ["A dog walks into a bar.", "A cat goes for a walk.", "A dog walks into a bar."]
+    r = asyncio.run(la.map(q, data))
+    assert len(r) == 3 and all(isinstance(x, str) for x in r) and r[0] == r[2]
+    assert r == [q.run_sync(d) for d in data]
+    by_string = asyncio.run(la.map("Summarize this text: {text}: [SUMMARY]", data, where="len(TOKENS(SUMMARY)) < 4",
+                                   chunksize=2))
+    assert by_string == r
+
+
+def test_algorithms_reduce_folds_with_a_query_or_a_function(m):
+    assert asyncio.run(lmql.algorithms.reduce(lambda a, b: a + b, [1, 2, 3])) == 6
+
+    @lmql.query
+    async def longer(a, b):
+        '''lmql
+        return a if len(a) >= len(b) else b
+        '''
+
+    assert asyncio.run(lmql.algorithms.reduce(longer, ["ab", "abcd", "abc"], "")) == "abcd"

@@ -122,8 +122,11 @@ class Holes:
         self._hole_log.append(TraceHole(name, str(value), where_text(constraint, name, plan), len(tokens),
                                         time.perf_counter() - started, self._forced[1]))
         checked = plan.constrained(full, guard)
-        self._check_value(name, plan, value, checked,
-                          lambda: self._why_cut(name, plan, full, guard, tokens, max_tokens, bound))
+        if plan.stop_index(full, guard) is None or plan.check(checked) == "no":
+            # a stop phrase ends the value wherever it appears, also inside a value its grammar would have
+            # continued (LMQL's rule: `STOPS_BEFORE(X, "b") and X == "abc"` gives "a")
+            self._check_value(name, plan, value, checked,
+                              lambda: self._why_cut(name, plan, full, guard, tokens, max_tokens, bound))
         if plan.min_tokens and (tokens or not full) and len(tokens) < plan.min_tokens:
             # a server lets a complete grammar end the value before min_tokens (vLLM's rule); kvql's engine
             # would have found no token to continue with
