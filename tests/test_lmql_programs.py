@@ -311,3 +311,27 @@ def test_algorithms_reduce_folds_with_a_query_or_a_function(m):
         '''
 
     assert asyncio.run(lmql.algorithms.reduce(longer, ["ab", "abcd", "abc"], "")) == "abcd"
+
+
+# -- 10. LMQL's OpenAI model names -----------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["openai/gpt-3.5-turbo-instruct", "chatgpt", "gpt-4", "openai/text-davinci-003"])
+def test_an_openai_model_name_says_kvql_runs_local_models_and_servers(name):
+    with pytest.raises(lmql.ModelLoadError, match="OpenAI-hosted model") as info:
+        lmql.model(name)
+    assert "hf download" not in str(info.value) and "--model" in str(info.value) and "http://" in str(info.value)
+
+
+def test_a_query_from_an_openai_model_runs_on_the_model_given_at_the_call(m):
+    q = lmql.query('argmax\n    "Hi[X]" where len(TOKENS(X)) < 2\nfrom "openai/gpt-3.5-turbo-instruct"', is_async=False)
+    assert list(q(model=m).variables) == ["X"]
+    with pytest.raises(lmql.ModelLoadError, match="OpenAI-hosted"):
+        q()
+
+
+# -- 11. the hole that used up the budget is named -------------------------------------------------------
+def test_a_hole_without_a_token_bound_that_ate_max_len_is_named_by_the_next_hole(m):
+    src = '"Count:[N]" where INT(N)\n"Next:[M]" where len(TOKENS(M)) < 3'
+    with pytest.raises(lmql.QueryError) as info:
+        lmql.run_sync(src, max_len=16)
+    message = str(info.value)
+    assert "before [M]" in message and "hole N used it up" in message and "len(TOKENS(N))" in message

@@ -64,11 +64,24 @@ def resolve(spec: str) -> Path | str:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
         return path
-    if _HUB_ID.fullmatch(name):
+    if _HUB_ID.fullmatch(name) and not (_OPENAI.fullmatch(name) and not _hub_cached(name)):
         return _hub_model(name)
+    if _OPENAI.fullmatch(name):
+        raise ModelLoadError(
+            f"{spec!r} is an OpenAI-hosted model (LMQL's name for it), which kvql cannot run: kvql runs local "
+            f"transformers models and servers with an OpenAI-compatible API (kvql serve, vLLM, SGLang). Pass "
+            f"another model: `model=` in Python, `--model` on the command line (a local directory, a built-in "
+            f"model {sorted(BUILTIN)}, a Hugging Face id) or a server URL (http://HOST:PORT/v1); a query's own "
+            f"`from` clause gives way to either")
     raise ModelLoadError(
         f"unknown model spec {spec!r}: tried a local directory {str(path)!r} (not found), "
         f"the built-in models {sorted(BUILTIN)} and Hugging Face Hub ids (ORG/NAME)")
+
+
+# LMQL's names of OpenAI's hosted models ("openai/gpt-3.5-turbo-instruct", "chatgpt", "gpt-4", "azure/..."): an
+# HF repo of that name is still used when it is in the local cache (openai/gpt-oss-20b is one)
+_OPENAI = re.compile(r"(?:openai/|azure/|azure-openai/)?(?:chatgpt|gpt-3\.5.*|gpt-4.*|(?:text-)?(?:davinci|curie|babbage"
+                     r"|ada)(?:-\d+)?|text-embedding-.*)", re.I)
 
 
 def _hub_cached(repo_id: str) -> bool:

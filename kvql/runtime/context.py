@@ -48,6 +48,7 @@ class Context(Holes, Nested):
         self.dist_clause: tuple[str, list] | None = None
         self.cached_tokens = 0
         self.computed_tokens = 0
+        self._filled_by: tuple[str, int, str] | None = None  # (hole, tokens, bound): a hole the budget ended
         self._healed: tuple[int, str, list[int]] | None = None  # the last hole's healing, for its value's tokens
         # the last hole's forced tokens for its trace: (their indices in the tokens its value is added with,
         # how many of them are the value's own: see Completion.forced and .healed_output_tokens)

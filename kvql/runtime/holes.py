@@ -119,6 +119,8 @@ class Holes:
             value, tokens, full, guard = await self._beam(name, plan, prompt, max_tokens)
         else:
             value, tokens, full, guard = await self._sample(name, plan, prompt, max_tokens, heal)
+        if len(tokens) >= max_tokens and plan.max_tokens != max_tokens:
+            self._filled_by = (name, len(tokens), bound)  # the budget, not the hole's own bound, ended it
         self._hole_log.append(TraceHole(name, str(value), where_text(constraint, name, plan), len(tokens),
                                         time.perf_counter() - started, self._forced[1]))
         checked = plan.constrained(full, guard)
@@ -146,8 +148,13 @@ class Holes:
             default = f"max_len={max_len} leaves after the {n}-token prompt" if context is None or max_len <= context \
                 else f"the model's {context}-token context leaves after the {n}-token prompt"
             if limit < 1:
+                why = ""
+                if self._filled_by is not None:
+                    hole, k, bound = self._filled_by
+                    why = (f"; hole {hole} used it up: with no token bound of its own (e.g. len(TOKENS({hole})) < 20) "
+                           f"it generated {tokens_text(k)}, all that {bound}")
                 raise QueryError(f"the prompt before [{name}] has {n} tokens: no room left under "
-                                 f"max_len={max_len}" + (f" / context {context}" if context else ""))
+                                 f"max_len={max_len}" + (f" / context {context}" if context else "") + why)
         max_tokens = min(plan.max_tokens or limit, limit)
         return max_tokens, f"{plan.cap} allows" if plan.max_tokens == max_tokens else default
 
