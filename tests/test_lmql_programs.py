@@ -234,10 +234,12 @@ def test_a_streaming_decorator_gets_a_program_state_with_the_diff_of_each_step(m
 
     r = lmql.run_sync('"One:[A]" where len(TOKENS(A)) < 2\n"Two:[@watch X]" where len(TOKENS(X)) < 4', watch=watch)
     values = [v for v, *_ in seen]
-    assert values[0] == "" and values[-1] == r.variables["X"]
-    # the text added since the last call (all of it where a token's bytes completed an earlier character)
-    assert all(d == (v[len(p):] if v.startswith(p) else v) for (v, d, *_), p in zip(seen[1:], values))
-    assert seen[0][1] == "" and sum(v.startswith(p) for v, p in zip(values[1:], values)) >= len(values) // 2
+    assert values[:2] == ["", ""] and values[-1] == r.variables["X"] and len(values) == 2 + r.trace.holes[-1].tokens + 1
+    # the text the latest token added (all of it where a token's bytes completed an earlier character);
+    # the final value's repeated call keeps the last token's diff (LMQL 0.7.3, measured)
+    grown = values[2:-1]
+    assert [d for _, d, *_ in seen[2:-1]] == [v[len(p):] if v.startswith(p) else v for v, p in zip(grown, [""] + grown)]
+    assert seen[0][1] == seen[1][1] == ""
     assert all(v == got and fin == "var" and a == r.variables["A"] for v, _, got, fin, a in seen)
     assert ProgramState  # the class decorators are annotated with
 

@@ -241,14 +241,16 @@ class Holes:
         return value
 
     def _stream(self, chain: Chain, name: str, text: str, tokens: list[int] | None) -> None:
-        """Streaming decorators see the hole's text grow: "", each token's prefix, then the final text
-        (after the hole is generated: kvql does not call user code inside the engine's loop); their
-        `context` is the state at that point (`get_diff(name)`: the text added since the last call)."""
-        grown = [""] + [self.model.tokenizer.decode(tokens[:i], skip_special_tokens=True)
-                        for i in range(1, len(tokens or ()) + 1)] + [text]
-        before = ""
+        """Streaming decorators see the hole's text grow as LMQL shows it: "" twice, each token's prefix, then
+        the final text again (after the hole is generated: kvql does not call user code inside the engine's
+        loop); their `context` is the state at that point (`get_diff(name)`: the text the latest token
+        added, measured against LMQL 0.7.3)."""
+        grown = ["", ""] + [self.model.tokenizer.decode(tokens[:i], skip_special_tokens=True)
+                            for i in range(1, len(tokens or ()) + 1)] + [text]
+        before = diff = ""
         for now in grown:
-            diff = now[len(before):] if now.startswith(before) else now
+            if now != before:
+                diff = now[len(before):] if now.startswith(before) else now
             chain.stream(now, self.program_state(name, now, diff))
             before = now
 
