@@ -56,10 +56,10 @@ CASES = {
     "leading and trailing newline": ('"""\nA\nB\n[X]""" where len(TOKENS(X)) < 3', "string", {}),
     "blank line before a hole": ('"""Q: What is 2+2?\n\nA:[X]""" where len(TOKENS(X)) < 4\nreturn X', "string", {}),
     # a later hole's condition, evaluated when that hole is generated (item 3)
-    "global where on a list filled between holes": ('argmax\n    opts = []\n    "First:[A]\\n"\n    opts.append(" yes")\n'
+    "global where on a list filled between holes": ('argmax\n    "First:[A]\\n"\n    opts.append(" yes")\n'
                                                     '    opts.append(" no")\n    "Second:[B]"\n    return A, B\n'
                                                     'where len(TOKENS(A)) < 3 and B in opts',
-                                                    "string", {}),
+                                                    "decorated", {"opts": []}),
     # call keywords (items 4, 5)
     "a parameter named model": ('"Describe {description}:[D]" where len(TOKENS(D)) < 3\nreturn description, model, D',
                                 "decorated", {"description": "a cat", "model": "gpt-4"}),

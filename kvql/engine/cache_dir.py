@@ -22,7 +22,7 @@ import time
 import weakref
 from pathlib import Path
 
-from .snapshot import SnapshotError
+from .snapshot import SnapshotError, remove_stale
 
 SNAPSHOT = "kv-cache.safetensors"
 log = logging.getLogger("kvql.cache")
@@ -57,7 +57,11 @@ class CacheDir:
             self._timer.start()
 
     def load(self) -> None:
-        """Load the snapshot, or log one line saying why not and leave the cache empty."""
+        """Load the snapshot, or log one line saying why not and leave the cache empty. Temporary files of
+        saves killed mid-write are removed first (snapshot.remove_stale)."""
+        stale = remove_stale(self.path)
+        if stale:
+            log.warning("removed %d temporary file(s) of interrupted saves next to %s", stale, self.path)
         if not self.path.exists():
             log.info("no cache snapshot at %s: starting with an empty cache", self.path)
             return

@@ -37,4 +37,5 @@ class Persistence:
             if self.scheduler.running:
                 raise RuntimeError(f"load_cache needs an idle engine; {len(self.scheduler.running)} requests are running")
             self.tree.reset()
-            return snapshot.load(self.tree, self.pool, path, self.fingerprint())
+            return snapshot.load(self.tree, self.pool, path, self.fingerprint(),
+                                 int(self.runner.model.config.get_text_config().vocab_size))

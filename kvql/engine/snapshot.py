@@ -37,12 +37,15 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import heapq
 import json
 import os
+import stat
 import struct
 import tempfile
+import time
 import zlib
 from pathlib import Path
 
@@ -113,24 +116,54 @@ def save(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, 
 
 class Pending:
     """A snapshot written under a temporary name; `commit()` makes it durable and puts it at its path
-    (it needs neither tree nor pool: the engine may step meanwhile), `discard()` removes it."""
+    (it needs neither tree nor pool: the engine may step meanwhile), `discard()` removes it. The open
+    temporary file holds an exclusive lock until then: `remove_stale` leaves it alone."""
 
-    def __init__(self, tmp: Path, path: Path, info: dict):
-        self.tmp, self.path, self.info = tmp, path, info
+    def __init__(self, tmp: Path, path: Path, info: dict, file):
+        self.tmp, self.path, self.info, self.file = tmp, path, info, file
 
     def commit(self) -> dict:
         try:
-            with open(self.tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            self.file.flush()
+            os.fsync(self.file.fileno())
             os.replace(self.tmp, self.path)
         except BaseException:
             self.discard()
             raise
+        self.file.close()
         _fsync_dir(self.path.parent)
         return {**self.info, "bytes": self.path.stat().st_size}
 
     def discard(self) -> None:
+        self.file.close()
         self.tmp.unlink(missing_ok=True)
+
+
+STALE_AFTER = 60.0
+"""Seconds since a temporary file last changed before `remove_stale` may take it for a dead save's."""
+
+
+def remove_stale(path: str | os.PathLike) -> int:
+    """Remove the temporary files that saves to `path` killed mid-write left behind (not one a live save
+    holds locked, nor one written to in the last STALE_AFTER seconds); how many were removed."""
+    path, removed = Path(path), 0
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        try:
+            fd = os.open(tmp, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or time.time() - st.st_mtime < STALE_AFTER:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live save: BlockingIOError
+            tmp.unlink()
+            removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def write(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, str],
@@ -169,19 +202,21 @@ def write(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str,
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # one per save
     tmp = Path(tmp)
+    f = open(fd, "wb")
     try:
-        with open(fd, "wb") as f:
-            f.write(header)
-            crc = zlib.crc32(header)
-            for chunk in chunks():
-                f.write(chunk)
-                crc = zlib.crc32(chunk, crc)
-            f.seek(0)
-            f.write(_header(meta, entries, f"{crc:08x}"))  # the same length: only the checksum differs
+        fcntl.flock(fd, fcntl.LOCK_EX)  # until commit or discard: see remove_stale
+        f.write(header)
+        crc = zlib.crc32(header)
+        for chunk in chunks():
+            f.write(chunk)
+            crc = zlib.crc32(chunk, crc)
+        f.seek(0)
+        f.write(_header(meta, entries, f"{crc:08x}"))  # the same length: only the checksum differs
     except BaseException:
+        f.close()
         tmp.unlink(missing_ok=True)
         raise
-    return Pending(tmp, path, {"tokens": n_tokens, "nodes": structure["parent"].numel()})
+    return Pending(tmp, path, {"tokens": n_tokens, "nodes": structure["parent"].numel()}, f)
 
 
 class CacheChanged(RuntimeError):
@@ -238,16 +273,30 @@ def _fsync_dir(directory: Path) -> None:
 
 
 # -- load ----------------------------------------------------------------------------------------
+MAX_HEADER = 4 << 20
+"""Bytes a header may have: its tensor entries take ~100 bytes per layer, its salts at most ~260 each; a
+larger one (up to 256 MiB in the format) would cost many times its size in memory to parse."""
+
+
 def read_header(path: str | os.PathLike) -> tuple[dict, bytes]:
-    """The parsed header and its raw bytes (length prefix included) with the checksum zeroed."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    """The parsed header and its raw bytes (length prefix included) with the checksum zeroed. Only a
+    regular file is read (a FIFO or device at the path is refused without blocking on it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise SnapshotError(f"cannot be opened ({e.strerror})") from None
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SnapshotError("not a regular file")
         prefix = f.read(8)
         if len(prefix) < 8:
             raise SnapshotError("truncated (no header)")
         (n,) = struct.unpack("<Q", prefix)
-        if n > min(size - 8, 1 << 28):
+        if n > st.st_size - 8:
             raise SnapshotError("truncated or corrupt (header length)")
+        if n > MAX_HEADER:
+            raise SnapshotError(f"corrupt (a {n:,}-byte header; a snapshot's is at most {MAX_HEADER:,})")
         raw = f.read(n)
     try:
         info = json.loads(raw)
@@ -279,9 +328,11 @@ def check_fingerprint(info: dict, fp: dict[str, str]) -> None:
         raise SnapshotError("saved for " + ", ".join(what.get(k, f"another {k}") for k in differ))
 
 
-def load(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, str]) -> dict:
+def load(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, str], vocab_size: int) -> dict:
     """Rebuild the saved tree into the empty `tree`; `{"tokens", "nodes", "dropped"}` (tokens that
-    did not fit in the pool's free slots). SnapshotError (nothing changed) if the file cannot be used."""
+    did not fit in the pool's free slots). SnapshotError (nothing changed, no slot taken) if the file
+    cannot be used: every field is checked (types, shapes, token ids below `vocab_size`, the tree)
+    before a slot is allocated."""
     from safetensors import safe_open
 
     assert tree.total_tokens == 0, "load into an empty tree"
@@ -296,9 +347,15 @@ def load(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, 
     if set(names) != expected or set(names[:len(_STRUCTURE)]) != set(_STRUCTURE):
         raise SnapshotError("corrupt (tensor names)")
     try:
+        _check_entries(info, pool)
+    except (AttributeError, TypeError, KeyError, IndexError):
+        raise SnapshotError("corrupt (tensor entries)") from None
+    try:
         salts = json.loads(info["__metadata__"]["salts"])
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, TypeError):
         raise SnapshotError("corrupt (salts)") from None
+    if not isinstance(salts, list):
+        raise SnapshotError("corrupt (salts)")
     crc = zlib.crc32(header)
     dest = None
     try:
@@ -307,7 +364,7 @@ def load(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, 
             for name in names[:len(_STRUCTURE)]:
                 structure[name] = t = f.get_tensor(name)
                 crc = zlib.crc32(_bytes(t), crc)
-            plan = _plan(structure, salts, pool.num_free)
+            plan = _plan(structure, salts, pool.num_free, vocab_size)
             dest = pool.alloc(plan.kept_tokens)
             keep = plan.keep_index.to(pool.device)
             for name in names[len(_STRUCTURE):]:
@@ -333,6 +390,23 @@ def load(tree: RadixCache, pool: KVPool, path: str | os.PathLike, fp: dict[str, 
     return {"tokens": plan.kept_tokens, "nodes": plan.kept_nodes, "dropped": plan.total - plan.kept_tokens}
 
 
+def _check_entries(info: dict, pool: KVPool) -> None:
+    """Every tensor's type and shape as `write` makes them, read from the header alone."""
+    layers, kv_heads, _, head_dim = pool.k.shape
+    shape = lambda name: info[name].get("shape")  # noqa: E731
+    for name in _STRUCTURE:
+        s = shape(name)
+        if info[name].get("dtype") != "I64" or not (isinstance(s, list) and len(s) == 1):
+            raise SnapshotError(f"corrupt (type of {name})")
+    n = shape("parent")[0]
+    if any(shape(k) != [n] for k in _STRUCTURE[1:]):
+        raise SnapshotError("corrupt (tree arrays)")
+    kv = [kv_heads, shape("tokens")[0], head_dim]
+    for name in (f"{x}.{i}" for i in range(layers) for x in "kv"):
+        if info[name].get("dtype") != _DTYPES[pool.k.dtype] or shape(name) != kv:
+            raise SnapshotError(f"corrupt (type or shape of {name})")
+
+
 def _give_back(pool: KVPool, dest: torch.Tensor | None) -> None:
     if dest is not None:
         pool.free(dest)
@@ -353,12 +427,13 @@ class _Plan:
         self.keep_index = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
-def _plan(structure: dict[str, torch.Tensor], salts: list, free: int) -> _Plan:
+def _plan(structure: dict[str, torch.Tensor], salts: list, free: int, vocab_size: int) -> _Plan:
     """Check the saved tree's shape, then choose what fits in `free` slots: LRU leaves dropped first."""
-    try:
-        tokens, parent, length, salt, rank = (structure[k].tolist() for k in _STRUCTURE)
-    except Exception:
-        raise SnapshotError("corrupt (tree arrays)") from None
+    if any(t.dtype != torch.int64 or t.dim() != 1 for t in structure.values()):
+        raise SnapshotError("corrupt (tree arrays)")
+    tokens, parent, length, salt, rank = (structure[k].tolist() for k in _STRUCTURE)
+    if tokens and not (0 <= min(tokens) and max(tokens) < vocab_size):
+        raise SnapshotError(f"corrupt (token ids outside the vocabulary [0, {vocab_size}))")
     n = len(parent)
     if not (len(length) == len(salt) == len(rank) == n and sum(length) == len(tokens)
             and all(x >= 1 for x in length) and sorted(rank) == list(range(n))
