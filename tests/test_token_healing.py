@@ -305,3 +305,18 @@ argmax
     (own,) = tok.encode(" " + healed)
     assert t_healed.tokens[-1].id == own and t_healed.tokens[-1].hole == "YN"  # the model's own " yes" token
     assert t_healed.tokens[-2].text == ":"
+
+
+@pytest.mark.parametrize("heal", [False, True])
+def test_a_choice_that_is_a_special_tokens_text_is_refused_before_generating(make_model, heal):
+    # llguidance matches such a choice with the special token itself; the end-of-sequence token then ends the
+    # output without text, a value that is none of the choices (issue 25)
+    m = make_model()
+    before = m.stats()["generated_tokens"]
+    for choices in (["<eos>"], [" yes", "say <eos> now"]):
+        with pytest.raises(ValueError, match="special token '<eos>'"):
+            m.generate(["Answer: "], choices=choices, heal=heal, max_tokens=8)
+    assert m.stats()["generated_tokens"] == before
+    c = m.generate(["Answer: "], choices=[" yes", " no"], heal=heal, max_tokens=8)[0]
+    assert c.text in (" yes", " no")
+    m.check_integrity()

@@ -84,6 +84,21 @@ class _TokenizerState:
                 self.compiled.popitem(last=False)
 
 
+def check_choices(tokenizer, options) -> None:
+    """ValueError / TypeError for choices no output can be: none, not strings, or holding a special token's
+    text (llguidance would match it with the special token itself, and an end-of-sequence token ends the
+    output without its text: the value would be one that is none of the choices)."""
+    if not options:
+        raise ValueError("choices needs at least one option")
+    if not all(isinstance(o, str) for o in options):
+        raise TypeError(f"choices must be strings, got {list(options)!r}")
+    for o in options:
+        hit = next((t for t in tokenizer.all_special_tokens if t and t in o), None)
+        if hit is not None:
+            raise ValueError(f"choice {o!r} holds the text of the special token {hit!r}: a model writes special "
+                             "tokens only as tokens, never as text, so no output can be this choice")
+
+
 def _ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
     """llguidance's view of a Hugging Face fast tokenizer, built once per tokenizer object (~0.5 s for
     a 49k vocabulary)."""
@@ -209,10 +224,7 @@ class Grammar:
     @classmethod
     def choices(cls, tokenizer, options: list[str]) -> Grammar:
         """The output is exactly one of `options`, however the model tokenizes it."""
-        if not options:
-            raise ValueError("choices needs at least one option")
-        if not all(isinstance(o, str) for o in options):
-            raise TypeError(f"choices must be strings, got {list(options)!r}")
+        check_choices(tokenizer, options)
         lark = "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
         _check_size(lark, "the choices")
         return cls(tokenizer, lambda: llguidance.LLMatcher.grammar_from_lark(lark), f"choices {list(options)!r}")

@@ -34,7 +34,7 @@ import weakref
 import llguidance
 import torch
 
-from .grammar import _ll_tokenizer
+from .grammar import _ll_tokenizer, check_choices
 from . import masks
 
 MAX_TOKENS = 8
@@ -97,6 +97,7 @@ class Healer:
 def canonical_choices(tokenizer, choices) -> str:
     """A Lark grammar admitting each of `choices` in its canonical tokenization only (the ids the tokenizer
     gives it; by its text where those ids do not spell it back)."""
+    check_choices(tokenizer, choices)
     alternatives = []
     for c in choices:
         ids = tokenizer.encode(c, add_special_tokens=False)
