@@ -26,8 +26,13 @@ Contract:
 - `load(tree, pool, path, fp)` rebuilds the tree into an empty `tree`, taking slots from the pool's
   free list, or raises `SnapshotError` (a one-line reason) and leaves tree and pool as they were:
   another fingerprint (model, dtype, device, tokenizer, format), a truncated or corrupted file (the
-  checksum covers every byte but the checksum itself), or an inconsistent tree. Nothing is written
-  to the tree before the whole file is read and verified.
+  checksum covers every byte but the checksum itself), an inconsistent tree, a field of another type
+  or shape than `write` makes (checked from the header before a slot is allocated), token ids outside
+  the vocabulary, a header over MAX_HEADER, or a path that is no regular file (opened without blocking:
+  a FIFO there fails at once). Nothing is written to the tree before the whole file is read and verified.
+- A save holds an exclusive lock on its temporary file until `commit` / `discard`; `remove_stale` (at
+  start, cache_dir.py) deletes temporaries of saves that were killed: unlocked and unchanged for
+  STALE_AFTER seconds, so another process saving into the same directory is left alone.
 - Budget: when the snapshot holds more tokens than the pool has free slots, the least recently used
   leaves are dropped first (the last one cut to fit), as `RadixCache.evict` would have: what is kept
   is the most recently used part and still a tree (a node is dropped only with all its children).
