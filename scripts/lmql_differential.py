@@ -66,7 +66,7 @@ CASES = {
     "an unknown runtime keyword (stop=None)": ('"Q: {question} A:[A]" where len(TOKENS(A)) < 3\nreturn A',
                                                "decorated+stop", {"question": "Why?"}),
     # clause keywords by position (item 6)
-    "where less indented than the decoder": ('    argmax\n        "Hello[X]"\nwhere len(TOKENS(X)) < 3\nreturn X', "decorated", {}),
+    "where less indented than the decoder": ('    argmax\n        "Hello[X]"\nwhere len(TOKENS(X)) < 3', "decorated", {}),
     # decorators: order of calls, streamed values and their diffs (item 7)
     "decorator call order": ('log = []\n@lmql.decorators.pre\ndef a(v):\n    log.append("pre a")\n    return v\n'
                              'def b(v):\n    log.append("post b")\n    return v\n'
