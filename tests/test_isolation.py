@@ -289,3 +289,17 @@ def test_a_callback_raising_system_exit_fails_only_its_request(make_model, llama
         assert c.token_ids == reference_greedy(llama, p, 8, tokenizer.eos_token_id)
     assert m.generate(["hello"], max_tokens=2)[0].token_ids  # the engine thread is alive
     m.check_integrity()
+
+
+def test_cache_salt_is_validated_as_the_server_validates_it(make_model):
+    # one rule for Python and HTTP (kvql.server.protocol refuses the same with a 400): 1 to 256 characters
+    from kvql.server.protocol import CompletionRequest
+
+    m = make_model()
+    for bad in ("", "s" * 257):
+        with pytest.raises(ValueError, match="cache_salt must have 1 to 256 characters"):
+            m.generate([[5, 6]], max_tokens=1, cache_salt=bad)
+        with pytest.raises(ValueError):
+            CompletionRequest(model="m", prompt="hi", cache_salt=bad)
+    assert m.generate([[5, 6]], max_tokens=1, cache_salt="s" * 256)[0].token_ids
+    m.check_integrity()

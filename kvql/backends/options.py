@@ -17,6 +17,9 @@ from typing import Callable
 
 from .base import CONSTRAINTS  # at most one per request
 
+CACHE_SALT_MAX = 256
+"""The longest `cache_salt` (characters), in Python as over HTTP (kvql.server.protocol)."""
+
 
 @dataclass(frozen=True)
 class GenerateOptions:
@@ -64,6 +67,8 @@ class GenerateOptions:
             raise ValueError(f"grammar_prefix must be an integer >= 0, got {o.grammar_prefix!r}")
         if o.cache_salt is not None and not isinstance(o.cache_salt, str):
             raise TypeError(f"cache_salt must be a string, got {type(o.cache_salt).__name__}")
+        if o.cache_salt is not None and not 1 <= len(o.cache_salt) <= CACHE_SALT_MAX:
+            raise ValueError(f"cache_salt must have 1 to {CACHE_SALT_MAX} characters, got {len(o.cache_salt)}")
         return o, {k: v for k, v in options.items() if k in extra}
 
     @property

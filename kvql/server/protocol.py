@@ -45,6 +45,8 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..backends.options import CACHE_SALT_MAX
+
 # Containers (objects, arrays) nested deeper than this are refused. Python's json parser and the
 # grammar compiler recurse; a limit far below theirs keeps them from failing (RecursionError) or
 # crashing. Real JSON schemas nest a few levels; a schema of ~30 nested objects fits.
@@ -115,7 +117,7 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, not used
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # vLLM's name: a cache partition
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=CACHE_SALT_MAX)  # vLLM's name: a cache partition
     structured_outputs: StructuredOutputs | None = None
     regex: str | None = None
     json_schema: dict | str | None = None
