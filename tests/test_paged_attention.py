@@ -119,3 +119,24 @@ def test_a_thread_that_ends_frees_its_scratch():
     finally:
         torch.set_num_threads(threads)
     assert rss_mib() - before < 40  # leaking: 20 threads x 2 x ~5 MiB
+
+
+def test_a_truncated_cached_library_is_built_again_not_loaded(tmp_path):
+    # loading a truncated .so maps it and dies with SIGBUS at the first call (issue 25): each build records
+    # the library's size and checksum, and a library that no longer matches them is rebuilt, with a warning
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVQL_CACHE_DIR": str(tmp_path)}
+    script = ("import warnings, torch\nfrom kvql.engine.kernels import build\n"
+              "with warnings.catch_warnings(record=True) as w:\n"
+              "    warnings.simplefilter('always')\n"
+              "    lib = build.load('fused_ops')\n"
+              "print('warned' if any('damaged' in str(x.message) for x in w) else 'quiet')\n")
+    first = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0 and first.stdout.strip() == "quiet", first.stderr[-2000:]
+    (lib,) = (tmp_path / "kernels").glob("fused_ops-*.so")
+    lib.write_bytes(lib.read_bytes()[:lib.stat().st_size // 3])
+    second = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0 and second.stdout.strip() == "warned", second.stderr[-2000:]
+    assert (lib.with_suffix(".sha256")).read_text().split()[0] == str(lib.stat().st_size)

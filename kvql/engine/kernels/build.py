@@ -4,7 +4,9 @@ loaded with ctypes.
 `load(name, flags)` compiles `<name>.c` (with the headers beside it) into `$KVQL_CACHE_DIR/kernels`
 (default `~/.cache/kvql/kernels`, `$XDG_CACHE_HOME` honoured), keyed by the sources, the compiler, the flags and the CPU's feature flags
 (a library is built for the native instruction set), and loads it. Builds are atomic (`os.replace`), so
-concurrent processes each install a whole library. Raises when there is no compiler or the build fails:
+concurrent processes each install a whole library. Each build records the library's size and SHA-256
+beside it; a library that no longer matches (truncated, overwritten) is built again, with a warning,
+instead of being loaded. Raises when there is no compiler or the build fails:
 callers fall back to torch ops then. OpenMP: the libraries share torch's runtime (the same
 `libgomp.so.1`).
 """
@@ -53,6 +55,14 @@ def load(name: str, flags: list[str] | None = None) -> ctypes.CDLL:
     key = hashlib.sha256(text + " ".join([cc, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     cache = cache_dir()
     path = cache / f"{name}-{key}.so"
+    stamp = path.with_suffix(".sha256")
+    if path.exists() and not _intact(path, stamp):
+        # a truncated library would be mapped and crash the process (SIGBUS) at its first call; one without
+        # a record is an older kvql's build: built again without a word
+        if stamp.exists():
+            warnings.warn(f"kvql: the cached kernel library {path} is damaged (its size or checksum is not its "
+                          "build's); building it again")
+        path.unlink(missing_ok=True)
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
@@ -61,11 +71,29 @@ def load(name: str, flags: list[str] | None = None) -> ctypes.CDLL:
             done = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+            record = _record(Path(tmp))
             os.replace(tmp, path)
+            fd, tmp_stamp = tempfile.mkstemp(suffix=".sha256", dir=cache)
+            with open(fd, "w") as f:
+                f.write(record)
+            os.replace(tmp_stamp, stamp)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return ctypes.CDLL(str(path))
+
+
+def _record(path: Path) -> str:
+    """A library's size and SHA-256, as its build wrote it (`<name>.sha256` beside it)."""
+    data = path.read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+
+
+def _intact(path: Path, stamp: Path) -> bool:
+    try:
+        return stamp.read_text() == _record(path)
+    except OSError:
+        return False
 
 
 I64, F32, I32, PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p  # for signature tables
