@@ -271,3 +271,12 @@ def test_a_constraint_text_is_compiled_once_per_tokenizer(tokenizer, monkeypatch
         with pytest.raises(ValueError, match="unclosed group"):
             Grammar.regex(tokenizer, "(cached-error")
     assert len(checks) == 2
+
+
+@pytest.mark.parametrize("constraint", [{"regex": "ab"}, {"choices": ["yes", "no"]}, {"grammar": 'start: "x" "y"'}])
+def test_ignore_eos_under_a_constraint_ends_at_the_grammars_end(make_model, constraint):
+    # it used to generate the whole value, then fail: "grammar error after 2 generated tokens: parser stopped"
+    m = make_model()
+    (c,) = m.generate([[5, 6, 7]], max_tokens=12, ignore_eos=True, **constraint)
+    assert c.finish_reason == "stop" and c.text in ("ab", "yes", "no", "xy")
+    m.check_integrity()

@@ -28,7 +28,8 @@ the checks every backend shares are written once, in `kvql.backends.options.Gene
     the point where the function first said True), temperature=0.0, top_p=1.0, top_k=0,
     repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, n=1, seed=None,
     logprobs=None (the k most likely tokens at each step, by id), masked_logprobs=False (log-probabilities
-    of the constrained distribution), ignore_eos=False, cache_salt=None; at most one constraint:
+    of the constrained distribution), ignore_eos=False (end-of-sequence tokens do not end the output; under
+    a constraint its grammar's end still does, as in vLLM), cache_salt=None; at most one constraint:
     regex, choices, json_schema, grammar (Lark, llguidance dialect: `&` and `~` allowed); and
     grammar_prefix=0: the constraint's value began that many tokens before the end of the prompt (the
     last `grammar_prefix` prompt tokens are the start of the constrained value; beam search uses it);

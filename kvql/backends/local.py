@@ -171,7 +171,9 @@ class LocalBackend(Backend):
                                 top_k=o.top_k, repetition_penalty=float(o.repetition_penalty),
                                 frequency_penalty=float(o.frequency_penalty), presence_penalty=float(o.presence_penalty),
                                 n=o.n, seed=o.seed, stop=o.stop, stop_after=o.min_tokens, logprobs=o.logprobs, mask=mask,
-                                stop_fn=o.stop_fn, masked_logprobs=o.masked_logprobs, ignore_eos=o.ignore_eos,
+                                stop_fn=o.stop_fn, masked_logprobs=o.masked_logprobs,
+                                # a constraint allows EOS only where its grammar may end: there the output ends
+                                ignore_eos=o.ignore_eos and o.constraint is None,
                                 prompt_logprobs=extra.get("prompt_logprobs"))
         params.validate()
         if o.heal:
