@@ -309,3 +309,17 @@ def test_sampling_fields_of_vllm_reach_the_engine(client, served):
                                     frequency_penalty=0.5, presence_penalty=0.3,
                                     extra_body={"repetition_penalty": 1.5})
     assert out.choices[0].text == served[1].generate(["Once upon"], **kw)[0].text
+
+
+def test_completion_top_logprobs_keep_alternatives_whose_text_collides():
+    # two ids that decode to the same text (e.g. two halves of a character, both "\ufffd") were one entry
+    from kvql.completion import TokenLogprob
+    from kvql.server.logprobs import completion_logprobs
+
+    class Same:
+        def __call__(self, token_id):
+            return {7: "a", 8: "\ufffd", 9: "\ufffd", 10: "a"}[token_id]
+
+    entry = TokenLogprob(7, -0.1, {7: -0.1, 8: -1.0, 9: -2.0, 10: -3.0})
+    top = completion_logprobs(Same(), [7], [entry], k=4)["top_logprobs"][0]
+    assert top == {"a": -0.1, "\ufffd": -1.0, "token_id:9": -2.0, "token_id:10": -3.0}

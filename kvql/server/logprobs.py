@@ -3,7 +3,8 @@
 
 - completions `logprobs`: `{"text_offset": [int], "tokens": [str], "token_logprobs": [float | None],
   "top_logprobs": [{token: float} | None]}`; each step's `top_logprobs` holds the chosen token and
-  the `k` most likely ones (so k or k + 1 entries); a step without logprobs (the first prompt token,
+  the `k` most likely ones (so k or k + 1 entries; an id whose text another entry already has is
+  spelled `"token_id:{id}"`, so no entry is lost); a step without logprobs (the first prompt token,
   when echoed) has `None` for both.
 - chat `logprobs`: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
   "bytes"}]}]}` with the `k` most likely tokens.
@@ -52,9 +53,13 @@ def completion_logprobs(spell: Spelling, token_ids: list[int], entries: list[Tok
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(_lp(e.logprob))
-        top = {spell(token_id): _lp(e.logprob)}  # the chosen token first, then the k best
+        top, owner = {token: _lp(e.logprob)}, {token: token_id}  # the chosen token first, then the k best
         for t, lp in _best(e.top, k):
-            top.setdefault(spell(t), _lp(lp))
+            key = spell(t)
+            if owner.setdefault(key, t) != t:  # another id with the same text: spelled by its id, not lost
+                key = f"token_id:{t}"
+                owner[key] = t
+            top.setdefault(key, _lp(lp))
         out["top_logprobs"].append(top)
     return out
 
