@@ -154,13 +154,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir, port, *options, budget: str = "4MB"):
+def start_server(model_dir, port, *options, budget: str = "4MB", preexec_fn=None):
     """A `kvql serve` subprocess for `model_dir` on `port` (float32, kvql's exact mode, unless `options` say
-    otherwise), once its /health answers."""
+    otherwise), once its /health answers; `preexec_fn` runs in the child before it starts (limits)."""
     proc = subprocess.Popen([sys.executable, "-m", "kvql.cli", "serve", "--model", str(model_dir), "--port",
                              str(port), "--cache-budget", budget, "--log-level", "warning", "--dtype", "float32",
                              *options],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
     if wait_healthy(proc, port):
         return proc
     proc.kill()

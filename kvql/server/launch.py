@@ -47,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="info: an access line per request and a throughput line every 10 s while busy")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, how long in-flight requests may finish before they are cancelled")
+    p.add_argument("--header-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="close a connection that has not sent a whole request head this long after it opened or "
+                        "after its last response (slow or idle clients)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open connections at most (default: the open-file limit, raised to its hard limit, less "
+                        "64); at the cap a new connection closes the longest-idle one, and requests past it get 503")
     p.add_argument("--api-key", action="append", metavar="KEY",
                    help="require Authorization: Bearer KEY on all but /health (repeatable: any of them)")
     p.add_argument("--salt-per-key", action="store_true",
@@ -69,6 +75,10 @@ def serve(args) -> None:
     template = _chat_template(args.chat_template)
     if args.max_model_len is not None and args.max_model_len < 2:
         _fail(f"--max-model-len must be at least 2, got {args.max_model_len}")
+    if not args.header_timeout > 0:
+        _fail(f"--header-timeout must be a number of seconds > 0, got {args.header_timeout}")
+    if args.max_connections is not None and args.max_connections < 1:
+        _fail(f"--max-connections must be at least 1, got {args.max_connections}")
     listener = _log_to_stderr(args.log_level)
     try:
         _serve(args, sock, template)
@@ -87,6 +97,7 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     import kvql
     from ..backends.dtype import name, resolve
     from ..factory import size_text
+    from . import connections
     from .app import create_app
 
     dtype = resolve(args.dtype, args.device)
@@ -135,9 +146,15 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
                 timer.cancel()
 
     quiet = args.log_level not in ("debug",)
+    connections.raise_fd_limit()
+    cap = connections.connection_cap(args.max_connections)
+    connections.quiet_accept_errors()
     print(f"kvql serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
     Server(uvicorn.Config(app, log_level="warning" if quiet else args.log_level, access_log=False,
-                          timeout_graceful_shutdown=grace + 10)).run(sockets=[sock])
+                          # uvicorn's 503 when open connections (or requests) pass this: all of them busy, as
+                          # the protocol closes idle ones at the cap; the margin covers closes still under way
+                          timeout_graceful_shutdown=grace + 10, limit_concurrency=cap + connections.MARGIN,
+                          http=connections.protocol(args.header_timeout, cap))).run(sockets=[sock])
 
 
 def _fail(message: str):
