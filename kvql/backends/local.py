@@ -147,6 +147,15 @@ class LocalBackend(Backend):
             raise ValueError(f"cache_budget too small: prompt {i} needs {need} tokens of KV "
                              f"({need * per} bytes) but the budget holds {slots} tokens ({slots * per} bytes)")
 
+    def _grammar_end(self, o):
+        """The request's stop_fn; with `ignore_eos` under a constraint, one that also ends the output at an
+        end-of-sequence token (kept in it): the grammar allows one only at its end, after which it takes
+        no token (as vLLM ends a request whose grammar is terminated)."""
+        if not (o.ignore_eos and o.constraint is not None):
+            return o.stop_fn
+        eos, user = set(self.eos_ids), o.stop_fn
+        return lambda ids, text: (bool(ids) and ids[-1] in eos) or (user is not None and user(ids, text))
+
     def _prepare(self, prompts, **options):
         """Check every option and compile the constraint; nothing is queued yet. -> (ids, params, salt);
         with `heal`, params is a list (one per prompt: each backs up its own tokens)."""
@@ -171,9 +180,7 @@ class LocalBackend(Backend):
                                 top_k=o.top_k, repetition_penalty=float(o.repetition_penalty),
                                 frequency_penalty=float(o.frequency_penalty), presence_penalty=float(o.presence_penalty),
                                 n=o.n, seed=o.seed, stop=o.stop, stop_after=o.min_tokens, logprobs=o.logprobs, mask=mask,
-                                stop_fn=o.stop_fn, masked_logprobs=o.masked_logprobs,
-                                # a constraint allows EOS only where its grammar may end: there the output ends
-                                ignore_eos=o.ignore_eos and o.constraint is None,
+                                stop_fn=self._grammar_end(o), masked_logprobs=o.masked_logprobs, ignore_eos=o.ignore_eos,
                                 prompt_logprobs=extra.get("prompt_logprobs"))
         params.validate()
         if o.heal:
