@@ -54,9 +54,10 @@ def protocol(header_timeout: float, max_connections: int):
     class Protocol(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            if len(self.connections) > max_connections and waiting:
-                oldest = next(iter(waiting))
-                oldest._close_idle()
+            if len(self.connections) > max_connections:
+                oldest = next((c for c in waiting if c.conn.their_state is h11.IDLE), None)
+                if oldest is not None:
+                    oldest._close_idle()
             self._wait()
 
         def _wait(self) -> None:
@@ -80,7 +81,7 @@ def protocol(header_timeout: float, max_connections: int):
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:  # not a pipelined next one
                 self._wait()
 
         def connection_lost(self, exc) -> None:
