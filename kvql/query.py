@@ -163,9 +163,10 @@ class Query(Program):
         `output_writer`, `certificate` and decoder options otherwise are options, and so is any other
         keyword of a query with parameters (ignored with a warning, as LMQL's backends ignore it)."""
         reads = set(self.signature.parameters) if self.signature else set(self._free_names(()))
+        any_keyword_is_option = bool(reads) and self.signature is not None  # a query with parameters
         inputs, options = {}, {}
         for k, v in kwargs.items():
-            is_option = k in _RUN_OPTIONS or k in DECODER_OPTIONS or bool(self.signature and self.signature.parameters)
+            is_option = any_keyword_is_option or k in _RUN_OPTIONS or k in DECODER_OPTIONS
             (options if is_option and k not in reads else inputs)[k] = v
         return inputs, options
 

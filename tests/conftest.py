@@ -180,12 +180,17 @@ def wait_healthy(proc, port: int) -> bool:
     return False
 
 
+def save_model(directory, hf_model, tokenizer):
+    """`hf_model` and `tokenizer` written to `directory` as a model directory kvql loads; the directory."""
+    hf_model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="session")
 def served_llama(tmp_path_factory, llama, tokenizer):
     """One `kvql serve` subprocess serving the tiny Llama for the whole session: its /v1 URL."""
-    model_dir = tmp_path_factory.mktemp("served") / "model"
-    llama.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = save_model(tmp_path_factory.mktemp("served") / "model", llama, tokenizer)
     port = free_port()
     proc = start_server(model_dir, port, budget="32MB")
     yield f"http://127.0.0.1:{port}/v1"

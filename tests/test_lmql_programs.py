@@ -337,3 +337,10 @@ def test_a_hole_without_a_token_bound_that_ate_max_len_is_named_by_the_next_hole
         lmql.run_sync(src, max_len=16)
     message = str(info.value)
     assert "before [M]" in message and "hole N used it up" in message and "len(TOKENS(N))" in message
+
+
+def test_lmqls_context_inside_a_query_reads_the_run_so_far(m):
+    r = lmql.run_sync('"A:[A]" where len(TOKENS(A)) < 2\n'
+                      'return context.prompt, context.num_calls, await context.get_var("A"), await context.get_all_vars()')
+    prompt, calls, a, everything = r
+    assert prompt == "A:" + a and calls == 1 and everything == {"A": a}

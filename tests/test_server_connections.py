@@ -9,16 +9,14 @@ import socket
 import httpx
 import pytest
 
-from conftest import free_port, start_server
+from conftest import free_port, save_model, start_server
 
 LIMIT = 256  # the child's open-file limit, soft and hard: a `ulimit -n` it cannot raise
 
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory, llama, tokenizer):
-    model_dir = tmp_path_factory.mktemp("limited") / "model"
-    llama.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = save_model(tmp_path_factory.mktemp("limited") / "model", llama, tokenizer)
     port = free_port()
     proc = start_server(model_dir, port, "--header-timeout", "3",
                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (LIMIT, LIMIT)))

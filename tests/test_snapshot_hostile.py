@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import random_prompts
+from conftest import random_prompts, save_model
 from kvql.engine import snapshot
 from kvql.engine.cache_dir import SNAPSHOT
 
@@ -120,9 +120,7 @@ def test_a_directory_at_the_snapshot_path_starts_cold(make_model, tmp_path, capl
 
 
 def test_a_killed_save_leaves_a_temporary_file_that_the_next_start_removes(make_model, llama, tmp_path, caplog):
-    model_dir = tmp_path / "model"
-    llama.save_pretrained(model_dir)
-    make_model().tokenizer.save_pretrained(model_dir)
+    model_dir = save_model(tmp_path / "model", llama, make_model().tokenizer)
     cache = tmp_path / "cache"
     script = ("import kvql, sys\n"
               f"m = kvql.model({str(model_dir)!r}, dtype='float32', cache_dir={str(cache)!r}, cache_save_interval=0)\n"

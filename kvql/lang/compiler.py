@@ -156,9 +156,10 @@ def _compile(source: str, params: list[str] | None, name: str) -> CompiledQuery:
         lines[st.first - 1:st.last] = [statement_code(st, conjunction(items) if items else None)] + \
             [""] * (st.last - st.first)
     query_body = _parse_at("\n".join(lines), body.line, source, body.col)
-    returns = any(isinstance(n, ast.Return) for n in _walk_own(query_body))
-    for node in _walk_own(query_body):
-        if isinstance(node, ast.Return) and node.value is None:
+    own_returns = [n for n in _walk_own(query_body) if isinstance(n, ast.Return)]
+    returns = bool(own_returns)
+    for node in own_returns:
+        if node.value is None:
             # a bare `return` ends the query with its result object, as the end of the body does (LMQL)
             node.value = ast.Await(ast.Call(ast.Attribute(ast.Name("__ctx", ast.Load()), "finish", ast.Load()), [], []))
 

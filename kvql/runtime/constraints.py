@@ -31,7 +31,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-from .errors import ConstraintError, InvalidCondition
+from .errors import ConstraintError
 from .json_types import type_name, type_schema
 
 INT_REGEX = r" ?-?[0-9]+"

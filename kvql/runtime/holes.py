@@ -124,11 +124,8 @@ class Holes:
         self._hole_log.append(TraceHole(name, str(value), where_text(constraint, name, plan), len(tokens),
                                         time.perf_counter() - started, self._forced[1]))
         checked = plan.constrained(full, guard)
-        if plan.stop_index(full, guard) is None or plan.check(checked) == "no":
-            # a stop phrase ends the value wherever it appears, also inside a value its grammar would have
-            # continued (LMQL's rule: `STOPS_BEFORE(X, "b") and X == "abc"` gives "a")
-            self._check_value(name, plan, value, checked,
-                              lambda: self._why_cut(name, plan, full, guard, tokens, max_tokens, bound))
+        self._check_value(name, plan, value, checked, plan.stop_index(full, guard) is not None,
+                          lambda: self._why_cut(tokens, max_tokens, bound))
         if plan.min_tokens and (tokens or not full) and len(tokens) < plan.min_tokens:
             # a server lets a complete grammar end the value before min_tokens (vLLM's rule); kvql's engine
             # would have found no token to continue with
@@ -188,12 +185,14 @@ class Holes:
                                         f"characters; the {tokens_text(max_tokens)} that {bound} hold at most {room}")
 
     @staticmethod
-    def _check_value(name: str, plan: HolePlan, value: str, checked: str, why_cut) -> None:
+    def _check_value(name: str, plan: HolePlan, value: str, checked: str, stopped: bool, why_cut) -> None:
         """Raise UnmetConstraint unless the generated text behind `value` (`checked`, see
-        `HolePlan.constrained`) meets every condition of the hole's grammar; `why_cut()` says what
-        ended an incomplete value (the token cap, max_len, a stop phrase)."""
+        `HolePlan.constrained`) meets every condition of the hole's grammar, or is a prefix of a value
+        that does and a stop phrase ended it (`stopped`): a stop phrase ends the value wherever it
+        appears, also inside a value its grammar would have continued (LMQL's rule: `STOPS_BEFORE(X, "b")
+        and X == "abc"` gives "a"). `why_cut()` says what ended an incomplete value (the token cap, max_len)."""
         state = plan.check(checked)
-        if state == "complete":
+        if state == "complete" or (stopped and state != "no"):
             return
         if state == "no":  # the local mask only allows prefixes: a server that ignored the regex sent this
             raise UnmetConstraint(name, f"the value {value!r} does not satisfy its constraint ({plan.describe()})",
@@ -201,10 +200,8 @@ class Holes:
         raise UnmetConstraint(name, f"the value {value!r} is incomplete: its constraint ({plan.describe()}) "
                                     f"{why_cut()}", value)
 
-    def _why_cut(self, name, plan, full, guard, tokens, max_tokens, bound) -> str:
-        hit = plan.stop_index(full, guard)
-        if hit is not None:
-            return f"was cut short by {stop_name(name, hit[1])}"
+    @staticmethod
+    def _why_cut(tokens, max_tokens, bound) -> str:
         if len(tokens) >= max_tokens:
             return f"needs more than the {tokens_text(max_tokens)} that {bound}"
         return "was ended by the model"

@@ -12,27 +12,22 @@ from __future__ import annotations
 from .trace import TraceToken
 
 
-def with_bos(tokenizer, ids: list[int]) -> list[int]:
-    """`ids` as LMQL sends a prompt: starting with the tokenizer's BOS token when it has one (LMQL 0.7.3's
-    model client prepends it unless it is there; SmolLM2's tokenizer, for one, adds none itself).
-    Measured against LMQL on the same weights: without it greedy answers differ."""
-    bos = tokenizer.bos_token_id
-    return ids if bos is None or ids[:1] == [bos] else [bos] + ids
-
-
 class Prompt:
     def __init__(self, tokenizer, ids: list[int] | None = None, text: str = ""):
         self.tokenizer = tokenizer
         self.text = text  # what the model sees (role tags rendered by its chat template)
         self._pending: list[str] = []  # model text not tokenized yet
-        self._bos_pending = False  # the first tokens decide whether BOS goes first (see `with_bos`)
+        # A prompt starts with the tokenizer's BOS token when it has one, as LMQL 0.7.3's model client sends it
+        # (SmolLM2's tokenizer adds none itself; measured on the same weights: without it greedy answers
+        # differ); the first tokens decide, so a prompt that starts with BOS (a chat template's
+        # <|im_start|>) gets no second one.
+        self._bos_pending = False
         if tokenizer is None:
             self.ids = None
         elif ids is not None:
             self.ids = list(ids)
         else:
             self.ids = tokenizer("", add_special_tokens=True).input_ids
-            # a prompt that starts with BOS itself (a chat template's <|im_start|>) gets no second one
             self._bos_pending = not self.ids and tokenizer.bos_token_id is not None
         n = len(self.ids or ())
         self.served: list[str | None] = [None] * n  # "cached" | "computed" | None (never sent)
@@ -84,7 +79,8 @@ class Prompt:
     def _extend(self, token_ids: list[int], hole: str | None) -> None:
         if self._bos_pending and token_ids:
             self._bos_pending = False
-            self._extend(with_bos(self.tokenizer, token_ids)[:-len(token_ids)], None)
+            if token_ids[0] != self.tokenizer.bos_token_id:
+                self._extend([self.tokenizer.bos_token_id], None)
         self.ids += token_ids
         self.served += [None] * len(token_ids)
         self.hole_of += [hole] * len(token_ids)
