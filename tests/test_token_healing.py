@@ -320,3 +320,19 @@ def test_a_choice_that_is_a_special_tokens_text_is_refused_before_generating(mak
     c = m.generate(["Answer: "], choices=[" yes", " no"], heal=heal, max_tokens=8)[0]
     assert c.text in (" yes", " no")
     m.check_integrity()
+
+
+@pytest.mark.parametrize("constraint", [{"regex": r"[^\s\S]"}, {"grammar": "start: A\nA: /a/ & /b/"},
+                                        {"json_schema": {"type": "object", "required": ["a"],
+                                                         "properties": {"a": False}}}])
+def test_a_constraint_that_accepts_nothing_is_refused_before_generating_when_healed(make_model, constraint):
+    # inside the healed grammar (backed-up text, then the value) an empty constraint compiles, and failed only
+    # after the backed-up text was generated (issue 25): it is compiled alone first, and named as given
+    m = make_model()
+    before = m.stats()["generated_tokens"]
+    (kind, value), = constraint.items()
+    with pytest.raises(ValueError, match="accepts no text at all|[Uu]nsatisfiable") as e:
+        m.generate([SPACE], heal=True, max_tokens=8, **constraint)
+    assert "healed_value" not in str(e.value) and kind.split("_")[0] in str(e.value).lower()
+    assert m.stats()["generated_tokens"] == before
+    m.check_integrity()

@@ -195,13 +195,15 @@ class LocalBackend(Backend):
         h = healing.healer(self.tokenizer)
         kind, value = o.constraint or (None, None)
         min_tokens = o.min_tokens
+        # compiled whether or not a prompt heals: an invalid or empty constraint fails here, named as given
+        # (inside the healed grammar an empty one would only fail after the backed-up text is generated)
+        plain = None if kind is None else self._grammar(kind, value) if kind != "choices" else \
+            self._grammar("grammar", healing.canonical_choices(self.tokenizer, value))  # as healed choices are
         out_ids, out_params = [], []
         for ids in all_ids:
             heal = h.heal(ids, params.max_tokens, min_tokens, params.stop_fn)
             if heal is None:
-                plain = (kind, value) if kind != "choices" else \
-                    ("grammar", healing.canonical_choices(self.tokenizer, value))  # as healed choices are
-                mask = self._grammar(*plain).mask_fn() if kind else None
+                mask = plain.mask_fn() if plain is not None else None
                 mask = masks.no_end_before(mask, min_tokens, self.eos_ids, self.vocab_size)
                 out_ids.append(ids)
                 out_params.append(dataclasses.replace(params, mask=mask))
