@@ -105,6 +105,21 @@ def test_an_oversized_header_is_refused_before_it_is_parsed(make_model, tokenize
     starts_cold(make_model, tmp_path, caplog)
 
 
+def test_a_cache_whose_header_would_be_over_the_limit_is_not_saved(make_model, tokenizer, tmp_path, monkeypatch):
+    # load refuses a header over MAX_HEADER, so a save writing one would be lost at the next start: it writes
+    # nothing, says why, and the last good snapshot stays
+    path = saved_snapshot(make_model, tokenizer, tmp_path)
+    before = path.read_bytes()
+    m = make_model()
+    for i in range(4):
+        m.generate([random_prompts(seed=i, count=1, vocab=len(tokenizer))[0]], max_tokens=2, cache_salt=f"{i}" * 200)
+    monkeypatch.setattr(snapshot, "MAX_HEADER", 1000 + 4 * 100)  # the entries fit, four 200-char salts not
+    with pytest.raises(snapshot.SnapshotError, match=r"not saved: .*\(5 cache partitions"):
+        m.save_cache(path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [SNAPSHOT]
+    m.check_integrity()
+
+
 def test_a_fifo_at_the_snapshot_path_does_not_block_the_start(make_model, tmp_path, caplog):
     os.mkfifo(tmp_path / SNAPSHOT)
     done = []
