@@ -218,8 +218,9 @@ def run(args) -> None:
             s = t.summary()
             label = f"sample {k}/{len(traces)}: " if len(traces) > 1 else ""
             print(f"{label}tokens {s['tokens']}: cached {s['cached']}, computed {s['computed']}, generated "
-                  f"{s['generated']}, never sent {s['unsent']}; hit rate {s['hit_rate']:.0%}; {s['seconds']:.2f} s",
-                  file=sys.stderr)
+                  f"{s['generated']}, never sent {s['unsent']}; {s['requests']} requests sent {s['request_tokens']} "
+                  f"prompt tokens, {s['request_cached']} from the cache (hit rate {s['hit_rate']:.0%}); "
+                  f"{s['seconds']:.2f} s" + (f"; server {t.server}" if t.server else ""), file=sys.stderr)
 
 
 def bench(args) -> None:

@@ -4,14 +4,24 @@ a transformers model already loaded."""
 
 from __future__ import annotations
 
+import threading
+
 from .backends.local import LocalBackend
 from .llm import LLM
+from .runtime import value_check
 
 
 class LocalModel(LocalBackend, LLM):
     """A causal LM behind kvql's engine (see `LocalBackend` for its options and methods, `LLM` for LMQL's).
     Its own synchronous `complete` (the engine's thread does the work; `progress=` counts completions)
     comes before `LLM`'s generic one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # the query runtime's count of a choice's fewest tokens reads every token's bytes once per tokenizer:
+        # done now, beside the caller, rather than inside its first constrained hole
+        threading.Thread(target=value_check.warm_up, args=(self.tokenizer,), name="kvql-choice-warm-up",
+                         daemon=True).start()
 
 
 Model = LocalModel  # kvql's first name for it

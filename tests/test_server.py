@@ -177,3 +177,41 @@ def test_load_320_concurrent_requests_with_10_percent_disconnecting(served):
     model.check_integrity()  # no slot leaked: free + cached = pool
     metrics = httpx.get(url + "/metrics", headers=headers).text
     assert "kvql_locked_nodes 0" in metrics and "kvql_running_requests 0" in metrics
+
+
+def test_metrics_need_the_key_by_default_and_not_with_metrics_auth_off(tokenizer, llama):
+    model = kvql.Model(llama, tokenizer, name="tiny", cache_budget=4 << 20)
+    with serving(create_app(model, api_key=KEY)) as closed, serving(create_app(model, api_key=KEY,
+                                                                               metrics_auth=False)) as open_:
+        assert httpx.get(closed + "/metrics").status_code == 401
+        assert httpx.get(closed + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        r = httpx.get(open_ + "/metrics")
+        assert r.status_code == 200 and "kvql_prompt_tokens_total" in r.text
+        assert httpx.get(open_ + "/v1/models").status_code == 401  # only /metrics opened
+    model.close()
+
+
+def test_kvql_serve_has_a_no_metrics_auth_flag():
+    import argparse
+
+    from kvql.server.launch import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).metrics_auth is True and p.parse_args(["--no-metrics-auth"]).metrics_auth is False
+
+
+def test_the_remote_backend_reads_openai_base_url_and_api_key_from_the_environment(served, monkeypatch):
+    url, _ = served
+    monkeypatch.setenv("OPENAI_BASE_URL", url + "/v1")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    remote = kvql.RemoteModel()
+    assert remote.base_url == url + "/v1" and remote.kind == "kvql"
+    assert remote.generate(["Hello"], max_tokens=2)[0].token_ids
+    monkeypatch.setenv("OPENAI_API_KEY", "wrong")
+    with pytest.raises(ValueError, match="401"):
+        kvql.RemoteModel()
+    assert kvql.RemoteModel(api_key=KEY).api_key == KEY  # a key given wins over the environment's
+    monkeypatch.delenv("OPENAI_BASE_URL")
+    with pytest.raises(ValueError, match="OPENAI_BASE_URL"):
+        kvql.RemoteModel()

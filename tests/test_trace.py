@@ -201,3 +201,41 @@ def test_completion_forced_indexes_its_token_ids(m):
     finally:
         m.engine.jump_forward = True
     assert plain.token_ids == c.token_ids and plain.forced == []
+
+
+TWO_HOLES = '"Q: Name a color.\\nA:[A]" where len(TOKENS(A)) < 4\n"\\nQ: Name a fruit.\\nA:[B]" where len(TOKENS(B)) < 4'
+
+
+def test_a_cold_runs_summary_counts_what_every_request_took_from_the_cache(m):
+    r = kvql.run_sync(TWO_HOLES, model=m)
+    s = r.trace.summary()
+    # [B]'s request sent [A]'s prompt and value again and the engine served them from its cache
+    assert s["requests"] == 2 and s["request_cached"] == r.cached_tokens > s["cached"]
+    assert s["request_tokens"] == r.cached_tokens + r.computed_tokens
+    assert s["hit_rate"] == pytest.approx(r.cached_tokens / s["request_tokens"])
+    page = r.trace.to_html()
+    assert f"2 requests sent {s['request_tokens']} prompt tokens, {s['request_cached']} of them from the cache" in page
+
+
+def test_special_tokens_show_as_labels_not_raw_template_text(m):
+    t = kvql.run_sync('"Say [A]" where len(TOKENS(A)) < 3', model=m).trace
+    t.tokens[0].special, t.tokens[0].text = True, "<|im_start|>"
+    page = t.to_html()
+    assert "⟨im_start⟩" in page and "&lt;|im_start|&gt;</span>" not in page
+    assert 'class="tok computed special"' in page or 'class="tok cached special"' in page
+
+
+def test_a_healed_holes_row_counts_the_tokens_the_trace_marks_as_generated(m):
+    r = kvql.run_sync('"Answer: yes or no? A: "\n"[A]" where HEAL(A) and A in ["yes", "no"]', model=m)
+    t = r.trace
+    (row,) = t.holes
+    assert row.tokens == t.summary()["generated"] == sum(1 for x in t.tokens if x.hole == "A")
+    assert row.healed >= 1 and "backed-up prompt token" in t.to_html()
+
+
+def test_a_hole_row_says_how_long_its_checks_before_the_request_took():
+    hole = TraceHole("A", "x", "", 1, 1.5, setup_seconds=1.2)
+    page = Trace([TraceToken(5, "x", "computed", "A")], [hole]).to_html()
+    assert "checks before the request: 1.200 s" in page
+    quick = Trace([TraceToken(5, "x", "computed", "A")], [TraceHole("A", "x", "", 1, 0.01, setup_seconds=0.001)])
+    assert "checks before the request" not in quick.to_html()

@@ -113,3 +113,40 @@ def test_cache_salt_partitions_vllms_prefix_cache_too(vllm):
     (a2,) = vllm.generate([prompt], max_tokens=4, cache_salt="vllm-tenant-a")
     assert a.cached_tokens == 0 and b.cached_tokens == 0 and a2.cached_tokens >= 128
     assert a.text == b.text == a2.text
+
+
+@pytest.fixture(scope="module")
+def vllm_own_tokenizer(vllm):
+    """The same server, through vLLM's own tokenizer (/tokenize, /detokenize): as a client whose served
+    name is no local tokenizer has it."""
+    from kvql.backends.server_tokenizer import ServerTokenizer
+
+    model = kvql.model(vllm.base_url, name="smollm2-135m", tokenizer="server")
+    assert isinstance(model.tokenizer, ServerTokenizer)
+    yield model
+    model.close()
+
+
+def test_distribution_score_and_token_ids_run_with_vllms_own_tokenizer(vllm_own_tokenizer, local):
+    remote = vllm_own_tokenizer
+    for text in ("The capital of France is", "Q: What do bees make?\nA:", "<|im_start|>user\nhi<|im_end|>"):
+        assert remote.tokenizer.encode(text, add_special_tokens=False) == local.tokenizer.encode(
+            text, add_special_tokens=False)
+    got = kvql.run_sync(FEATURES["distribution"], model=remote)
+    assert got.variables["A"] in (" yes", " no") and sum(p for _, p in got.variables["P(A)"]) == pytest.approx(1)
+    scored = kvql.score_sync("Q: Is the sky blue?\nA:", [" yes", " no"], model=remote)
+    assert all(lp < 0 for lp in scored.logprobs)
+    (c,) = remote.generate([local.tokenizer.encode("Q: What do bees make?\nA:")], max_tokens=4)
+    assert c.token_ids and remote.tokenizer.decode(c.token_ids) == local.tokenizer.decode(c.token_ids)
+    t = kvql.run_sync('"Q: Name a color.\\nA:[A]" where len(TOKENS(A)) < 4', model=remote).trace
+    assert t is not None and t.server == remote.base_url and t.tokens
+
+
+def test_stats_read_vllms_prefix_cache_hits(vllm):
+    prompt = "Answer each question with one word. " * 41 + "Q: What do plants need?\nA:"  # > two 128-token blocks
+    vllm.generate([prompt], max_tokens=2)
+    before = vllm.stats()
+    vllm.generate([prompt], max_tokens=2)
+    after = vllm.stats()
+    assert after["cached_tokens"] - before["cached_tokens"] >= 128
+    assert 0 < after["hit_rate"] <= 1

@@ -26,6 +26,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -224,6 +225,7 @@ def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load the config of model {spec!r} from {str(path)!r}: {e}") from e
     from ..engine.admission import UnsupportedModel, check_config
+    from ..engine.grammar import warm_up
 
     try:
         check_config(config)  # what the config alone rules out, before the weights load; the rest at Model()
@@ -232,8 +234,11 @@ def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        # What the first constraint would pay (~1.2 s for a 49k vocabulary: llguidance's view of the tokenizer
+        # here and in the grammar sandbox) is done while the weights load (13 s for the embedded model)
+        threading.Thread(target=warm_up, args=(tokenizer,), name="kvql-grammar-warm-up", daemon=True).start()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load model {spec!r} from {str(path)!r}: {e}") from e
     return model, tokenizer

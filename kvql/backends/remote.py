@@ -1,6 +1,7 @@
 """`RemoteBackend`: the backend contract over an OpenAI-compatible server (`kvql serve`, vLLM, SGLang).
 
-`kvql.model("http://HOST:PORT/v1", name=..., tokenizer=...)` returns one. On creation it asks the server
+`kvql.model("http://HOST:PORT/v1", name=..., tokenizer=...)` returns one (`kvql.RemoteModel()` with no URL
+reads `OPENAI_BASE_URL`, and with no `api_key` `OPENAI_API_KEY`, as the `openai` client does). On creation it asks the server
 what it serves (`/v1/models`) and what it is (`/metrics` for kvql, `/version` for vLLM,
 `/get_model_info` for SGLang), and so which features it has; a request for one it lacks raises
 `Unsupported` before anything is sent, naming the server and the feature. Requests go through the
@@ -8,12 +9,15 @@ official `openai` client (extension fields in `extra_body`); `stats()` reads the
 counters with `prometheus_client`'s parser. kvql serve and vLLM 0.32 are tested; SGLang's spellings are
 taken from its source (python/sglang/srt/entrypoints/openai/protocol.py) and not tested here.
 
-With a tokenizer (given, or found under the served model's name: a built-in spec, a local model
-directory, or a Hugging Face model in the local cache) the query runtime keeps prompts as token ids
-and sends them as ids, exactly as on the local backend: greedy results equal the local ones token for
-token (up to the server's arithmetic), role tags render through the tokenizer's chat template, beam
-search, `distribution` and `score` work, and traces show tokens. Without one, prompts are text: queries
-with plain holes and constraints run, the rest is refused by name.
+With a tokenizer the query runtime keeps prompts as token ids and sends them as ids, exactly as on the
+local backend: greedy results equal the local ones token for token (up to the server's arithmetic), role
+tags render through the chat template, beam search, `distribution` and `score` work, and traces show
+tokens. The tokenizer is the one given (`tokenizer=`: an object, a spec or a model directory), else one
+found under the served model's name (a built-in spec, a local model directory, or a Hugging Face model in
+the local cache), else the server's own through its `/tokenize` and `/detokenize` endpoints (kvql serve,
+vLLM, SGLang: `kvql.backends.server_tokenizer`; `tokenizer="server"` asks for it first). Without any
+(`tokenizer=False`, or an OpenAI-style server with no such endpoints), prompts are text: queries with
+plain holes and constraints run, the rest is refused by name.
 
 How each contract option travels (kvql serve and vLLM spell them alike; SGLang differently):
 - constraints: `structured_outputs.{regex, choice, json, grammar}` (Lark: vLLM's default backend
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import weakref
 from typing import AsyncIterator
 
@@ -45,6 +50,7 @@ from ..completion import Completion, TokenLogprob
 from . import base
 from .base import Backend, BackendError, StreamChunk, Unsupported
 from .options import GenerateOptions
+from .server_tokenizer import ServerTokenizer
 
 # constraint option -> (group, field) in a completions request body; group None: a top-level field
 _SPELLINGS = {
@@ -65,8 +71,14 @@ _CALLBACKS = ("mask",)  # Python functions that would have to run inside the ser
 
 
 class RemoteBackend(Backend):
-    def __init__(self, base_url: str, *, name: str | None = None, api_key: str | None = None, tokenizer=None,
-                 timeout: float = 600.0):
+    def __init__(self, base_url: str | None = None, *, name: str | None = None, api_key: str | None = None,
+                 tokenizer=None, timeout: float = 600.0):
+        """`base_url` (default `$OPENAI_BASE_URL`): the server's OpenAI base URL, `http://HOST:PORT/v1`;
+        `api_key` (default `$OPENAI_API_KEY`, none when unset): sent as `Authorization: Bearer KEY`."""
+        base_url = base_url or os.environ.get("OPENAI_BASE_URL")
+        if not base_url:
+            raise ValueError("no server URL: pass one (kvql.model('http://HOST:PORT/v1')) or set OPENAI_BASE_URL")
+        api_key = api_key or os.environ.get("OPENAI_API_KEY") or None
         self.base_url = base_url.rstrip("/")
         self.root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
         self.api_key = api_key
@@ -88,7 +100,12 @@ class RemoteBackend(Backend):
             length = served[self.name].get("max_model_len")
             self.context_length = int(length) if isinstance(length, int) else None
             self.kind = self._detect(client)
-        self.tokenizer = _tokenizer(tokenizer, self.name)
+        if tokenizer == "server":
+            self.tokenizer = self._server_tokenizer(required=True)
+        else:
+            self.tokenizer = _tokenizer(tokenizer, self.name)
+            if self.tokenizer is None and tokenizer is None and self.kind != "openai":
+                self.tokenizer = self._server_tokenizer(required=False)
         features = set(_SPELLINGS[self.kind]) | _EXTRAS[self.kind]
         if self.tokenizer is not None:
             features.add(base.TOKEN_IDS)
@@ -98,6 +115,15 @@ class RemoteBackend(Backend):
             self.eos_ids = frozenset([] if eos is None else [eos])
         self.capabilities = frozenset(features)
         self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _server_tokenizer(self, required: bool):
+        """The server's tokenizer (`ServerTokenizer`), or None when it offers none (a ValueError if `required`)."""
+        try:
+            return ServerTokenizer(self.root, self.name, self.headers)
+        except ValueError as e:
+            if required:
+                raise ValueError(f"{self.describe()} offers no tokenizer: {e}") from None
+            return None
 
     def _detect(self, client: httpx.Client) -> str:
         for kind, path, marker in (("kvql", "/metrics", "kvql_"), ("vllm", "/version", "version"),
@@ -119,8 +145,8 @@ class RemoteBackend(Backend):
 
     def why_not(self, capability: str) -> str:
         if capability == base.TOKEN_IDS:
-            return (f"it needs the model's tokenizer, and none was found under the served name {self.name!r}: "
-                    "pass kvql.model(url, tokenizer=MODEL_DIR_OR_SPEC)")
+            return (f"it needs the model's tokenizer: none was found under the served name {self.name!r} and the "
+                    "server offers none (/tokenize): pass kvql.model(url, tokenizer=MODEL_DIR_OR_SPEC)")
         if capability == base.HEAL:
             return ("kvql's remote client does not heal tokens (it would back up the prompt's last tokens and "
                     "count the value's tokens itself); run the query on a local model, or without healing")
@@ -314,7 +340,11 @@ class RemoteBackend(Backend):
     def stats(self) -> dict:
         """The server's counters, from its Prometheus `/metrics`: `prompt_tokens`, `cached_tokens`,
         `computed_tokens`, `generated_tokens`, `hit_rate` where the server counts them, and `metrics`:
-        every sample by name (summed over labels)."""
+        every sample by name (summed over labels). Read from kvql's `kvql_*_tokens_total`; vLLM's
+        `vllm:prompt_tokens_total`, `vllm:generation_tokens_total` and its prefix cache's
+        `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` (tokens; the hit rate is hits per
+        query token); SGLang's `sglang:prompt_tokens_total`, `sglang:cached_tokens_total` (SGLang counts
+        them with `--enable-metrics`), else its `sglang:cache_hit_rate` gauge."""
         text = httpx.get(self.root + "/metrics", headers=self.headers, timeout=30).text
         metrics: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
@@ -332,8 +362,14 @@ class RemoteBackend(Backend):
             out["computed_tokens"] = out["prompt_tokens"] - out["cached_tokens"]
             queries = metrics.get(prefix + "prefix_cache_queries_total", out["prompt_tokens"])
             out["hit_rate"] = out["cached_tokens"] / queries if queries else 0.0
+        elif self.kind == "sglang" and "sglang:cache_hit_rate" in metrics:
+            out["hit_rate"] = metrics["sglang:cache_hit_rate"]
         out["metrics"] = metrics
         return out
+
+    def close(self) -> None:
+        if isinstance(self.tokenizer, ServerTokenizer):
+            self.tokenizer.close()
 
     def __repr__(self) -> str:
         mode = "token ids" if self.tokenizer is not None else "text prompts"

@@ -46,8 +46,9 @@ class Context(Holes, Nested):
         self._hole_log: list[TraceHole] = []
         self._started = time.perf_counter()
         self.dist_clause: tuple[str, list] | None = None
-        self.cached_tokens = 0
+        self.cached_tokens = 0  # prompt tokens of every request of the run, as the backend served them
         self.computed_tokens = 0
+        self.requests = 0
         self._filled_by: tuple[str, int, str] | None = None  # (hole, tokens, bound): a hole the budget ended
         self._healed: tuple[int, str, list[int]] | None = None  # the last hole's healing, for its value's tokens
         # the last hole's forced tokens for its trace: (their indices in the tokens its value is added with,
@@ -126,6 +127,7 @@ class Context(Holes, Nested):
         self.buffer.sent(n, cached)
 
     def count(self, completions) -> None:
+        self.requests += len(completions)
         for c in completions:
             self.cached_tokens += c.cached_tokens
             self.computed_tokens += c.prompt_tokens - c.cached_tokens
@@ -145,7 +147,8 @@ class Context(Holes, Nested):
         if tokens is None:
             return None
         return Trace(tokens, list(self._hole_log), time.perf_counter() - self._started, model=self.model.name,
-                     sample=self.run_index)
+                     sample=self.run_index, server=getattr(self.model, "base_url", None), requests=self.requests,
+                     request_cached=self.cached_tokens, request_tokens=self.cached_tokens + self.computed_tokens)
 
     def program_state(self, growing: str | None = None, value: str = "", diff: str = "") -> ProgramState:
         """The run's state as LMQL hands it to decorators and output writers; `growing`: a hole being

@@ -114,6 +114,7 @@ class Holes:
         started = time.perf_counter()
         max_tokens, bound = self._budget(name, plan)
         self._check_room(name, plan, max_tokens, bound, heal)
+        setup = time.perf_counter() - started  # the checks before the request (a first use reads the vocabulary)
         self._healed, self._forced = None, ([], 0)
         if self.decoding.beam:
             value, tokens, full, guard = await self._beam(name, plan, prompt, max_tokens)
@@ -121,8 +122,10 @@ class Holes:
             value, tokens, full, guard = await self._sample(name, plan, prompt, max_tokens, heal)
         if len(tokens) >= max_tokens and plan.max_tokens != max_tokens:
             self._filled_by = (name, len(tokens), bound)  # the budget, not the hole's own bound, ended it
-        self._hole_log.append(TraceHole(name, str(value), where_text(constraint, name, plan), len(tokens),
-                                        time.perf_counter() - started, self._forced[1]))
+        # the row counts what the trace marks as this hole's: healed, also the tokens re-generating backed-up text
+        generated, healed = (len(self._healed[2]), self._healed[0]) if self._healed else (len(tokens), 0)
+        self._hole_log.append(TraceHole(name, str(value), where_text(constraint, name, plan), generated,
+                                        time.perf_counter() - started, self._forced[1], healed, setup))
         checked = plan.constrained(full, guard)
         self._check_value(name, plan, value, checked, plan.stop_index(full, guard) is not None,
                           lambda: self._why_cut(tokens, max_tokens, bound))
@@ -168,8 +171,8 @@ class Holes:
             raise UnmetConstraint(name, f"{plan.floor} needs more tokens than any value of its constraint "
                                         f"({plan.describe()}) can have")
         tok = self.model.tokenizer
-        if tok is None:  # the checks below count the tokenizer's tokens
-            return
+        if tok is None or not hasattr(tok, "get_vocab"):  # the checks below read every token's bytes (a
+            return                                        # server's tokenizer does not show its vocabulary)
         if plan.choices and not heal:  # healed, one token may spell backed-up text and several of the value's
             need = math.inf
             for choice in plan.choices:

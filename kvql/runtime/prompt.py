@@ -99,5 +99,6 @@ class Prompt:
         if self.ids is None:
             return None
         self.flush()
-        return [TraceToken(t, self.tokenizer.decode([t]), served or "unsent", hole, forced)
+        special = set(getattr(self.tokenizer, "all_special_ids", ()))
+        return [TraceToken(t, self.tokenizer.decode([t]), served or "unsent", hole, forced, t in special)
                 for t, served, hole, forced in zip(self.ids, self.served, self.hole_of, self.forced)]

@@ -11,7 +11,12 @@ in its cache, and the trace marks those tokens `cached` (all but the last token 
 model produced but never read).
 
 Counts add up both ways: every token is cached, computed or never sent, and every token is prompt
-text or generated (a hole's value): `Trace.counts()`.
+text or generated (a hole's value): `Trace.counts()`. Those marks count each token once; the run's
+requests count what each of them sent (`requests`, `request_tokens`, `request_cached`: a later hole's
+request sends the earlier prompt again, and the backend serves it from its cache), and the summary's
+`hit_rate` is theirs: cached over sent prompt tokens, as the engine's and servers' counters have it.
+Special tokens (a chat template's role markers such as `<|im_start|>`) are marked `special` and shown
+as labels, not as raw text.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ SERVED = ("cached", "computed", "unsent")
 NEVER_SENT = ("never sent: no request to the model ever included this token (text after the last hole), "
               "so the model never read it")
 _LABEL = {"cached": "cached", "computed": "computed", "unsent": "never sent"}
+SHOWN_SETUP_S = 0.05  # a hole's pre-request checks are shown in its row from this many seconds on
 FORCED = ("forced by the hole's constraint (it allowed only this token): appended without a decode step of "
           "its own (jump-forward)")
 
@@ -39,6 +45,7 @@ class TraceToken:
     served: str          # "cached" | "computed" | "unsent"
     hole: str | None     # the hole that generated it, None for prompt text
     forced: bool = False  # its hole's constraint forced it: appended without a decode step (jump-forward)
+    special: bool = False  # one of the tokenizer's special tokens (a chat template's role markers, BOS, EOS)
 
 
 @dataclass
@@ -46,9 +53,11 @@ class TraceHole:
     name: str
     value: str
     constraints: str     # the hole's where clause as written (see `where_text`); "" when unconstrained
-    tokens: int          # tokens of the value
+    tokens: int          # tokens the hole generated (healed: with those that re-generate the backed-up text)
     seconds: float
     forced: int = 0      # how many of them the constraint forced (jump-forward: no decode step of their own)
+    healed: int = 0      # prompt tokens token healing backed up (their text generated again by this hole)
+    setup_seconds: float = 0.0  # of `seconds`, the checks before its request was sent
 
 
 def where_text(constraint, name: str, plan=None) -> str:
@@ -85,6 +94,10 @@ class Trace:
     inputs: dict | None = None   # the call's inputs
     sample: int = 0              # which run of the call (sample or beam), from 0
     created: str = field(default_factory=_now)
+    server: str | None = None    # the server's URL, for a remote model
+    requests: int = 0            # requests the run sent, and their prompt tokens (all of them, cached or not)
+    request_tokens: int = 0
+    request_cached: int = 0      # of those, served from the cache
 
     def label(self, *, query: str | None = None, model: str | None = None, inputs: dict | None = None,
               sample: int | None = None) -> "Trace":
@@ -111,15 +124,19 @@ class Trace:
         return rows
 
     def summary(self) -> dict:
+        """Each token once (cached, computed, unsent, generated, forced, tokens), then the run's requests
+        (`requests`, `request_tokens`, `request_cached`) and their `hit_rate`."""
         count = {k: sum(t.served == k for t in self.tokens) for k in SERVED}
         generated = sum(t.hole is not None for t in self.tokens)
-        sent = count["cached"] + count["computed"]
         return {**count, "generated": generated, "forced": sum(t.forced for t in self.tokens), "tokens": len(self.tokens),
-                "hit_rate": count["cached"] / sent if sent else 0.0, "seconds": self.seconds}
+                "requests": self.requests, "request_tokens": self.request_tokens,
+                "request_cached": self.request_cached,
+                "hit_rate": self.request_cached / self.request_tokens if self.request_tokens else 0.0,
+                "seconds": self.seconds}
 
     def meta(self) -> dict:
-        return {"query": self.query, "model": self.model, "inputs": self.inputs, "sample": self.sample,
-                "created": self.created}
+        return {"query": self.query, "model": self.model, "server": self.server, "inputs": self.inputs,
+                "sample": self.sample, "created": self.created}
 
     def to_dict(self) -> dict:
         return {"meta": self.meta(), "summary": self.summary(), "counts": self.counts(),
@@ -141,8 +158,12 @@ class Trace:
         s, c = self.summary(), self.counts()
         spans = []
         for i, t in enumerate(self.tokens):
-            classes = f"tok {t.served}" + (" gen" if t.hole else "") + (" forced" if t.forced else "")
+            classes = (f"tok {t.served}" + (" gen" if t.hole else "") + (" forced" if t.forced else "")
+                       + (" special" if t.special else ""))
             title = f"#{i} id {t.id} · {_LABEL[t.served]}" + (f" · generated by [{t.hole}]" if t.hole else "")
+            if t.special:
+                title += f" · the special token {t.text}"
+
             if t.forced:
                 title += " · " + FORCED
             if t.hole and t.served == "cached":
@@ -150,7 +171,7 @@ class Trace:
             elif t.served == "unsent":
                 title += " · " + NEVER_SENT
             spans.append(f'<span class="{classes}" data-served="{t.served}" data-id="{t.id}" '
-                         f'title="{html.escape(title)}">{html.escape(t.text)}</span>')
+                         f'title="{html.escape(title)}">{html.escape(_shown(t))}</span>')
         head = "".join(f"<th>{_LABEL[k]}</th>" for k in SERVED)
         body = "".join(
             f'<tr data-row="{origin}"><th>{label}</th>'
@@ -162,13 +183,17 @@ class Trace:
         holes = "".join(
             f"<tr><td>[{html.escape(h.name)}]</td><td><code>{html.escape(h.constraints) or '—'}</code></td>"
             f"<td>{html.escape(repr(h.value))}</td><td>{h.tokens}" + (f" ({h.forced} forced)" if h.forced else "")
-            + f"</td><td>{h.seconds:.3f} s</td></tr>"
+            + (f" (healed: {h.healed} backed-up prompt token{'s' * (h.healed != 1)} generated again)"
+               if h.healed else "")
+            + f"</td><td>{h.seconds:.3f} s" + (f" (checks before the request: {h.setup_seconds:.3f} s)"
+                                               if h.setup_seconds >= SHOWN_SETUP_S else "") + "</td></tr>"
             for h in self.holes)
         heading = f"Sample {self.sample + 1} of {of}" if of > 1 else "Run"
         summary = (f"{s['tokens']} tokens = {s['cached']} cached + {s['computed']} computed + {s['unsent']} never "
-                   f"sent; {s['generated']} of them generated by the model ({reused} reused from the cache, "
-                   f"{s['forced']} forced by a constraint); "
-                   f"hit rate {s['hit_rate']:.0%} of the tokens sent; {s['seconds']:.2f} s")
+                   f"sent (each token counted once, when first sent); {s['generated']} of them generated by the "
+                   f"model ({reused} reused from the cache, {s['forced']} forced by a constraint); "
+                   f"{s['requests']} request{'s' * (s['requests'] != 1)} sent {s['request_tokens']} prompt tokens, "
+                   f"{s['request_cached']} of them from the cache: hit rate {s['hit_rate']:.0%}; {s['seconds']:.2f} s")
         return f"""<section class="sample" id="sample-{self.sample}">
 <h2>{heading}</h2>
 <p class="summary">{html.escape(summary)}</p>
@@ -196,9 +221,19 @@ def _where_lines(traces: list[Trace]) -> list[str]:
     return seen
 
 
+def _shown(t: TraceToken) -> str:
+    """A token as the page shows it: a special token by its name (`<|im_start|>` -> `⟨im_start⟩`; the
+    page marks it as a label), its line break kept so the template's layout stays readable."""
+    if not t.special:
+        return t.text
+    name = t.text.strip().strip("<>").strip("|").strip() or t.text
+    return f"⟨{name}⟩"
+
+
 def title(traces: list[Trace]) -> str:
     first = traces[0] if traces else Trace()
-    return f"kvql trace: {first.query or 'query'} on {first.model or 'a model'}"
+    where = f" at {first.server}" if first.server else ""
+    return f"kvql trace: {first.query or 'query'} on {first.model or 'a model'}{where}"
 
 
 def page(traces: list[Trace]) -> str:
@@ -220,6 +255,7 @@ dl.meta dt {{ font-weight: 600; }} dl.meta dd {{ margin: 0; }}
 .tok.unsent {{ color: #888; background: repeating-linear-gradient(45deg, #fff, #fff 3px, #eee 3px, #eee 6px); }}
 .tok.gen {{ font-weight: 700; border-bottom: 3px solid #e3a21a; }}
 .tok.gen.forced {{ font-weight: 400; font-style: italic; border-bottom: 3px dotted #e3a21a; }}
+.tok.special {{ font-size: .8em; color: #555; border: 1px solid #aaa; border-radius: 3px; padding: 0 .2em; }}
 .tok:hover {{ outline: 2px solid #333; }}
 .legend {{ margin: .8em 0; }} .legend .tok {{ padding: 0 .4em; margin-right: .8em; font-family: ui-monospace, monospace; }}
 table {{ border-collapse: collapse; margin: .6em 0; }} td, th {{ border: 1px solid #ddd; padding: .2em .6em; text-align: left; }}
@@ -229,6 +265,7 @@ table.counts td {{ text-align: right; font-variant-numeric: tabular-nums; }}
 <dl class="meta">
 <dt>query</dt><dd id="query">{html.escape(first.query or "query")}</dd>
 <dt>model</dt><dd id="model">{html.escape(first.model or "unknown")}</dd>
+<dt>server</dt><dd id="server">{html.escape(first.server or "none: the model ran in this process")}</dd>
 <dt>inputs</dt><dd id="inputs">{html.escape(inputs)}</dd>
 <dt>date</dt><dd id="date">{html.escape(first.created)}</dd>
 <dt>samples</dt><dd id="samples">{len(traces)}</dd>

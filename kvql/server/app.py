@@ -4,7 +4,8 @@ Endpoints: `GET /health` (the engine's integrity check), `GET /v1/models`, `POST
 `POST /v1/chat/completions` (both with `stream: true` as server-sent events ending in `[DONE]`),
 `POST /v1/completions/render` and `POST /v1/chat/completions/render` (vLLM's tokenize-only endpoints: the
 token ids this server would feed the engine for that request; vllm-router's cache_aware policy routes on
-them), `GET /metrics` (Prometheus).
+them), `GET /metrics` (Prometheus), and vLLM's tokenizer endpoints `POST /tokenize`, `POST /detokenize`,
+`GET /tokenizer_info` (tokenization.py: clients without the model's tokenizer use the server's).
 
 Contracts:
 - Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: a bad request is a
@@ -44,18 +45,20 @@ from .logprobs import Spelling, chat_logprobs, completion_logprobs, prompt_logpr
 from .metrics import AccessLog, throughput_lines
 from .protocol import ChatRequest, CompletionRequest, RequestError
 from .served import Served, completion_prompts, rendered, usage
+from .tokenization import tokenization_routes
 
 
 def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterable[str] = (),
                api_key: str | Iterable[str] | None = None, salt_per_key: bool = False,
                allowed_hosts: Iterable[str] | None = None, max_body_bytes: int = 1 << 20,
-               max_tokens_cap: int = 4096, log_interval: float = 10.0) -> FastAPI:
+               max_tokens_cap: int = 4096, log_interval: float = 10.0, metrics_auth: bool = True) -> FastAPI:
     """The app serving `model` as `name` (default `model.name`); requests may also name it by an alias.
 
     `api_key`: one key or several (each `Authorization: Bearer KEY`). `salt_per_key`: each key's
     requests get their own cache partition. `allowed_hosts`: host names accepted in `Host` besides
     IP addresses and `localhost` (`"*"`: any); see guard.py. `log_interval`: seconds between throughput
-    lines (logger `kvql.server`) while busy.
+    lines (logger `kvql.server`) while busy. `metrics_auth=False`: `GET /metrics` answers without a key
+    (as vLLM's does), for a Prometheus scraper; by default it needs one, as every route but /health.
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k for k in keys):
@@ -71,7 +74,8 @@ def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterabl
         model.close()  # on shutdown: cancel what is still queued, stop the engine thread
 
     app = FastAPI(title="kvql", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.add_middleware(Guard, api_keys=keys, allowed_hosts=list(allowed_hosts or ()), max_body_bytes=max_body_bytes)
+    app.add_middleware(Guard, api_keys=keys, allowed_hosts=list(allowed_hosts or ()), max_body_bytes=max_body_bytes,
+                       open_paths=("/health",) if metrics_auth else ("/health", "/metrics"))
     app.add_middleware(AccessLog)
     counters = {"requests": 0, "errors": 0}
     s = Served(model, name or model.name, aliases, counters, salt_per_key=salt_per_key,
@@ -101,6 +105,8 @@ def _service_routes(app: FastAPI, s: Served) -> None:
     @app.get("/metrics")
     async def prometheus():
         return Response(s.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    tokenization_routes(app, s)
 
 
 def _completion_routes(app: FastAPI, s: Served) -> None:

@@ -5,8 +5,9 @@ The checks, in order, each answered in OpenAI's error shape:
   (`"*"`: any). A web page can make a browser send requests to a local server; by DNS rebinding
   (its own name re-pointed at 127.0.0.1) it can even read the answers. Such requests carry the page's
   host *name*, never an IP literal the page was not served from, so IP literals and `localhost` are safe.
-- `Authorization: Bearer KEY` (401) when keys are configured; not for `GET /health`. The key matched
-  is put in `scope["kvql.api_key"]` for per-key cache salting.
+- `Authorization: Bearer KEY` (401) when keys are configured; not for a `GET` of an open path (`/health`;
+  also `/metrics` with `kvql serve --no-metrics-auth`). The key matched is put in `scope["kvql.api_key"]`
+  for per-key cache salting.
 - POST bodies must be `Content-Type: application/json` (415): a page can post `text/plain` or form
   bodies cross-origin without asking; `application/json` needs a CORS preflight, which this server
   never grants.
@@ -26,8 +27,10 @@ from .protocol import error_response
 class Guard:
     """ASGI middleware (pure ASGI, so that streaming and disconnect detection pass through untouched)."""
 
-    def __init__(self, app, *, api_keys: list[str], allowed_hosts: list[str], max_body_bytes: int):
+    def __init__(self, app, *, api_keys: list[str], allowed_hosts: list[str], max_body_bytes: int,
+                 open_paths=("/health",)):
         self.app = app
+        self.open_paths = frozenset(open_paths)
         self.api_keys = [k.encode() for k in api_keys]
         self.allowed_hosts = {h.lower().strip("[]") for h in allowed_hosts}
         self.max_body_bytes = max_body_bytes
@@ -45,7 +48,7 @@ class Guard:
         if host is not None and not self._host_allowed(host):
             return error_response(403, f"Host {host!r} is not allowed (kvql serve --allowed-host NAME allows a name)",
                                   "host", "host_not_allowed")
-        if self.api_keys and not (scope["method"] == "GET" and scope["path"] == "/health"):
+        if self.api_keys and not (scope["method"] == "GET" and scope["path"] in self.open_paths):
             given = headers.get("authorization", "").encode()
             # every key compared, each in constant time: the answer's timing tells nothing about the keys
             matched = [k for k in self.api_keys if hmac.compare_digest(given, b"Bearer " + k)]

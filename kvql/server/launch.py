@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "64); at the cap a new connection closes the longest-idle one, and requests past it get 503")
     p.add_argument("--api-key", action="append", metavar="KEY",
                    help="require Authorization: Bearer KEY on all but /health (repeatable: any of them)")
+    p.add_argument("--metrics-auth", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --api-key, GET /metrics needs a key too (default); --no-metrics-auth leaves it "
+                        "open for a Prometheus scraper, as vLLM does")
     p.add_argument("--salt-per-key", action="store_true",
                    help="each API key gets its own prefix-cache partition (tenants cannot probe each other)")
     p.add_argument("--allowed-host", action="append", metavar="HOST",
@@ -117,7 +120,8 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
           f"tokens | KV cache {m.cache_slots} tokens ({size_text(m.cache_bytes)})", flush=True)
     app = create_app(m, name=args.served_model_name, aliases=[args.model], api_key=args.api_key,
                      salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
-                     max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap)
+                     max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap,
+                     metrics_auth=args.metrics_auth)
     grace = max(0.0, args.shutdown_timeout)
 
     class Server(uvicorn.Server):
