@@ -4,6 +4,7 @@ and raw payloads written out as langchain-openai sends them."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 
@@ -13,7 +14,7 @@ import pytest
 
 import kvql
 from kvql.server.app import create_app
-from conftest import serving
+from conftest import CHAT_TEMPLATE, serving
 
 PROMPT = "Once upon a time"
 USER = [{"role": "user", "content": "Question: what is the capital of France?"}]
@@ -64,8 +65,30 @@ def test_langchain_chat_payload_is_answered(served):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
-    assert 1 <= body["usage"]["completion_tokens"] <= 16  # the default max_tokens
+    # no max_tokens: a chat runs to its end, here the server's cap of 64 (it was cut at 16: issue 26)
+    tokens, finish = body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]
+    assert (finish, tokens) == ("length", 64) or (finish == "stop" and 1 <= tokens <= 64)
     assert body["usage"]["prompt_tokens"] == len(chat_ids(served[1]))
+
+
+def test_a_chat_without_max_tokens_runs_past_16_tokens_and_a_completion_stops_at_16(served):
+    chat = post(served, {"messages": USER, "temperature": 0, "ignore_eos": True}).json()
+    assert chat["usage"]["completion_tokens"] == 64 and chat["choices"][0]["finish_reason"] == "length"
+    text = post(served, {"prompt": PROMPT, "temperature": 0, "ignore_eos": True}, "/v1/completions").json()
+    assert text["usage"]["completion_tokens"] == 16  # OpenAI's and vLLM's completion default
+
+
+def test_a_chat_default_is_the_rest_of_the_context_when_that_is_under_the_cap(tokenizer, llama):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = CHAT_TEMPLATE
+    model = kvql.Model(llama, tok, name="tiny", cache_budget=4 << 20)
+    prompt = len(chat_ids(model))
+    with serving(create_app(model, max_tokens_cap=4096)) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": USER, "temperature": 0, "ignore_eos": True},
+                       timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == model.context_length - prompt
+    model.close()
 
 
 def test_langchain_streaming_payload_ends_with_the_usage_chunk(served):
@@ -76,7 +99,7 @@ def test_langchain_streaming_payload_ends_with_the_usage_chunk(served):
     usage = last["usage"]
     prompt = len(chat_ids(served[1]))
     assert usage["prompt_tokens"] == prompt and usage["total_tokens"] == prompt + usage["completion_tokens"]
-    assert usage["completion_tokens"] == 16  # the default max_tokens, or fewer at EOS
+    assert 1 <= usage["completion_tokens"] <= 64  # the default: the rest of the context, within the cap
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 

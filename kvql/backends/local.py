@@ -136,6 +136,12 @@ class LocalBackend(Backend):
             out.append(ids)
         return out
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens one request may hold, prompt and output together: the model's context, or fewer
+        where the cache budget's slots are fewer."""
+        return min(self.context_length, self.engine.pool.num_slots)
+
     def _check_fits(self, ids: list[int], params: SamplingParams, i: int) -> None:
         need = len(ids) + params.max_tokens
         if need > self.context_length:

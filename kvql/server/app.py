@@ -46,6 +46,7 @@ from .metrics import AccessLog, throughput_lines
 from .protocol import ChatRequest, CompletionRequest, RequestError
 from .served import Served, completion_prompts, rendered, usage
 from .tokenization import tokenization_routes
+from .tools import ToolCalling
 
 
 def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterable[str] = (),
@@ -122,7 +123,7 @@ def _completion_routes(app: FastAPI, s: Served) -> None:
             if len(prompts) != 1:
                 raise RequestError("stream: true takes one prompt", "prompt")
             p = prompts[0]
-            return await s.streamed(request, p, opts, lambda sample, text, ids, c, first: {
+            return await s.streamed(request, req, p, opts, lambda sample, text, ids, c, first: {
                 "id": rid, "object": "text_completion", "created": created, "model": s.name,
                 "choices": [{"index": sample, **shown(p, c, text, ids, first)}]},
                 s.usage_chunk(req, rid, created, "text_completion", echo_only))
@@ -176,15 +177,21 @@ def _chat_routes(app: FastAPI, s: Served) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await s.parse(request, ChatRequest)
-        ids = s.chat_ids(req)
+        calling = ToolCalling.of(req)
+        ids = s.chat_ids(req, calling)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        opts = s.options(request, req, k)
+        opts = s.options(request, req, k, len(ids), calling and calling.constraint())
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         spell = Spelling(s.model.tokenizer, bool(req.return_tokens_as_token_ids))
         if req.stream:
+            calls = {}  # sample -> its tools.CallStream
+
             def make_chunk(sample, text, token_ids, c, first):
-                choice = {"index": sample, "delta": {"role": "assistant", "content": text},
-                          "logprobs": None, "finish_reason": c and c.finish_reason, "stop_reason": c and c.stop_reason}
+                delta, finish = {"content": text}, c and c.finish_reason
+                if calling is not None:
+                    delta, finish = calls.setdefault(sample, calling.stream()).delta(text, c)
+                choice = {"index": sample, "delta": {"role": "assistant", **delta},
+                          "logprobs": None, "finish_reason": finish, "stop_reason": c and c.stop_reason}
                 if req.return_token_ids:
                     choice["token_ids"] = token_ids
                 if c is not None and k is not None:  # logprobs come whole, in a sample's last chunk
@@ -194,13 +201,18 @@ def _chat_routes(app: FastAPI, s: Served) -> None:
                 if req.return_token_ids and first and sample == 0:
                     event["prompt_token_ids"] = ids
                 return event
-            return await s.streamed(request, ids, opts, make_chunk,
+            return await s.streamed(request, req, ids, opts, make_chunk,
                                     s.usage_chunk(req, rid, created, "chat.completion.chunk"))
         out = await s.run(request, [ids], opts)
-        choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    "logprobs": chat_logprobs(spell, c.token_ids, c.logprobs, k) if k is not None else None}
-                   | ({"token_ids": c.token_ids} if req.return_token_ids else {}) for i, c in enumerate(out)]
+        choices = []
+        for i, c in enumerate(out):
+            message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+            if calling is not None:
+                content, tool_calls, finish = calling.read(c.text, c.finish_reason)
+                message = {"role": "assistant", "content": content} | ({"tool_calls": tool_calls} if tool_calls else {})
+            choices.append({"index": i, "message": message, "finish_reason": finish, "stop_reason": c.stop_reason,
+                            "logprobs": chat_logprobs(spell, c.token_ids, c.logprobs, k) if k is not None else None}
+                           | ({"token_ids": c.token_ids} if req.return_token_ids else {}))
         body = {"id": rid, "object": "chat.completion", "created": created, "model": s.name,
                 "choices": choices, "usage": usage(out, req.n)}
         if req.prompt_logprobs is not None:
@@ -214,5 +226,7 @@ def _chat_routes(app: FastAPI, s: Served) -> None:
         """What /v1/chat/completions would feed the engine (one object, as vLLM answers); nothing is
         generated."""
         req = await s.parse(request, ChatRequest)
-        s.options(request, req, None)
-        return rendered(req, f"chatcmpl-{uuid.uuid4().hex}", s.chat_ids(req))
+        calling = ToolCalling.of(req)
+        ids = s.chat_ids(req, calling)
+        s.options(request, req, None, len(ids), calling and calling.constraint())
+        return rendered(req, f"chatcmpl-{uuid.uuid4().hex}", ids)

@@ -38,6 +38,7 @@ some servers ignore silently (the message names the spelling kvql takes, `RENAME
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from typing import Any, Literal
@@ -52,6 +53,7 @@ from ..backends.options import CACHE_SALT_MAX
 # crashing. Real JSON schemas nest a few levels; a schema of ~30 nested objects fits.
 MAX_DEPTH = 64
 MAX_MESSAGE = 500  # characters of an error message (some echo the whole input)
+logger = logging.getLogger("kvql.server")
 
 
 class RequestError(ValueError):
@@ -97,6 +99,7 @@ class ResponseFormat(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: every chunk carries the usage so far
 
 
 class _Common(_Strict):
@@ -117,6 +120,10 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, not used
+    # accepted, not used: they do not change the answer (ACCEPTED_UNUSED)
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=CACHE_SALT_MAX)  # vLLM's name: a cache partition
     structured_outputs: StructuredOutputs | None = None
     regex: str | None = None
@@ -138,6 +145,8 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo: the prompt scored, nothing generated
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)  # only n (the default): kvql returns every sample it makes
+    suffix: str | None = None  # only none or "": kvql does not insert text
 
 
 class ContentPart(BaseModel):
@@ -147,10 +156,46 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls (kvql.server.tools)
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+    refusal: str | None = None  # the openai client sends its own messages back with these: not used
+    annotations: list | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # either value: kvql always holds the arguments to the schema
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Common):
@@ -158,6 +203,10 @@ class ChatRequest(_Common):
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # to the chat template
     continue_final_message: bool = False
     include_reasoning: bool = True
     separate_reasoning: bool = True  # either value: no reasoning parser, nothing to separate
@@ -184,7 +233,13 @@ RENAMED = {
     "guided_grammar": "structured_outputs.grammar",
     "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
+    "functions": "tools",  # OpenAI's deprecated spelling
+    "function_call": "tool_choice",
 }
+
+# fields accepted with no effect on the answer: logged once per process at debug level
+ACCEPTED_UNUSED = ("user", "metadata", "store", "service_tier")
+_logged: set[str] = set()
 
 
 def parse_request(raw: bytes, cls: type[_Common]) -> _Common:
@@ -194,9 +249,13 @@ def parse_request(raw: bytes, cls: type[_Common]) -> _Common:
         raise RequestError("the request body must be a JSON object")
     for field, spelling in RENAMED.items():
         if field in body:
-            instead = (f"use {spelling} (vLLM's current spelling)" if spelling else
+            instead = (f"use {spelling} (the current spelling)" if spelling else
                        "kvql serve compiles every constraint with llguidance; leave it out")
             raise RequestError(f"{field} is not supported: {instead}", field)
+    for field in ACCEPTED_UNUSED:
+        if field in body and field not in _logged:
+            _logged.add(field)
+            logger.debug("accepted %s: it does not change the answer, and kvql serve does not use it", field)
     try:
         req = cls.model_validate(body)
     except ValidationError as e:
@@ -211,6 +270,11 @@ def parse_request(raw: bytes, cls: type[_Common]) -> _Common:
                            "has no min-p filter; use top_p or top_k, or min_p 0", "min_p")
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options is only allowed with stream: true", "stream_options")
+    if getattr(req, "best_of", None) not in (None, req.n):
+        raise RequestError(f"best_of {req.best_of} is not supported: kvql returns every sample it makes "
+                           f"(best_of must be n, {req.n}, or left out)", "best_of")
+    if getattr(req, "suffix", None):
+        raise RequestError("suffix is not supported: kvql does not insert text (leave it out, or null)", "suffix")
     return req
 
 

@@ -11,11 +11,12 @@ import hashlib
 import jinja2
 from fastapi import Request
 
-from . import streaming
+from . import streaming, tools
 from .errors import request_errors, unless_disconnected
 from .logprobs import PROMPT_TOP
 from .metrics import Metrics
 from .protocol import ChatRequest, CompletionRequest, RequestError, constraint_options, message_text, parse_request
+from .tools import ToolCalling
 
 
 class Served:
@@ -26,6 +27,7 @@ class Served:
         self.model, self.name, self.served, self.counters = model, name, {name, *aliases}, counters
         self.metrics = Metrics(model, counters)
         self.salt_per_key, self.max_body_bytes, self.max_tokens_cap = salt_per_key, max_body_bytes, max_tokens_cap
+        self._takes_tools: bool | None = None  # whether the chat template renders tools: found on first use
 
     async def parse(self, request: Request, cls):
         raw = bytearray()
@@ -39,9 +41,16 @@ class Served:
                                "model", 404, "model_not_found")
         return req
 
-    def options(self, request: Request, req, logprobs) -> dict:
-        """The request's fields as the model's generation options (`logprobs`: the top-k to return)."""
-        max_tokens = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None), 16)
+    def options(self, request: Request, req, logprobs, prompt_tokens: int | None = None, constraint=None) -> dict:
+        """The request's fields as the model's generation options (`logprobs`: the top-k to return).
+        Without max_tokens: a completion gets 16 tokens (OpenAI's and vLLM's default); a chat, whose
+        `prompt_tokens` are given, the rest of what a request may hold (the context, or the cache budget where
+        smaller), within the server's cap (as vLLM: a chat's answer runs to its end). `constraint`: generate
+        options of a constraint the request's fields do not hold (tool calling's)."""
+        default = 16
+        if prompt_tokens is not None:
+            default = max(1, min(self.max_tokens_cap, self.model.max_request_tokens - prompt_tokens))
+        max_tokens = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None), default)
         if max_tokens == 0 and not getattr(req, "echo", False):
             raise RequestError("max_tokens must be at least 1 (0 only with echo: true, which returns the prompt; "
                                "with logprobs, the prompt's log-probabilities)", "max_tokens")
@@ -54,8 +63,12 @@ class Served:
                     seed=req.seed, stop=req.stop, logprobs=logprobs, ignore_eos=req.ignore_eos,
                     min_tokens=req.min_tokens, logit_bias=req.logit_bias or None,
                     top_k=max(req.top_k or 0, 0), frequency_penalty=req.frequency_penalty,
-                    presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
-                    **constraint_options(req))
+                    presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty)
+        constraints = constraint_options(req)
+        if constraint and constraints:
+            raise RequestError("tools (with tool_choice other than none) constrain the output themselves: they do not "
+                               "combine with response_format, structured_outputs, regex or json_schema", "tools")
+        opts.update(constraints or constraint or {})
         if req.prompt_logprobs and req.stream:
             raise RequestError("prompt_logprobs are not available when stream=true", "prompt_logprobs")
         echo_scored = getattr(req, "echo", False) and logprobs is not None  # vLLM: echo + logprobs -> prompt logprobs
@@ -79,17 +92,27 @@ class Served:
         with request_errors():
             return self.model.prompt_ids(prompts)
 
-    def chat_ids(self, req: ChatRequest) -> list[int]:
-        """The chat template applied to the messages, opening the assistant's turn: the engine's prompt."""
+    def chat_ids(self, req: ChatRequest, calling: ToolCalling | None = None) -> list[int]:
+        """The chat template applied to the messages (and the tools of `calling`, kvql.server.tools), opening
+        the assistant's turn: the engine's prompt."""
         tokenizer = self.model.tokenizer
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m, i)}
-                    for i, m in enumerate(req.messages)]
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use /v1/completions")
+        if self._takes_tools is None:
+            self._takes_tools = tools.template_takes_tools(tokenizer)
+        messages = tools.message_dicts(req.messages, self._takes_tools, message_text)
+        extra = {} if req.reasoning_effort is None else {"reasoning_effort": req.reasoning_effort}
+        if calling is not None:
+            messages, offered = calling.messages(messages, self._takes_tools)
+            extra.update(offered)
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                                **extra)
         except jinja2.TemplateError as e:  # templates refuse some message sequences (raise_exception)
             raise RequestError(f"the model's chat template refused these messages: {e}", "messages") from None
+        except (TypeError, KeyError, AttributeError) as e:  # a template reading a field these messages lack
+            raise RequestError(f"the model's chat template could not render these messages: "
+                               f"{type(e).__name__}: {e}", "messages") from None
         return list(ids)
 
     async def _generate(self, flight, prompts, opts):
@@ -115,7 +138,7 @@ class Served:
             flight.finish(out)
         return out
 
-    async def streamed(self, request: Request, prompt, opts, make_chunk, usage_chunk=None):
+    async def streamed(self, request: Request, req, prompt, opts, make_chunk, usage_chunk=None):
         """Server-sent events of one prompt's `n` samples (streaming.events): `make_chunk(sample, text,
         token_ids, completion, first)` per engine step; then, with `usage_chunk`, `usage_chunk(completions)`."""
         self.counters["requests"] += 1
@@ -127,7 +150,11 @@ class Served:
         except BaseException:
             flight.finish([])
             raise
-        return streaming.sse(streaming.events(first, chunks, opts["n"], make_chunk, usage_chunk, self.counters, flight))
+        running = None
+        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+            running = len(prompt) if isinstance(prompt, list) else len(self.prompt_ids([prompt])[0])
+        return streaming.sse(streaming.events(first, chunks, opts["n"], make_chunk, usage_chunk, self.counters, flight,
+                                              running))
 
     def usage_chunk(self, req, rid: str, created: int, kind: str, echo_only: bool = False):
         """stream_options.include_usage: a last chunk with no choices and the request's usage (OpenAI's)."""

@@ -19,12 +19,15 @@ class Sent:
         self.chars, self.ids, self.started = 0, 0, False
 
 
-async def events(first, chunks, n: int, make_chunk, usage_chunk, counters: dict, flight):
+async def events(first, chunks, n: int, make_chunk, usage_chunk, counters: dict, flight,
+                 running_usage: int | None = None):
     """`first`: the stream's first chunk (awaited before the 200, so that a bad request is a 400);
     `chunks`: the rest (the model's stream, closed here: a client that went away cancels its request);
     `make_chunk(sample, text, token_ids, completion, first)` -> one event; `usage_chunk(completions)` -> the
-    last, or None; `flight` (metrics.py) is told the completions when the stream ends."""
+    last, or None; `flight` (metrics.py) is told the completions when the stream ends. `running_usage`: the
+    prompt's token count, to put the usage so far in every chunk (vLLM's `continuous_usage_stats`)."""
     chunk, unfinished, sent, done = first, set(range(n)), {}, []
+    generated = 0
     try:
         while chunk is not None:
             s = sent.setdefault(chunk.sample, Sent())
@@ -36,7 +39,11 @@ async def events(first, chunks, n: int, make_chunk, usage_chunk, counters: dict,
             else:
                 text, ids = chunk.text, [chunk.token_id]
             event = make_chunk(chunk.sample, text, ids, c, not s.started)
-            if usage_chunk is not None:
+            generated += len(ids)
+            if running_usage is not None:
+                event["usage"] = {"prompt_tokens": running_usage, "completion_tokens": generated,
+                                  "total_tokens": running_usage + generated}
+            elif usage_chunk is not None:
                 event["usage"] = None  # OpenAI's: null in every chunk but the last
             yield event
             s.started, s.chars, s.ids = True, s.chars + len(text), s.ids + len(ids)
