@@ -2,7 +2,7 @@
 returns names one of the request's tools and carries arguments valid under that tool's parameter schema.
 
 - The tools reach the model through its chat template (`apply_chat_template(tools=...)`). A template that
-  ignores them (SmolLM2's, Gemma 3's) gets kvql's own description of them in the system message, which asks
+  ignores them (SmolLM2's) gets kvql's own description of them in the system message, which asks
   for calls in the Hermes format that Qwen's, Hermes' and SmolLM3's templates use:
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
 - `tool_choice`:
