@@ -23,9 +23,12 @@ chat, vLLM's `continue_final_message` (false: the template opens a new assistant
 `include_reasoning` (true: nothing is left out), and SGLang's `separate_reasoning` and `stream_reasoning`
 (either value: they act on a reasoning parser's split, and kvql has none, like SGLang started without one).
 Fields the `openai` client, LangChain and LiteLLM send, with OpenAI's meaning: `frequency_penalty`,
-`presence_penalty` (0: off), `top_k` (vLLM's: -1 / 0 / none: off), `user` (accepted, not used),
-`max_completion_tokens` (an alias of `max_tokens`), `stream_options.include_usage` (a last chunk with
-`choices: []` and the usage). `logit_bias` (token id -> bias in [-100, 100]): kvql has no additive logit
+`presence_penalty` (0: off), `top_k` (vLLM's: -1 / 0 / none: off), `max_completion_tokens` (an alias of
+`max_tokens`), `stream_options.include_usage` (a last chunk with `choices: []` and the usage) and vLLM's
+`stream_options.continuous_usage_stats`, chat `reasoning_effort` (to the chat template), chat `tools`,
+`tool_choice`, `parallel_tool_calls` and messages' `tool_calls` / `tool_call_id` (kvql.server.tools);
+`user`, `metadata`, `store`, `service_tier` change nothing and are accepted unused (`ACCEPTED_UNUSED`);
+completions' `best_of` only equal to `n`, `suffix` only empty. `logit_bias` (token id -> bias in [-100, 100]): kvql has no additive logit
 bias, so only the two values OpenAI documents as absolute are taken, implemented exactly as a mask
 (kvql.engine.masks): -100 bans the token, 100 restricts sampling to the tokens given 100; `{}` is no bias; any
 other value is a 400 naming the field. `min_p`: kvql's sampler has no min-p filter, and a mask cannot
