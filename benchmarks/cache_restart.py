@@ -143,7 +143,7 @@ def restart_numbers(hf, tok, directory: Path, n_questions: int) -> dict:
     first = Model(hf, tok, name=MODEL, cache_budget=budget, cache_dir=directory, cache_save_interval=0)
     answers = first.generate(prompts, **opts)
     first.close()  # saves the snapshot
-    size = (directory / "kv-cache.safetensors").stat().st_size
+    size = first.cache_dir.path.stat().st_size
     rows = {}
     for kind in ("warm", "cold"):
         gc.collect()

@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--budget", default="24MiB", help="KV cache budget (small: forces eviction and preemption)")
     args = ap.parse_args()
     n_good = 12 if args.quick else 40
-    model = kvql.model("smollm2-135m", cache_budget=args.budget)
+    model = kvql.model("smollm2-135m", dtype="float32", cache_budget=args.budget)  # exact: alone == under load
     print(f"{model!r}, budget {args.budget}")
     url, server = serve(model)
     prompts = [f"Q: What is the capital of {TOPICS[i % 20]}?\nA:" + " Let me think." * (i // 20) for i in range(n_good)]

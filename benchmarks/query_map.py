@@ -50,7 +50,7 @@ def main():
     torch.set_num_threads(1)
     questions = [q for q, _ in QUESTIONS[:8 if args.quick else 24]]
     n = len(questions)
-    m = kvql.model("smollm2-135m")
+    m = kvql.model("smollm2-135m", dtype="float32")  # exact: batched answers equal one-at-a-time ones
     kvql.set_default_model(m)
     answer("warm-up?")
 

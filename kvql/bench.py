@@ -12,21 +12,28 @@ Systems: kvql (all requests of a step at once), HF `generate` one request at a t
 cache hit rate and the optimal hit rate (share of prompt tokens that an earlier prompt already held).
 Answers equal: kvql's answers against HF one-at-a-time's, where both decode the same thing (greedy and
 unconstrained: fewshot, chat); tot samples, json and classify are constrained or sampled on one side only.
+Repeats: each point (workload, size, system) is timed `repeats` times, kvql's from an empty cache each time;
+queries/s and speed-ups are from the best (min) time, the median is kept beside it.
+Noise: a busy machine makes any comparison meaningless, so each point records the share of the machine's
+CPU time that other processes used while it ran (from /proc/stat less this process's own CPU time), and
+its spread (median over min, less 1). A run whose others' share passes BUSY_SHARE, or a point past it or
+past SPREAD, is flagged in the table (`!`) and in a warning line, and the figure says so in red.
 Results go to `DIR/bench.json` and one figure `DIR/bench.png` (`plot`): a panel per workload, throughput vs
 number of queries per system, each kvql point annotated with its speed-up and hit rate, and a summary panel.
+Importing this module is light (no torch): the command line reads WORKLOADS before it loads anything.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
+import textwrap
 import time
 from datetime import datetime
 from pathlib import Path
 
-import torch
-
 from .backends.dtype import name as dtype_name
-from .engine import cpu_linear, fused_layers
 
 PREFIX = "".join(f"Q: {q}\nA: {a}\n" for q, a in [
     ("What is the capital of France?", "Paris"), ("How many legs does a spider have?", "Eight"),
@@ -68,6 +75,61 @@ TITLES = {"fewshot": "few-shot QA, one shared prefix", "chat": "chat, the conver
 NAMES = {"hf_one_at_a_time": "transformers generate, one at a time", "hf_generate_batch": "transformers generate_batch",
          "kvql": "kvql"}  # display names
 COMPARABLE = ("fewshot", "chat")  # greedy and unconstrained on both sides: answers should be equal
+BUSY_SHARE = 0.25
+"""Other processes' share of the machine's CPU capacity above which a run or a point is flagged busy."""
+SPREAD = 0.2
+"""A point's median time over its best, less 1, above which it is flagged noisy (with 2 repeats or more)."""
+
+
+def cpu_sample() -> dict | None:
+    """Now: wall clock, this process's CPU seconds (all its threads), the whole machine's busy CPU
+    seconds (/proc/stat: all but idle and iowait; steal counts, a neighbour took it). None without
+    /proc/stat (not Linux): noise is then not measured."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    return {"wall": time.perf_counter(), "own": time.process_time(), "busy": busy}
+
+
+def others_share(before: dict | None, after: dict | None, cores: int) -> float | None:
+    """The share of the machine's CPU capacity (`cores` for the wall time between two `cpu_sample`s) that
+    other processes used; None when either sample is missing."""
+    if before is None or after is None or after["wall"] <= before["wall"]:
+        return None
+    others = (after["busy"] - before["busy"]) - (after["own"] - before["own"])
+    return max(0.0, others / ((after["wall"] - before["wall"]) * cores))
+
+
+def point_noise(row: dict) -> str | None:
+    """Why a row's times are unreliable (`busy 40%`, `spread 31%`), or None."""
+    why = []
+    if (row.get("others_share") or 0) > BUSY_SHARE:
+        why.append(f"busy {row['others_share']:.0%}")
+    if (row.get("spread") or 0) > SPREAD:
+        why.append(f"spread {row['spread']:.0%}")
+    return ", ".join(why) or None
+
+
+def noise_warning(results: dict) -> str | None:
+    """One line saying the run's numbers are unreliable and why (other processes' CPU share over the run,
+    points flagged by `point_noise`), or None for a quiet run."""
+    machine = results.get("machine") or {}
+    rows = [r for rows in results["workloads"].values() for r in rows]
+    noisy = sum(point_noise(r) is not None for r in rows)
+    why = []
+    share = machine.get("others_share")
+    if share is not None and share > BUSY_SHARE:
+        why.append(f"other processes used {share:.0%} of the machine's {machine.get('cores', '?')} cores during "
+                   "the run")
+    if noisy:
+        why.append(f"{noisy} of {len(rows)} points noisy (busy over {BUSY_SHARE:.0%} or repeats spread over "
+                   f"{SPREAD:.0%}: marked !)")
+    if not why:
+        return None
+    return "WARNING: a noisy run, its times are unreliable: " + "; ".join(why) + ". Rerun on a quiet machine."
 
 
 def optimal_hit_rate(prompts: list[list[int]], histories: list[list[int]] | None = None) -> float:
@@ -109,10 +171,10 @@ def _run_kvql(model, reqs) -> tuple[list[list[int]], list[list[int]], int, list[
     return sent, [p + c.token_ids for p, c in zip(sent, out)], len(out), answers
 
 
-@torch.inference_mode()
 def _run_hf(hf, tok, reqs, batch: bool) -> tuple[int, list[str] | None]:
     """Plain transformers: `generate` per request, or `generate_batch` for all of a step;
     -> (queries answered, answers: one per query, one at a time only)."""
+    import torch
     from transformers import GenerationConfig
 
     def config(r):
@@ -121,35 +183,38 @@ def _run_hf(hf, tok, reqs, batch: bool) -> tuple[int, list[str] | None]:
                                 num_return_sequences=r.get("n", 1), pad_token_id=tok.eos_token_id,
                                 eos_token_id=tok.eos_token_id)
 
-    answers = []
-    if reqs and "turn" in reqs[0]:
-        convo = ""
+    with torch.inference_mode():  # (torch imported here: the module's import stays light)
+        answers = []
+        if reqs and "turn" in reqs[0]:
+            convo = ""
+            for r in reqs:
+                convo += r["prompt"]
+                ids = torch.tensor([tok.encode(convo)])
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config(r))
+                answers.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+                convo += answers[-1] + "\n"
+            return len(answers), answers
+        if batch:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+            cb = ContinuousBatchingConfig(page_size=32, num_blocks=512, max_batch_tokens=512)
+            ids = [tok.encode(r["prompt"]) for r in reqs for _ in range(reqs[0].get("n", 1))]
+            cfg = config(reqs[0])
+            cfg.num_return_sequences = 1
+            return len(hf.generate_batch(ids, generation_config=cfg, continuous_batching_config=cb)), None
         for r in reqs:
-            convo += r["prompt"]
-            ids = torch.tensor([tok.encode(convo)])
+            ids = torch.tensor([tok.encode(r["prompt"])])
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config(r))
-            answers.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
-            convo += answers[-1] + "\n"
+            answers += [tok.decode(row[ids.shape[1]:], skip_special_tokens=True) for row in out]
         return len(answers), answers
-    if batch:
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-        cb = ContinuousBatchingConfig(page_size=32, num_blocks=512, max_batch_tokens=512)
-        ids = [tok.encode(r["prompt"]) for r in reqs for _ in range(reqs[0].get("n", 1))]
-        cfg = config(reqs[0])
-        cfg.num_return_sequences = 1
-        return len(hf.generate_batch(ids, generation_config=cfg, continuous_batching_config=cb)), None
-    for r in reqs:
-        ids = torch.tensor([tok.encode(r["prompt"])])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config(r))
-        answers += [tok.decode(row[ids.shape[1]:], skip_special_tokens=True) for row in out]
-    return len(answers), answers
 
 
-def _meta(model) -> dict:
+def _meta(model, repeats: int) -> dict:
+    import torch
     import transformers
 
-    return {"model": getattr(model, "name", "model"), "device": str(getattr(model, "device", "cpu")),
+    return {"repeats": repeats, "model": getattr(model, "name", "model"),
+            "device": str(getattr(model, "device", "cpu")),
             "dtype": dtype_name(model.hf_model.dtype), "threads": torch.get_num_threads(),
             "date": datetime.now().strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
             "transformers": transformers.__version__}
@@ -168,16 +233,44 @@ def _warm_up(model, hf_plain, hf_batch) -> None:
     model.clear_cache()
 
 
+def _timed(fn, repeats: int, before_each=None) -> tuple[list[float], object]:
+    """`fn()` timed `repeats` times (`before_each()` untimed before each); -> (seconds of each, last result)."""
+    seconds = []
+    for _ in range(repeats):
+        if before_each is not None:
+            before_each()
+        t = time.perf_counter()
+        result = fn()
+        seconds.append(time.perf_counter() - t)
+    return seconds, result
+
+
+def _record(row: dict, system: str, seconds: list[float], answered: int) -> None:
+    row["seconds"][system], row["median_seconds"][system] = min(seconds), statistics.median(seconds)
+    row[system] = answered / min(seconds)
+    spread = statistics.median(seconds) / min(seconds) - 1 if len(seconds) > 1 else None
+    if spread is not None:
+        row["spread"] = max(row.get("spread") or 0.0, spread)
+
+
 def run(model, workloads=WORKLOADS, sizes=(2, 4, 8), out_dir: str | Path = "bench-results", progress: bool = True,
-        batch_baseline: bool = True) -> dict:
+        batch_baseline: bool = True, repeats: int = 1, sample=cpu_sample) -> dict:
     """Run the suite on a kvql `Model` (the baselines run a plain copy of its `hf_model`); write JSON and PNG.
-    Each row: `n`; per system its queries/s (`kvql`, `hf_one_at_a_time`, `hf_generate_batch`) and wall
-    seconds (`seconds`); `kvql_vs_<system>` ratios of queries/s; kvql's `hit_rate` and the
-    `optimal_hit_rate`; `answers_equal` [equal, total] against one at a time (None: not comparable)."""
+    Each row: `n`; per system its queries/s (`kvql`, `hf_one_at_a_time`, `hf_generate_batch`) from its best
+    of `repeats` times, and wall seconds: the best (`seconds`) and the median (`median_seconds`);
+    `kvql_vs_<system>` ratios of queries/s; kvql's `hit_rate` and the `optimal_hit_rate`; `answers_equal`
+    [equal, total] against one at a time (None: not comparable); `spread` (the largest median / best - 1 of
+    its systems; None with one repeat) and `others_share` (other processes' share of the CPU while the row
+    ran; None unmeasured). `results["machine"]`: `cores` and the run's `others_share`. `sample`: what
+    `cpu_sample` returns (tests pass their own)."""
     import copy
 
     from tqdm.auto import tqdm
 
+    from .engine import cpu_linear, fused_layers
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     # the baselines run plain transformers: a copy of the model without kvql's linear layers
     hf_plain = copy.deepcopy(model.hf_model)
     fused_layers.restore(hf_plain)
@@ -185,21 +278,22 @@ def run(model, workloads=WORKLOADS, sizes=(2, 4, 8), out_dir: str | Path = "benc
     hf_plain.set_attn_implementation("sdpa")
     hf_batch = copy.deepcopy(hf_plain) if batch_baseline else None  # (continuous batching changes its model)
     systems = ["kvql", "hf_one_at_a_time"] + (["hf_generate_batch"] if batch_baseline else [])
-    results: dict = {"meta": _meta(model), "sizes": list(sizes), "systems": systems, "workloads": {}}
+    cores = os.cpu_count() or 1  # /proc/stat's first line sums every CPU of the machine
+    results: dict = {"meta": _meta(model, repeats), "sizes": list(sizes), "systems": systems, "workloads": {}}
     _warm_up(model, hf_plain, hf_batch)
     bar = tqdm(total=len(workloads) * len(sizes) * len(systems), desc="kvql bench", disable=not progress)
+    start = sample()
     for w in workloads:
         rows = []
         for n in sizes:
             reqs = requests(w, n)
-            row = {"n": n, "seconds": {}}
-            model.clear_cache()
+            row = {"n": n, "seconds": {}, "median_seconds": {}, "spread": None}
+            row_start = sample()
             before = model.stats()
-            t = time.perf_counter()
-            sent, histories, answered, kvql_answers = _run_kvql(model, reqs)
-            row["seconds"]["kvql"] = time.perf_counter() - t
-            row["kvql"] = answered / row["seconds"]["kvql"]
-            after = model.stats()
+            seconds, (sent, histories, answered, kvql_answers) = _timed(lambda: _run_kvql(model, reqs), repeats,
+                                                                        model.clear_cache)
+            _record(row, "kvql", seconds, answered)
+            after = model.stats()  # over every repeat, each from an empty cache: one run's rate
             prompt = after["prompt_tokens"] - before["prompt_tokens"]
             row["hit_rate"] = (after["cached_tokens"] - before["cached_tokens"]) / prompt if prompt else 0.0
             # forks of one prompt (tot) count it once, as the engine does
@@ -208,21 +302,22 @@ def run(model, workloads=WORKLOADS, sizes=(2, 4, 8), out_dir: str | Path = "benc
             row["answers_equal"] = None
             bar.update(1)
             for system in systems[1:]:
-                t = time.perf_counter()
+                batch = system == "hf_generate_batch"
                 try:
-                    batch = system == "hf_generate_batch"
-                    answered, answers = _run_hf(hf_batch if batch else hf_plain, model.tokenizer, reqs, batch=batch)
-                    row["seconds"][system] = time.perf_counter() - t
-                    row[system] = answered / row["seconds"][system]
+                    seconds, (answered, answers) = _timed(
+                        lambda: _run_hf(hf_batch if batch else hf_plain, model.tokenizer, reqs, batch=batch), repeats)
+                    _record(row, system, seconds, answered)
                     row[f"kvql_vs_{system}"] = row["kvql"] / row[system]
                     if system == "hf_one_at_a_time" and w in COMPARABLE and answers is not None:
                         row["answers_equal"] = [sum(a == b for a, b in zip(kvql_answers, answers)), len(answers)]
                 except Exception as e:  # a baseline that cannot run here is reported, not hidden
                     row[system], row[f"{system}_error"] = None, f"{type(e).__name__}: {e}"[:300]
                 bar.update(1)
+            row["others_share"] = others_share(row_start, sample(), cores)
             rows.append(row)
         results["workloads"][w] = rows
     bar.close()
+    results["machine"] = {"cores": cores, "others_share": others_share(start, sample(), cores)}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(results, indent=1))
@@ -239,8 +334,9 @@ def title(results: dict) -> str:
 def plot(results: dict, path: str | Path | None = None):
     """One figure: a 2x3 grid, a panel per workload (queries/s vs number of queries, per system; each
     kvql point annotated with its speed-up over one at a time and its cache hit rate) and a summary
-    panel (kvql's speed-up per workload at the largest size). Saved to `path` when given; returns the
-    matplotlib Figure."""
+    panel (kvql's speed-up per workload at the largest size). A noisy point's note is red with its reason
+    (`point_noise`), a noisy run's `noise_warning` the legend's title, in red. Saved to `path` when given;
+    returns the matplotlib Figure."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullLocator
 
@@ -265,8 +361,10 @@ def plot(results: dict, path: str | Path | None = None):
                 continue
             speedup = r.get("kvql_vs_hf_one_at_a_time")
             label = (f"{speedup:.1f}x\n" if speedup else "") + f"hit {r['hit_rate']:.0%}"
-            ax.annotate(label, (r["n"], r["kvql"]), textcoords="offset points", xytext=(0, 7), ha="center",
-                        va="bottom", fontsize=8, color=style["kvql"]["color"])
+            noise = point_noise(r)  # in red, with its `!` as in the table
+            ax.annotate(label + (f"\n! {noise}" if noise else ""), (r["n"], r["kvql"]), textcoords="offset points",
+                        xytext=(0, 7), ha="center", va="bottom", fontsize=8,
+                        color="red" if noise else style["kvql"]["color"])
         ax.set_title(f"{w}: {TITLES.get(w, '')}".rstrip(": "), fontsize=11)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(n) for n in sizes])
@@ -280,7 +378,12 @@ def plot(results: dict, path: str | Path | None = None):
         ax.set_visible(False)
     _summary_panel(axes[-1], results, names)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=10, frameon=False)
+    warning = noise_warning(results)
+    # a noisy run's warning is the legend's title, in red: laid out with the figure, read with the lines
+    legend = fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=10, frameon=False,
+                        title=textwrap.fill(warning, 150) if warning else None,
+                        title_fontproperties={"size": 12, "weight": "bold"})
+    legend.get_title().set_color("red")
     fig.suptitle(title(results) + "\nkvql points: speed-up over transformers generate one at a time, and kvql's "
                  "cache hit rate", fontsize=13)
     if path is not None:
@@ -316,28 +419,42 @@ def _summary_panel(ax, results: dict, names: list[str]) -> None:
 
 def table(results: dict) -> str:
     """The console table: a header, then per workload and size the baseline's seconds (transformers
-    generate one at a time), kvql's, the speed-ups, answers equal and the hit rate."""
+    generate one at a time), kvql's (each `best/median` with several repeats), the speed-ups, answers
+    equal, the hit rate and the point's noise (`point_noise`, marked `!`); `noise_warning`'s line above
+    and below the rows when the run was noisy."""
+    repeats = (results.get("meta") or {}).get("repeats", 1)
+    warning = noise_warning(results)
+    seconds = (f"seconds: best/median of {repeats} repeats" if repeats > 1 else "seconds: one run (--repeats N: best "
+               "and median of N)")
     lines = [title(results), "baseline: transformers generate, one at a time; speed-up: kvql's queries/s over "
-             "the baseline's; answers equal: kvql's answers vs the baseline's (n/a: constrained or sampled)", ""]
-    head = (f"{'workload':<9} {'n':>3} {'baseline s':>10} {'kvql s':>8} {'speed-up':>9} {'vs gen_batch':>12} "
-            f"{'answers equal':>13} {'hit rate':>8} {'optimal':>8}")
+             "the baseline's (best times);", "answers equal: kvql's answers vs the baseline's (n/a: constrained or "
+             f"sampled); {seconds}", *([warning] if warning else []), ""]
+    width = 11 if repeats > 1 else 8
+    head = (f"{'workload':<9} {'n':>3} {'baseline s':>{width}} {'kvql s':>{width}} {'speed-up':>9} "
+            f"{'vs gen_batch':>12} {'answers equal':>13} {'hit rate':>8} {'optimal':>8}  noise")
     lines += [head, "-" * len(head)]
 
     def fmt(v, spec, suffix=""):
         return format(v, spec) + suffix if v is not None else "n/a"
 
+    def secs(r, system):
+        best, median = r.get("seconds", {}).get(system), r.get("median_seconds", {}).get(system)
+        return fmt(best, ".2f") + (f"/{median:.2f}" if repeats > 1 and median is not None else "")
+
     for w, rows in results["workloads"].items():
         for r in rows:
-            sec = r.get("seconds", {})
             eq = r.get("answers_equal")
-            lines.append(f"{w:<9} {r['n']:>3} {fmt(sec.get('hf_one_at_a_time'), '.2f'):>10} "
-                         f"{fmt(sec.get('kvql'), '.2f'):>8} {fmt(r.get('kvql_vs_hf_one_at_a_time'), '.2f', 'x'):>9} "
+            noise = point_noise(r)
+            lines.append(f"{w:<9} {r['n']:>3} {secs(r, 'hf_one_at_a_time'):>{width}} {secs(r, 'kvql'):>{width}} "
+                         f"{fmt(r.get('kvql_vs_hf_one_at_a_time'), '.2f', 'x'):>9} "
                          f"{fmt(r.get('kvql_vs_hf_generate_batch'), '.2f', 'x'):>12} "
                          f"{(f'{eq[0]}/{eq[1]}' if eq else 'n/a'):>13} {r['hit_rate']:>8.2f} "
-                         f"{r['optimal_hit_rate']:>8.2f}")
+                         f"{r['optimal_hit_rate']:>8.2f}  {'! ' + noise if noise else ''}".rstrip())
             for k, v in r.items():
                 if k.endswith("_error"):
                     lines.append(f"    {NAMES.get(k[:-6], k[:-6])} failed: {v}")
+    if warning:
+        lines += ["", warning]
     return "\n".join(lines)
 
 

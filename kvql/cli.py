@@ -1,14 +1,18 @@
 """Command line: `kvql demo`, `kvql run FILE.lmql`, `kvql serve`, `kvql bench`, `kvql generate`.
 
 Parsing arguments imports nothing heavy: torch and transformers are imported only by a command that
-loads a model, so `kvql --help` and argument errors return at once. `kvql run` checks the query's
-inputs before it loads anything.
+loads a model, so `kvql --help` and argument errors return at once. Every argument is checked before
+a model loads: its syntax by argparse (sizes, counts, paths, dtypes, workload names: a usage error,
+exit 2), what needs torch (the device) by `kvql.factory.check_options` before the "loading" line, and
+`kvql run` checks the query's inputs before it imports anything heavy.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -73,9 +77,13 @@ def demo(args) -> None:
 
 
 def generate(args) -> None:
+    """Each prompt's completion on stdout; with several prompts, each after a line naming its prompt."""
     m = load(args.model, args)
-    for c in m.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                        stop=args.stop or None):
+    out = m.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop or None)
+    for k, (prompt, c) in enumerate(zip(args.prompt, out), 1):
+        if len(out) > 1:
+            shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+            print(f"--- prompt {k}/{len(out)}: {shown!r} ---")
         print(c.text)
     m.close()
 
@@ -230,8 +238,9 @@ def bench(args) -> None:
         import torch
         torch.set_num_threads(args.threads)
     m = load(args.model, args)
+    repeats = args.repeats or (1 if args.quick else 3)
     results = suite.run(m, args.workloads or suite.WORKLOADS, (2, 6) if args.quick else (2, 4, 8, 16, 32),
-                        args.out, progress=True)
+                        args.out, progress=True, repeats=repeats)
     suite.print_table(results)
     print(f"wrote {args.out}/bench.json and {args.out}/bench.png")
     m.close()
@@ -239,64 +248,179 @@ def bench(args) -> None:
 
 MODEL_HELP = ("smollm2-135m (embedded), a local model directory, a Hugging Face Hub id ORG/NAME (from the local "
               "HF cache, else downloaded), local:PATH_OR_ID, or http://HOST:PORT/v1")
+DTYPE_HELP = ("auto: bfloat16 on CUDA and on a CPU with native bf16 matrix units (AMX-BF16 or AVX-512 BF16), else "
+              "float32 (the same rule for every command and for kvql.model()); float32: kvql's exact mode")
+
+
+# --- argument types: each checks one argument as argparse reads it (a usage error, before any load) ------
+
+def size(text: str) -> int:
+    """`--cache-budget 512MB` -> bytes (> 0)."""
+    from .backends.sizes import parse_bytes
+
+    try:
+        n = parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is no size > 0 (e.g. '512MB', '2GiB')")
+    return n
+
+
+def at_least(minimum: int, at_most: int | None = None):
+    """An int type accepting `minimum` and above (up to `at_most`)."""
+    def count(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < minimum or (at_most is not None and n > at_most):
+            bounds = f"from {minimum} to {at_most}" if at_most is not None else f"at least {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {n}")
+        return n
+    return count
+
+
+def non_negative(text: str) -> float:
+    """Seconds, a temperature: a number >= 0 (not NaN)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return x
+
+
+def directory(text: str) -> str:
+    """A directory kvql writes into: existing and writable, or one it can create."""
+    from .factory import directory_problem
+
+    problem = directory_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}")
+    return text
+
+
+def output_file(text: str) -> str:
+    """A file kvql writes: not a directory, in an existing writable directory."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name (e.g. trace.html)")
+    parent = path.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: directory {str(parent)!r} is not writable")
+    return text
+
+
+def workload(text: str) -> str:
+    """A `kvql bench` workload's name."""
+    from .bench import WORKLOADS  # names only: kvql.bench imports torch when it runs
+
+    if text not in WORKLOADS:
+        raise argparse.ArgumentTypeError(f"unknown workload {text!r}; known: {', '.join(WORKLOADS)}")
+    return text
+
+
+_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[0-7]{1,3}|N\{[^}]*\}|[\\'\"abfnrtv])")
+
+
+def unescape(text: str) -> str:
+    r"""`--stop '\n'`: backslash escapes decoded as a Python string literal decodes them (`\n`, `\t`, `\\`,
+    `\x41`, `\u00e9`, `\N{BULLET}`, ...), so that a shell's single quotes can carry a newline. A backslash
+    that starts no escape (`\d`, one at the end, an unknown `\N{name}`) is refused, not kept or dropped."""
+    out, at = [], 0
+    while (i := text.find("\\", at)) >= 0:
+        m = _ESCAPE.match(text, i)
+        try:
+            decoded = m.group(0).encode("ascii").decode("unicode_escape") if m else None
+        except UnicodeError:  # an unknown \N{name}
+            decoded = None
+        if decoded is None:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {text[i:i + 2]!r} at character {i} starts no escape (\\n, \\t, \\\\, \\x41, \\u00e9, "
+                f"...); write \\\\ for a backslash")
+        out += [text[at:i], decoded]
+        at = m.end()
+    return "".join(out) + text[at:]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows each option's default after its help text, unless it has none to show (None, a
+    flag's False) or the help already says it."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _model_options(p: argparse.ArgumentParser, model_default: str | None = DEFAULT_MODEL,
                    model_help: str = MODEL_HELP, cache_dir: bool = False) -> None:
     """--model, --device, --dtype, --cache-budget (and --cache-dir): the local model a command loads."""
-    from .backends.dtype import NAMES
+    from .backends.dtype import DEFAULT, NAMES
 
     p.add_argument("--model", default=model_default, help=model_help)
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", choices=NAMES, default=None,
-                   help="default: float32 (kvql's exact mode) on a CPU, bfloat16 on CUDA; auto: bfloat16 on CUDA "
-                        "and on a CPU with native bf16 matrix units (AMX-BF16 or AVX-512 BF16), else float32")
-    p.add_argument("--cache-budget", default=None, metavar="SIZE",
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...; checked before the model loads")
+    p.add_argument("--dtype", choices=NAMES, default=DEFAULT, help=DTYPE_HELP)
+    p.add_argument("--cache-budget", type=size, default=None, metavar="SIZE",
                    help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
     if cache_dir:
-        p.add_argument("--cache-dir", default=None, metavar="DIR",
-                       help="keep the KV cache in DIR between runs: loaded at start when it is this model's, "
-                            "saved at exit (a later run of the same prompts is served from it)")
+        p.add_argument("--cache-dir", type=directory, default=None, metavar="DIR",
+                       help="keep the KV cache in DIR between runs: a snapshot per model and dtype, loaded at start "
+                            "when there is one, saved at exit (a later run of the same prompts is served from it)")
 
 
 def parser() -> argparse.ArgumentParser:
     p0 = argparse.ArgumentParser(prog="kvql", description=__doc__.split("\n")[0])
     p0.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p0.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="few-shot questions on the embedded model, cold then warm cache")
+
+    def command(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter)
+
+    p = command("demo", "few-shot questions on the embedded model, cold then warm cache")
     _model_options(p)
     p.set_defaults(func=demo)
-    p = sub.add_parser("run", help="run an LMQL query file")
-    p.add_argument("file")
+    p = command("run", "run an LMQL query file")
+    p.add_argument("file", help="the query (.lmql)")
     _model_options(p, None, f"default: the query's own (from ...), else {DEFAULT_MODEL}; {MODEL_HELP}", cache_dir=True)
     p.add_argument("--input", action="append", metavar="NAME=VALUE", help="an input of the query (repeatable)")
     p.add_argument("--decoder", metavar="DECODER",
                    help="override the query's decoder: argmax, 'sample(n=3)', 'beam(n=2)', ...")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same samples)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature")
-    p.add_argument("--trace", metavar="FILE",
+    p.add_argument("--temperature", type=non_negative, default=None, help="sampling temperature")
+    p.add_argument("--trace", type=output_file, metavar="FILE",
                    help="write the run's trace: FILE.html (self-contained) or FILE.json; several samples go to "
                         "one file, a section per sample")
     p.add_argument("--stats", action="store_true", help="print the run's cached / computed token counts")
     p.set_defaults(func=run)
-    p = sub.add_parser("serve", help="OpenAI-compatible server sharing one model and its cache")
+    p = command("serve", "OpenAI-compatible server sharing one model and its cache")
     from .server import launch  # its flags; the server itself is imported only when it starts
 
     launch.add_arguments(p)
     p.set_defaults(func=launch.serve)
-    p = sub.add_parser("bench", help="workloads side by side: kvql vs HF generate / generate_batch")
-    p.add_argument("workloads", nargs="*", help="fewshot chat tot json classify (default: all)")
+    p = command("bench", "workloads side by side: kvql vs HF generate / generate_batch")
+    p.add_argument("workloads", nargs="*", type=workload, metavar="WORKLOAD",
+                   help="fewshot chat tot json classify (default: all)")
     _model_options(p)
-    p.add_argument("--quick", action="store_true", help="sizes 2 and 6 only: under 2 minutes on 2 cores")
-    p.add_argument("--out", default="bench-results")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--quick", action="store_true", help="sizes 2 and 6, one repeat: under 2 minutes on 2 quiet cores")
+    p.add_argument("--repeats", type=at_least(1), default=None, metavar="N",
+                   help="time every point N times; the table shows the best (min) and the median (default: 3, "
+                        "1 with --quick)")
+    p.add_argument("--out", type=directory, default="bench-results", metavar="DIR",
+                   help="where bench.json and bench.png go")
+    p.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (0: torch's default)")
     p.set_defaults(func=bench)
-    p = sub.add_parser("generate", help="complete prompts")
-    p.add_argument("prompt", nargs="+")
+    p = command("generate", "complete prompts")
+    p.add_argument("prompt", nargs="+", help="one or more prompts, each completed on its own")
     _model_options(p, cache_dir=True)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--stop", action="append")
+    p.add_argument("--max-tokens", type=at_least(1), default=32, help="tokens generated at most per prompt")
+    p.add_argument("--temperature", type=non_negative, default=0.0, help="sampling temperature; 0: greedy")
+    p.add_argument("--stop", action="append", type=unescape, metavar="TEXT",
+                   help="stop before TEXT (repeatable); backslash escapes as in Python: '\\n' is a newline")
     p.set_defaults(func=generate)
     return p0
 

@@ -7,8 +7,10 @@ a backend with LMQL's model methods on top."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
 _random_models: dict = {}
@@ -57,6 +59,41 @@ def banner(m) -> str:
             f"KV cache {engine.pool.num_slots:,} tokens ({size_text(engine.pool.bytes)})")
 
 
+def directory_problem(path) -> str | None:
+    """Why kvql could not write files into directory `path` (created at the first write when missing), or
+    None. Checked before a model loads: a bad `--cache-dir` or `--out` is an error at once, not after it."""
+    p = Path(path).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            return "exists and is not a directory"
+        return None if os.access(p, os.W_OK | os.X_OK) else "is not writable"
+    above = next(a for a in p.parents if a.exists())  # the root always exists
+    if not above.is_dir():
+        return f"cannot be created: {above} is not a directory"
+    return None if os.access(above, os.W_OK | os.X_OK) else f"cannot be created: {above} is not writable"
+
+
+def check_options(*, device="cpu", dtype=None, cache_budget=None, cache_dir=None,
+                  cache_save_interval: float = 300.0) -> None:
+    """ValueError (one line, naming the option) when a local model's options cannot be used; loads nothing.
+    `model()` calls it before anything else, commands before their "loading" line, so that a typo in
+    `--cache-budget` is not found after a 13 s load."""
+    from .backends.dtype import resolve
+    from .backends.loader import check_device
+    from .backends.sizes import parse_bytes
+
+    if cache_budget is not None and parse_bytes(cache_budget) <= 0:
+        raise ValueError(f"cache_budget {cache_budget!r} is no size > 0 (e.g. '512MB', '2GiB')")
+    if not cache_save_interval >= 0:
+        raise ValueError(f"cache_save_interval must be >= 0 seconds, got {cache_save_interval!r}")
+    if cache_dir is not None:
+        problem = directory_problem(cache_dir)
+        if problem is not None:
+            raise ValueError(f"cache_dir {str(cache_dir)!r} {problem}")
+    resolve(dtype, device)
+    check_device(device)
+
+
 def tokenizer(spec: str = "smollm2-135m"):
     """The Hugging Face tokenizer of model `spec` (as `model` reads specs), without loading the model."""
     from .backends.loader import load_tokenizer
@@ -77,9 +114,9 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     queries keep and send token ids there (default: the served model's name, when it names a local
     model; see `kvql.backends.remote`). `cache_budget`: bytes of KV cache (int, or `"512MB"`, `"2GiB"`);
     default a quarter of free memory, at most 4 GiB (CPU) or half of free GPU memory (CUDA).
-    `dtype`: `"float32"` (kvql's exact mode), `"bfloat16"`, `"float16"`, `"auto"` (bfloat16 on CUDA and on
-    CPUs with native bf16 matrix units, else float32) or a `torch.dtype`; default float32 on a CPU and
-    bfloat16 on CUDA (see `kvql.backends.dtype`). Local models only.
+    `dtype`: `"auto"` (the default, as every `kvql` command's: bfloat16 on CUDA and on CPUs with native
+    bf16 matrix units, else float32), `"float32"` (kvql's exact mode: ask for it where exactness matters),
+    `"bfloat16"`, `"float16"` or a `torch.dtype` (see `kvql.backends.dtype`). Local models only.
     `cache_dir`: a directory that keeps the KV cache across restarts (loaded now if its snapshot is this
     model's, dtype's and tokenizer's; saved on close / exit and every `cache_save_interval` seconds when
     idle, 0: only on close; see `kvql.engine.cache_dir`). Local models only.
@@ -90,6 +127,10 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     progress to stderr: a "loading" line (saying so when the embedded model's first load converts its GGUF
     file), then `banner(model)` with the seconds it took.
     """
+    remote = spec.startswith(("http://", "https://"))
+    if not remote:
+        check_options(device=device, dtype=dtype, cache_budget=cache_budget, cache_dir=cache_dir,
+                      cache_save_interval=cache_save_interval)
     if not silent:
         from .backends.loader import first_load_note
 
@@ -103,7 +144,7 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
                   cache_dir=cache_dir, cache_save_interval=cache_save_interval)
         print(f"kvql: {banner(m)} · loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return m
-    if spec.startswith(("http://", "https://")):
+    if remote:
         if seed is not None:
             raise TypeError("seed= is for the 'random' model; a server's model has fixed weights")
         if dtype is not None:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import kvql
 from conftest import free_port, random_prompts, reference_greedy, start_server, tiny_model
 from kvql.engine import snapshot
-from kvql.engine.cache_dir import SNAPSHOT
+from kvql.engine.cache_dir import snapshot_path
 from kvql.engine.snapshot import SnapshotError, read_header
 
 
@@ -222,12 +222,35 @@ def test_cache_dir_saves_on_close_and_loads_on_start(make_model, llama, tokenize
     a = make_model(cache_dir=tmp_path, cache_save_interval=0)
     before = a.generate(prompts, max_tokens=6)
     a.close()
-    assert (tmp_path / SNAPSHOT).is_file() and not list(tmp_path.glob(".*tmp"))  # no temporary left behind
+    assert a.cache_dir.path.is_file() and not list(tmp_path.glob(".*tmp"))  # no temporary left behind
     b = make_model(cache_dir=tmp_path, cache_save_interval=0)
     b.check_integrity()
     after = b.generate(prompts, max_tokens=6)
     assert [c.token_ids for c in after] == [c.token_ids for c in before]
     assert all(c.cached_tokens == c.prompt_tokens - 1 for c in after)
+    assert not cache_warnings(caplog)
+
+
+def test_two_dtypes_sharing_a_cache_dir_each_get_their_own_warm_restart(make_model, llama, tokenizer, tmp_path,
+                                                                          caplog):
+    # kvql run (float32) and kvql serve (bf16) on one --cache-dir once overwrote each other's snapshot
+    caplog.set_level(logging.INFO, logger="kvql.cache")
+    prompts = random_prompts(seed=9, count=6, vocab=len(tokenizer))
+    half = copy.deepcopy(llama).to(torch.bfloat16)
+    before = {}
+    for name, hf in (("float32", llama), ("bfloat16", half)):
+        a = make_model(hf, cache_dir=tmp_path, cache_save_interval=0)
+        before[name] = [c.token_ids for c in a.generate(prompts, max_tokens=5)]
+        a.close()
+    assert len(list(tmp_path.glob("kv-cache-*.safetensors"))) == 2
+    for name, hf in (("float32", llama), ("bfloat16", half)):
+        b = make_model(hf, cache_dir=tmp_path, cache_save_interval=0)
+        assert b.engine.pool.k.dtype is hf.dtype
+        after = b.generate(prompts, max_tokens=5)
+        assert all(c.cached_tokens == c.prompt_tokens - 1 for c in after), name  # warm: its own snapshot
+        assert [c.token_ids for c in after] == before[name]
+        b.check_integrity()
+    assert before["float32"] == expected(llama, tokenizer, prompts, 5)
     assert not cache_warnings(caplog)
 
 
@@ -239,7 +262,7 @@ def test_an_idle_model_saves_its_cache_every_interval(make_model, tokenizer, tmp
             break
         time.sleep(0.01)
     assert m.cache_dir.saves >= 1
-    assert read_header(tmp_path / SNAPSHOT)[0]["tokens"]["shape"] == [m.engine.tree.total_tokens]
+    assert read_header(m.cache_dir.path)[0]["tokens"]["shape"] == [m.engine.tree.total_tokens]
 
 
 def _flip(path: Path, where: str) -> None:
@@ -253,7 +276,7 @@ def _flip(path: Path, where: str) -> None:
     path.write_bytes(bytes(data))
 
 
-DAMAGE = {
+DAMAGE = {  # another model's or dtype's snapshot has a name of its own: renamed to this model's here
     "another model": None,
     "another dtype": None,
     "truncated": lambda p: p.write_bytes(p.read_bytes()[:p.stat().st_size * 2 // 3]),
@@ -275,8 +298,12 @@ def test_an_unusable_snapshot_starts_cold_with_one_log_line(make_model, llama, t
     a = make_model(writer, cache_dir=tmp_path, cache_save_interval=0)
     a.generate(prompts, max_tokens=4)
     a.close()
-    if DAMAGE[damage] is not None:
-        DAMAGE[damage](tmp_path / SNAPSHOT)
+    own = snapshot_path(tmp_path, make_model().engine.fingerprint())
+    if DAMAGE[damage] is None:
+        assert a.cache_dir.path != own
+        a.cache_dir.path.rename(own)
+    else:
+        DAMAGE[damage](own)
     caplog.set_level(logging.INFO, logger="kvql.cache")
     b = make_model(cache_dir=tmp_path, cache_save_interval=0)
     (line,) = cache_warnings(caplog)
@@ -326,7 +353,7 @@ def test_a_restarted_server_answers_from_the_cache_it_saved_on_sigterm(tmp_path,
         before = [_ask(port, SHARED + q) for q in QUESTIONS]
     finally:
         log = _stop(proc)
-    assert (cache / SNAPSHOT).is_file(), log
+    assert len(list(cache.glob("kv-cache-*.safetensors"))) == 1, log
     assert before[0]["cached"] == 0 and before[1]["cached"] > 0
 
     proc = start_server(model_dir, port, "--cache-dir", str(cache))
@@ -348,5 +375,11 @@ def test_a_restarted_server_answers_from_the_cache_it_saved_on_sigterm(tmp_path,
         assert _ask(port, SHARED + QUESTIONS[0])["cached"] == 0
     finally:
         log = _stop(proc)
-    lines = [line for line in log.splitlines() if "kvql.cache" in line]
-    assert len(lines) == 1 and "saved for another model" in lines[0] and "starting with an empty cache" in lines[0]
+    assert "kvql.cache" not in log  # its own (absent) snapshot: no warning
+    assert len(list(cache.glob("kv-cache-*.safetensors"))) == 2
+    proc = start_server(model_dir, port, "--cache-dir", str(cache))
+    try:
+        again = _ask(port, SHARED + QUESTIONS[0])  # the first model's snapshot was left alone
+    finally:
+        log = _stop(proc)
+    assert again["cached"] >= 0.9 * shared and again["text"] == before[0]["text"], log

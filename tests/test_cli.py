@@ -48,3 +48,37 @@ def test_kvql_run_with_a_cache_dir_serves_the_next_run_from_it(tmp_path, llama, 
     bad = subprocess.run([sys.executable, "-m", "kvql.cli", "run", str(query), "--model", "http://127.0.0.1:9/v1",
                           "--cache-dir", str(tmp_path / "kv")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--cache-dir is for local models" in bad.stderr
+
+
+def test_kvql_generate_names_each_prompt_and_decodes_stop_escapes(monkeypatch, capsys):
+    import kvql
+    from kvql.cli import main
+
+    class Fake:
+        def generate(self, prompts, **options):
+            self.options = options
+            return [type("C", (), {"text": f" answer {i}"})() for i in range(len(prompts))]
+
+        def close(self):
+            pass
+
+    fake = Fake()
+    monkeypatch.setattr(kvql, "model", lambda *a, **k: fake)
+    main(["generate", "Q: first?", "Q: " + "x" * 80, "--stop", "\\n", "--stop", "\\tEND"])
+    assert fake.options["stop"] == ["\n", "\tEND"]
+    assert capsys.readouterr().out.splitlines() == [
+        "--- prompt 1/2: 'Q: first?' ---", " answer 0",
+        f"--- prompt 2/2: {'Q: ' + 'x' * 54 + '...'!r} ---", " answer 1"]
+    main(["generate", "only one"])
+    assert capsys.readouterr().out == " answer 0\n"  # one prompt: its text alone, as before
+
+
+def test_kvql_generate_runs_several_prompts_on_a_real_model(tmp_path, llama, tokenizer):
+    llama.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    out = subprocess.run([sys.executable, "-m", "kvql.cli", "generate", "one", "two",
+                          "--model", str(tmp_path / "model"), "--dtype", "float32", "--max-tokens", "3", "--stop", "\\n"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "--- prompt 1/2: 'one' ---" and "--- prompt 2/2: 'two' ---" in lines

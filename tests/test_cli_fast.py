@@ -3,10 +3,14 @@ query's missing or misspelled inputs (checked before anything heavy is imported 
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
 import time
 from importlib import metadata
+
+from conftest import free_port
 
 QUERY = ('argmax\n'
          '    "Q: What is the capital of {country}? ({lang})\\nA:[ANSWER]" where STOPS_AT(ANSWER, "\\n")\n'
@@ -88,3 +92,118 @@ def test_bad_run_arguments_are_one_line_errors(tmp_path):
         assert out.returncode == 2, argv
         assert message in out.stderr and "Traceback" not in out.stderr, (argv, out.stderr)
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+# -- every argument checked before a model loads ----------------------------------------------------
+SPY = ("import sys\n"
+       "import kvql.backends.loader as loader\n"
+       "def loaded(*args, **kwargs):\n"
+       "    print('MODEL LOAD ATTEMPTED', flush=True)\n"
+       "    raise SystemExit(99)\n"
+       "loader.load_hf = loader.random_model = loaded\n"
+       "from kvql.cli import main\n"
+       "main(sys.argv[1:])\n")
+
+
+def without_loading(*argv, cwd):
+    """`kvql ARGV` in a fresh interpreter whose model loader, if called, says so and exits 99."""
+    return subprocess.run([sys.executable, "-c", SPY, *argv], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def bad_arguments(tmp_path) -> dict:
+    (tmp_path / "q.lmql").write_text('"Hi[X]" where len(TOKENS(X)) < 3\n')
+    (tmp_path / "a-file").write_text("x")
+    port = str(free_port())
+    return {
+        ("run", "q.lmql", "--cache-budget", "5XB"): "argument --cache-budget: cannot read '5XB' as a size",
+        ("generate", "hi", "--cache-budget", "0"): "'0' is no size > 0",
+        ("serve", "--port", port, "--cache-budget", "5XB"): "argument --cache-budget: cannot read '5XB'",
+        ("bench", "fewshot", "nosuch"): "unknown workload 'nosuch'; known: fewshot, chat, tot, json, classify",
+        ("bench", "--repeats", "0"): "argument --repeats: must be at least 1, got 0",
+        ("bench", "--out", "a-file"): "argument --out: 'a-file' exists and is not a directory",
+        ("bench", "--threads", "-2"): "argument --threads: must be at least 0",
+        ("run", "q.lmql", "--cache-dir", "a-file"): "argument --cache-dir: 'a-file' exists and is not a directory",
+        ("serve", "--port", port, "--cache-dir", "a-file/kv"): "cannot be created: a-file is not a directory",
+        ("serve", "--port", port, "--cache-save-interval", "-1"): "must be a number >= 0",
+        ("serve", "--port", "70000"): "argument --port: must be from 1 to 65535",
+        ("serve", "--port", port, "--max-tokens-cap", "0"): "argument --max-tokens-cap: must be at least 1",
+        ("run", "q.lmql", "--trace", "no-dir/t.html"): "directory 'no-dir' does not exist",
+        ("run", "q.lmql", "--temperature", "-1"): "argument --temperature: must be a number >= 0",
+        ("generate", "hi", "--max-tokens", "0"): "argument --max-tokens: must be at least 1",
+        ("generate", "hi", "--stop", "a\\d"): "'\\\\d' at character 1 starts no escape",
+        ("demo", "--dtype", "fp64"): "argument --dtype: invalid choice: 'fp64'",
+        ("serve", "--port", port, "--dtype", "int8"): "argument --dtype: invalid choice: 'int8'",
+        # what needs torch to check (a device) is checked before the "loading" line, still without a load
+        ("generate", "hi", "--device", "nosuchdevice"): "unknown device 'nosuchdevice'",
+        ("serve", "--port", port, "--device", "nosuchdevice"): "unknown device 'nosuchdevice'",
+        ("run", "q.lmql", "--device", "nosuchdevice"): "unknown device 'nosuchdevice'",
+        ("bench", "--device", "nosuchdevice"): "unknown device 'nosuchdevice'",
+    }
+
+
+def test_every_bad_argument_is_refused_before_any_model_load(tmp_path):
+    for argv, message in bad_arguments(tmp_path).items():
+        out = without_loading(*argv, cwd=tmp_path)
+        assert "MODEL LOAD ATTEMPTED" not in out.stdout, (argv, out.stdout)
+        assert out.returncode == 2, (argv, out.returncode, out.stderr)
+        assert message in out.stderr and "Traceback" not in out.stderr, (argv, out.stderr)
+        assert "loading" not in out.stderr + out.stdout, (argv, out.stderr)
+
+
+def test_the_spy_sees_a_load_when_the_arguments_are_good(tmp_path):
+    # the test above would pass vacuously if the spy could not see a load
+    out = without_loading("generate", "hi", "--model", "random", "--cache-budget", "1MB", cwd=tmp_path)
+    assert out.returncode == 99 and "MODEL LOAD ATTEMPTED" in out.stdout, out.stderr
+
+
+def test_a_python_api_model_checks_its_options_before_loading(monkeypatch, tmp_path):
+    import pytest
+
+    import kvql
+    import kvql.backends.loader as loader
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model load was attempted")
+
+    monkeypatch.setattr(loader, "load_hf", loaded)
+    monkeypatch.setattr(loader, "random_model", loaded)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ValueError, match="cannot read '5XB' as a size"):
+        kvql.model("smollm2-135m", cache_budget="5XB", silent=False)
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        kvql.model("random", cache_dir=tmp_path / "a-file")
+    with pytest.raises(ValueError, match="cache_save_interval must be >= 0"):
+        kvql.model("random", cache_dir=tmp_path, cache_save_interval=-1)
+    with pytest.raises(ValueError, match="not one of auto, float32"):
+        kvql.model("smollm2-135m", dtype="int8")
+
+
+# -- help ---------------------------------------------------------------------------------------------
+def test_every_option_of_every_command_has_help_and_shows_its_default():
+    from kvql.cli import parser
+
+    commands = parser()._subparsers._group_actions[0].choices
+    for name, p in commands.items():
+        options = p.format_help().split("options:", 1)[1]
+        entries = {" ".join(e.split()).split(" ", 1)[0].rstrip(","): " ".join(e.split())
+                   for e in re.split(r"\n  (?=-)", options)[1:]}
+        for action in p._actions:
+            if action.option_strings == ["-h", "--help"]:
+                continue
+            assert action.help, f"kvql {name} {action.option_strings or action.dest}: no help"
+            if action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS):
+                entry = entries[action.option_strings[0]]
+                assert "default" in entry, (name, entry)
+    serve = commands["serve"].format_help()
+    for expected in ("(default: smollm2-135m)", "(default: 127.0.0.1)", "(default: 8000)", "(default: auto)",
+                     "(default: 4096)"):
+        assert expected in " ".join(serve.split()), expected
+
+
+# -- generate: --stop escapes -------------------------------------------------------------------------
+def test_generate_reads_backslash_escapes_in_stop_as_python_does():
+    from kvql.cli import parser
+
+    args = parser().parse_args(["generate", "x", "--stop", "\\n", "--stop", "a\\tb", "--stop", "\\\\n",
+                                "--stop", "\\x41\\u00e9", "--stop", "plain"])
+    assert args.stop == ["\n", "a\tb", "\\n", "Aé", "plain"]

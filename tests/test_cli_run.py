@@ -29,7 +29,7 @@ def kvql(*args, cwd, env=None):
 
 def test_start_up_prints_a_loading_line_then_one_banner_line(tmp_path, model_dir, llama):
     (tmp_path / "q.lmql").write_text('"Hi[X]" where len(TOKENS(X)) < 3\n')
-    out = kvql("run", "q.lmql", "--model", str(model_dir), "--cache-budget", "1MiB", cwd=tmp_path)
+    out = kvql("run", "q.lmql", "--model", str(model_dir), "--cache-budget", "1MiB", "--dtype", "float32", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     lines = out.stderr.strip().splitlines()
     assert lines[0] == f"kvql: loading {model_dir} on cpu ..."

@@ -1,7 +1,9 @@
-"""dtype everywhere: the names `kvql.model(dtype=)`, `kvql serve/run/bench --dtype` accept, and what `auto` picks."""
+"""dtype everywhere: the names `kvql.model(dtype=)`, `kvql serve/run/bench --dtype` accept, the one default
+(`auto`) of every command and of the Python API, and what `auto` picks."""
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 import kvql
-from kvql.backends.dtype import cpu_bf16_units, resolve
+from kvql.backends.dtype import DEFAULT, cpu_bf16_units, resolve
 
 
 def test_names_aliases_and_torch_dtypes_resolve():
@@ -19,10 +21,23 @@ def test_names_aliases_and_torch_dtypes_resolve():
     assert resolve(torch.bfloat16, "cpu") is torch.bfloat16
 
 
-def test_default_is_the_exact_mode_on_cpu_and_bf16_on_cuda():
-    assert resolve(None, "cpu") is torch.float32
+def test_the_default_is_auto_bf16_on_cuda():
+    assert DEFAULT == "auto"
+    assert resolve(None, "cpu") is resolve("auto", "cpu")
     assert resolve(None, "cuda:0") is torch.bfloat16
     assert resolve("auto", "cuda") is torch.bfloat16
+
+
+def test_every_command_and_the_python_api_share_one_dtype_default():
+    # kvql run once loaded float32 where kvql serve loaded bfloat16: two models (and two cache snapshots)
+    from kvql.cli import parser
+
+    commands = parser()._subparsers._group_actions[0].choices
+    for name in ("run", "serve", "bench", "generate", "demo"):
+        (dtype,) = [a for a in commands[name]._actions if a.dest == "dtype"]
+        assert dtype.default == DEFAULT, name
+    assert inspect.signature(kvql.model).parameters["dtype"].default is None  # None: DEFAULT
+    assert kvql.model("random", seed=7).hf_model.dtype is resolve(DEFAULT)
 
 
 def test_auto_on_cpu_follows_the_cpus_bf16_units():

@@ -26,7 +26,7 @@ QUESTIONS = ["How many stones does the box of record 3 hold?", "Which shelf hold
 
 @pytest.fixture(scope="module")
 def gemma():
-    m = kvql.model("gemma3-270m", cache_budget="512MB")
+    m = kvql.model("gemma3-270m", dtype="float32", cache_budget="512MB")  # as `plain` below
     yield m
     m.close()
 

@@ -5,6 +5,7 @@ long request in flight (it is cancelled within the shutdown timeout; exit 0, no 
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -16,7 +17,9 @@ import httpx
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import free_port, wait_healthy
+import kvql
+from conftest import free_port, serving, wait_healthy
+from kvql.server.app import create_app
 
 SERVE = [sys.executable, "-m", "kvql.cli", "serve"]
 
@@ -154,3 +157,43 @@ def test_bad_flags_are_one_line_and_a_nonzero_exit(long_model_dir, options, mess
     out = subprocess.run([*SERVE, "--model", str(long_model_dir), "--port", str(free_port()), *options],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+
+
+class _Lines(logging.Handler):
+    """The access log's lines, and an event set at each."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines, self.arrived = [], threading.Event()
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+        self.arrived.set()
+
+
+def test_a_stream_the_client_leaves_logs_the_tokens_it_streamed(long_model_dir):
+    # the access line of a cancelled stream once said prompt=0 cached=0 generated=0 after ~395 tokens
+    model = kvql.model(str(long_model_dir), dtype="float32", cache_budget="64MB")
+    handler, access = _Lines(), logging.getLogger("kvql.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    try:
+        with serving(create_app(model, max_tokens_cap=LONG["max_tokens"])) as url:
+            body = {**LONG, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                received = 0
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                        received += 1
+                        if received == 40:
+                            break  # the client leaves mid-stream
+            assert handler.arrived.wait(120), "no access line"
+    finally:
+        access.removeHandler(handler)
+        model.close()
+    (line,) = handler.lines
+    counts = dict(field.split("=") for field in line.split() if "=" in field)
+    assert line.startswith("POST /v1/completions 200 ")
+    assert int(counts["prompt"]) == len(model.tokenizer.encode(LONG["prompt"]))
+    assert int(counts["cached"]) == 0
+    assert 40 <= int(counts["generated"]) < LONG["max_tokens"]  # what was generated when it was cancelled

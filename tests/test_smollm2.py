@@ -18,7 +18,7 @@ QUESTIONS = ["What is the capital of Spain?", "What color is the sun?", "How man
 
 @pytest.fixture(scope="module")
 def smol():
-    m = kvql.model("smollm2-135m", cache_budget="256MB")
+    m = kvql.model("smollm2-135m", dtype="float32", cache_budget="256MB")  # exact: equals transformers
     yield m
     m.close()
 

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from conftest import random_prompts, save_model
 from kvql.engine import snapshot
-from kvql.engine.cache_dir import SNAPSHOT
+from kvql.engine.cache_dir import PREFIX, snapshot_path
 
 _TYPES = {torch.float32: "F32", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.bfloat16: "BF16"}
 
@@ -48,7 +48,12 @@ def saved_snapshot(make_model, tokenizer, directory: Path) -> Path:
     a = make_model(cache_dir=directory, cache_save_interval=0)
     a.generate(random_prompts(seed=3, count=5, vocab=len(tokenizer)), max_tokens=4)
     a.close()
-    return directory / SNAPSHOT
+    return a.cache_dir.path
+
+
+def own_path(make_model, directory: Path) -> Path:
+    """Where make_model()'s models keep their snapshot in `directory`."""
+    return snapshot_path(directory, make_model().engine.fingerprint())
 
 
 def starts_cold(make_model, directory: Path, caplog) -> None:
@@ -116,12 +121,12 @@ def test_a_cache_whose_header_would_be_over_the_limit_is_not_saved(make_model, t
     monkeypatch.setattr(snapshot, "MAX_HEADER", 1000 + 4 * 100)  # the entries fit, four 200-char salts not
     with pytest.raises(snapshot.SnapshotError, match=r"not saved: .*\(5 cache partitions"):
         m.save_cache(path)
-    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [SNAPSHOT]
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
     m.check_integrity()
 
 
 def test_a_fifo_at_the_snapshot_path_does_not_block_the_start(make_model, tmp_path, caplog):
-    os.mkfifo(tmp_path / SNAPSHOT)
+    os.mkfifo(own_path(make_model, tmp_path))
     done = []
     t = threading.Thread(target=lambda: done.append(starts_cold(make_model, tmp_path, caplog)), daemon=True)
     t.start()
@@ -130,7 +135,7 @@ def test_a_fifo_at_the_snapshot_path_does_not_block_the_start(make_model, tmp_pa
 
 
 def test_a_directory_at_the_snapshot_path_starts_cold(make_model, tmp_path, caplog):
-    (tmp_path / SNAPSHOT).mkdir()
+    own_path(make_model, tmp_path).mkdir()
     starts_cold(make_model, tmp_path, caplog)
 
 
@@ -141,23 +146,25 @@ def test_a_killed_save_leaves_a_temporary_file_that_the_next_start_removes(make_
               f"m = kvql.model({str(model_dir)!r}, dtype='float32', cache_dir={str(cache)!r}, cache_save_interval=0)\n"
               "m.generate([[i % 300 + 1 for i in range(k, k + 200)] for k in range(40)], max_tokens=1)\n"
               "print('ready', flush=True)\n"
-              "while True:\n    m.save_cache(sys.argv[1])\n")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(cache / SNAPSHOT)], stdout=subprocess.PIPE, text=True)
+              "while True:\n    m.save_cache(m.cache_dir.path)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    temporaries = f".{PREFIX}*.tmp"
     try:
         assert proc.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 60
-        while not list(cache.glob(f".{SNAPSHOT}.*.tmp")) and time.monotonic() < deadline:
+        while not list(cache.glob(temporaries)) and time.monotonic() < deadline:
             time.sleep(0.001)
         proc.kill()  # SIGKILL, mid-save
         proc.wait()
     finally:
         proc.kill()
-    left = list(cache.glob(f".{SNAPSHOT}.*.tmp"))
+    left = list(cache.glob(temporaries))
     assert left, "the save was not interrupted mid-write"
     old = time.time() - snapshot.STALE_AFTER - 5
     for tmp in left:
         os.utime(tmp, (old, old))
-    fresh = cache / f".{SNAPSHOT}.writing.tmp"  # another process's save, just written to: kept
+    name = left[0].name[1:].split(".safetensors.")[0] + ".safetensors"
+    fresh = cache / f".{name}.writing.tmp"  # another process's save, just written to: kept
     fresh.write_bytes(b"x")
     caplog.set_level(logging.INFO, logger="kvql.cache")
     b = make_model(cache_dir=cache, cache_save_interval=0)
@@ -169,11 +176,12 @@ def test_a_killed_save_leaves_a_temporary_file_that_the_next_start_removes(make_
 def test_a_temporary_file_a_live_save_holds_is_never_removed(tmp_path):
     import fcntl
 
-    tmp = tmp_path / f".{SNAPSHOT}.live.tmp"
+    path = tmp_path / f"{PREFIX}0123456789abcdef.safetensors"
+    tmp = tmp_path / f".{path.name}.live.tmp"
     tmp.write_bytes(b"partial")
     old = time.time() - snapshot.STALE_AFTER - 5
     os.utime(tmp, (old, old))
     with open(tmp, "rb+") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        assert snapshot.remove_stale(tmp_path / SNAPSHOT) == 0 and tmp.exists()
-    assert snapshot.remove_stale(tmp_path / SNAPSHOT) == 1 and not tmp.exists()
+        assert snapshot.remove_stale(path) == 0 and tmp.exists()
+    assert snapshot.remove_stale(path) == 1 and not tmp.exists()

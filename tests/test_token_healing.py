@@ -254,7 +254,7 @@ def test_heal_on_a_remote_model_is_refused_by_name_before_sending(served, tokeni
 # -- SmolLM2: the model's own tokens ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smol():
-    m = kvql.model("smollm2-135m", cache_budget="256MB")
+    m = kvql.model("smollm2-135m", dtype="float32", cache_budget="256MB")
     yield m
     m.close()
 

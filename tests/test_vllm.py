@@ -33,7 +33,7 @@ def vllm():
 
 @pytest.fixture(scope="module")
 def local():
-    model = kvql.model("smollm2-135m", cache_budget="256MB")
+    model = kvql.model("smollm2-135m", dtype="float32", cache_budget="256MB")  # as vllm_cpu_server.sh
     yield model
     model.close()
 

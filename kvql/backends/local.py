@@ -7,7 +7,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
-import re
 from typing import AsyncIterator, Sequence
 
 import torch
@@ -22,22 +21,9 @@ from ..engine.request import RequestGroup, SamplingParams
 from . import base
 from .base import Backend, StreamChunk
 from .options import GenerateOptions
+from .sizes import parse_bytes
 
 LOCAL_OPTIONS = ("mask", "prompt_logprobs", "logit_bias")  # beyond the contract's (GenerateOptions)
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(size: int | str) -> int:
-    """`1073741824`, `"512MB"`, `"2GiB"` -> bytes."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", str(size))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {size!r} as a size (e.g. 536870912, '512MB', '2GiB')")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 def default_budget(device: torch.device) -> int:
     """A quarter of free memory (at most 4 GiB) on CPU; half of free memory on CUDA."""

@@ -1,21 +1,30 @@
 """Cache dir: when an engine's cache is read from and written to disk (the format: snapshot.py).
 
+A directory keeps one snapshot per model fingerprint (model, dtype, device, KV geometry, tokenizer,
+format: `snapshot.fingerprint`), named `snapshot_path(directory, fingerprint)`: `kv-cache-<16 hex digits
+of the fingerprint's SHA-256>.safetensors`. Models of several dtypes or weights pointed at one directory
+(`kvql run` and `kvql serve` with `--cache-dir`, say) each find their own snapshot and never overwrite
+another's; each file is at most its model's cache budget, and a fingerprint no model has any more (a
+format bump, weights retrained) leaves its file there until it is deleted.
+
 `CacheDir(engine, directory, save_interval)`:
-- at once: loads `directory/SNAPSHOT` if it is there. A snapshot of another model, dtype, device,
-  tokenizer or format, or a truncated or corrupt file, is logged in one WARNING line (logger
-  `kvql.cache`) and the engine starts cold: a snapshot never fails the start and never gives a
-  token another model would not have given.
+- at once: loads the engine's snapshot if it is there. One that is there but unusable (a hash
+  collision or a renamed file of another fingerprint, a truncated or corrupt file) is logged in one
+  WARNING line (logger `kvql.cache`) and the engine starts cold: a snapshot never fails the start and
+  never gives a token another model would not have given. Temporary files of saves killed mid-write,
+  this fingerprint's or another's, are removed first (`snapshot.remove_stale`).
 - every `save_interval` seconds (0: never), when the engine is idle and its cache changed since the
   last save or load, saves it (between steps: `Engine.save_cache`). A save failure is one WARNING
   line; serving goes on.
 - `close()` (also at interpreter exit): stops the timer, closes the engine (its pending requests
   are cancelled; their computed KV stays in the tree, unlocked), then saves if anything changed.
-One directory holds one model's snapshot: a second model pointed at it replaces the first's.
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -24,8 +33,27 @@ from pathlib import Path
 
 from .snapshot import SnapshotError, remove_stale
 
-SNAPSHOT = "kv-cache.safetensors"
+PREFIX, SUFFIX = "kv-cache-", ".safetensors"
 log = logging.getLogger("kvql.cache")
+
+
+def snapshot_path(directory, fingerprint: dict[str, str]) -> Path:
+    """Where the snapshot of the model with `fingerprint` lives in `directory`. 16 hex digits (64 bits)
+    keep names short; two fingerprints sharing them would share a file, which the fingerprint check
+    inside it then refuses (one WARNING line, a cold start), never loads."""
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(directory).expanduser() / f"{PREFIX}{digest}{SUFFIX}"
+
+
+def _saved(directory: Path) -> set[str]:
+    """The names of the snapshots saved in `directory`."""
+    return {p.name for p in directory.glob(f"{PREFIX}*{SUFFIX}")}
+
+
+def _saving(directory: Path) -> set[str]:
+    """The names of the snapshots that temporary files in `directory` are (or were, if killed) saves of."""
+    return {p.name[1:].split(SUFFIX)[0] + SUFFIX for p in directory.glob(f".{PREFIX}*{SUFFIX}.*.tmp")}
+
 
 _open: "weakref.WeakSet[CacheDir]" = weakref.WeakSet()
 
@@ -42,7 +70,7 @@ class CacheDir:
         if save_interval < 0:
             raise ValueError(f"cache_save_interval must be >= 0 seconds, got {save_interval!r}")
         self.engine = engine
-        self.path = Path(directory).expanduser() / SNAPSHOT
+        self.path = snapshot_path(directory, engine.fingerprint())
         self.save_interval = float(save_interval)
         self.saves = 0
         self._lock = threading.Lock()  # one save at a time; close() once
@@ -58,12 +86,16 @@ class CacheDir:
 
     def load(self) -> None:
         """Load the snapshot, or log one line saying why not and leave the cache empty. Temporary files of
-        saves killed mid-write are removed first (snapshot.remove_stale)."""
-        stale = remove_stale(self.path)
+        saves killed mid-write are removed first (snapshot.remove_stale), whichever snapshot they were for."""
+        directory = self.path.parent
+        stale = sum(remove_stale(directory / name) for name in _saving(directory))
         if stale:
-            log.warning("removed %d temporary file(s) of interrupted saves next to %s", stale, self.path)
+            log.warning("removed %d temporary file(s) of interrupted saves in %s", stale, directory)
         if not self.path.exists():
-            log.info("no cache snapshot at %s: starting with an empty cache", self.path)
+            others = len(_saved(directory) - {self.path.name})
+            note = f" ({others} other snapshot(s) there: other models or dtypes)" if others else ""
+            log.info("no cache snapshot of this model (weights, dtype, tokenizer) at %s%s: starting with an empty "
+                     "cache", self.path, note)
             return
         t0 = time.perf_counter()
         try:

@@ -26,21 +26,24 @@ import sys
 import threading
 import time
 
-from ..backends.dtype import NAMES
+from ..backends.dtype import DEFAULT, NAMES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    """The flags of `kvql serve`, each with a help text; argument types check them before anything loads."""
+    from ..cli import DTYPE_HELP, MODEL_HELP, at_least, directory, non_negative, size
+
+    p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP.replace(", or http://HOST:PORT/v1", ""))
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...; checked before the model loads")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (0.0.0.0: every interface; see --api-key and --allowed-host)")
+    p.add_argument("--port", type=at_least(1, 65535), default=8000,
+                   help="the TCP port to listen on (one in use is an error before the load)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the API (default: --model, which stays accepted as an alias)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="cap the context (prompt + generated tokens) below the model's own")
-    p.add_argument("--dtype", choices=NAMES, default="auto",
-                   help="auto (default): bfloat16 on CUDA and on a CPU with native bf16 matrix units (AMX-BF16 or "
-                        "AVX-512 BF16), else float32; float32 is kvql's exact mode")
+    p.add_argument("--dtype", choices=NAMES, default=DEFAULT, help=DTYPE_HELP)
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) replacing the tokenizer's")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"), default="info",
@@ -63,14 +66,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-host", action="append", metavar="HOST",
                    help="a host name accepted in the Host header besides IP addresses, localhost and --host "
                         "(repeatable; '*': any)")
-    p.add_argument("--cache-budget", default=None, help="KV cache size, e.g. 512MB or 2GiB")
-    p.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="keep the KV cache across restarts: loaded from DIR at start if it is this model's, "
-                        "saved there on shutdown and every --cache-save-interval seconds when idle")
-    p.add_argument("--cache-save-interval", type=float, default=300.0, metavar="SECONDS",
+    p.add_argument("--cache-budget", type=size, default=None, metavar="SIZE",
+                   help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
+    p.add_argument("--cache-dir", type=directory, default=None, metavar="DIR",
+                   help="keep the KV cache across restarts: a snapshot per model and dtype in DIR, loaded at start "
+                        "when there is one, saved there on shutdown and every --cache-save-interval seconds when idle")
+    p.add_argument("--cache-save-interval", type=non_negative, default=300.0, metavar="SECONDS",
                    help="with --cache-dir: seconds between saves while idle (0: only on shutdown)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    p.add_argument("--max-tokens-cap", type=int, default=4096)
+    p.add_argument("--max-body-bytes", type=at_least(1), default=1 << 20, metavar="BYTES",
+                   help="a request body over this is answered 413")
+    p.add_argument("--max-tokens-cap", type=at_least(1), default=4096, metavar="TOKENS",
+                   help="the most tokens one request may generate: a larger max_tokens is answered 400; a chat "
+                        "without max_tokens runs to the end of the context, within this cap")
 
 
 def serve(args) -> None:
@@ -99,10 +106,12 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
 
     import kvql
     from ..backends.dtype import name, resolve
-    from ..factory import size_text
+    from ..factory import check_options, size_text
     from . import connections
     from .app import create_app
 
+    check_options(device=args.device, dtype=args.dtype, cache_budget=args.cache_budget, cache_dir=args.cache_dir,
+                  cache_save_interval=args.cache_save_interval)  # the device, before the "loading" line
     dtype = resolve(args.dtype, args.device)
     print(f"kvql serve: loading {args.model} on {args.device} ({name(dtype)}) ...",
           flush=True)

@@ -9,7 +9,8 @@ periodic throughput / hit-rate line while it is busy.
   `kvql_request_queue_time_seconds` (arrival until the engine admitted it; checked every `POLL_S`, and at
   most its time to first token).
 - Access log (logger `kvql.access`, INFO; DEBUG for a 200 from /health and /metrics):
-  `METHOD PATH STATUS prompt=P cached=C generated=G S.SSSs`.
+  `METHOD PATH STATUS prompt=P cached=C generated=G S.SSSs`; a request that did not finish (cancelled,
+  its client gone) counts what it had generated when it ended.
 - Throughput (logger `kvql.server`, INFO), every `interval` seconds when tokens moved: prompt and
   generated tokens per second, the hit rate over the interval, running and waiting requests.
 """
@@ -87,7 +88,9 @@ class Metrics:
         return generate_latest(self.registry)
 
     def flight(self, scope) -> Flight:
-        f = Flight(self, scope)
+        """A flight for the HTTP request of `scope`, kept there too: the access log finishes it (`finish`)
+        when the response ends before the request did."""
+        f = scope["kvql.flight"] = Flight(self, scope)
         self.flights.add(f)
         if self._poller is None or self._poller.done():
             self._poller = asyncio.get_running_loop().create_task(self._poll())
@@ -138,15 +141,29 @@ class Flight:
             m.queue.observe(max(0.0, min(admitted, self.first) - self.arrived))
         record = self.scope.get("kvql.record")
         if record is not None:
-            for c in completions:
-                if c.sample == 0:
-                    record["prompt"] += c.prompt_tokens
-                    record["cached"] += c.cached_tokens
-                record["generated"] += len(c.token_ids)
+            for prompt, cached, generated in self._counts(completions):
+                record["prompt"] += prompt
+                record["cached"] += cached
+                record["generated"] += generated
+
+    def _counts(self, completions):
+        """(prompt, cached, generated) tokens per sample: a finished sample's from its completion; one that
+        did not finish (a cancelled stream, a client gone, a shutdown) from its engine request as far as it
+        got, so that a stream cut after 395 tokens logs them. Prompt and cached count once per prompt."""
+        done = {(c.index, c.sample) for c in completions}
+        for c in completions:
+            first = c.sample == 0
+            yield c.prompt_tokens * first, c.cached_tokens * first, len(c.token_ids)
+        for g in self.groups:
+            for r in list(g.requests):  # (a copy: the engine thread may be adding a fork)
+                if (g.index, r.sample) not in done:
+                    first = r.sample == 0
+                    yield len(g.prompt_ids) * first, (r.cached_tokens or 0) * first, len(r.output_ids)
 
 
 class AccessLog:
-    """ASGI middleware: one line per HTTP request, as the last chunk of its response is sent."""
+    """ASGI middleware: one line per HTTP request, as the last chunk of its response is sent, or as the
+    response ends without one (its client gone mid-stream, an error), counting what was generated."""
 
     def __init__(self, app):
         self.app = app
@@ -171,10 +188,12 @@ class AccessLog:
 
         try:
             await self.app(scope, receive, sending)
-        except BaseException:
-            if not logged[0]:
+        finally:
+            if not logged[0]:  # the response ended early (its client gone, an error): the line still comes
+                flight = scope.get("kvql.flight")
+                if flight is not None:  # counts what it generated so far; a no-op once it finished
+                    flight.finish(())
                 log(scope, status[0], record, start)
-            raise
 
 
 QUIET = ("/health", "/metrics")  # polled by monitors: their lines are DEBUG
