@@ -30,7 +30,8 @@ class Completion:
     the value's: `max_tokens` and `min_tokens` count the others). `text` excludes `healed`.
     `forced`: the indices in `token_ids` of tokens a constraint forced (its mask allowed only that token; the
     engine appended them without a decode step of their own: jump-forward); empty where the backend does not
-    tell (servers).
+    tell (servers). `prepare_seconds`: how long the call took before its requests were queued (checking the
+    options, tokenizing, compiling the constraint); 0 where the backend does not tell (servers).
     """
 
     text: str
@@ -47,3 +48,4 @@ class Completion:
     healed_prompt_tokens: int = 0
     healed_output_tokens: int = 0
     forced: list[int] = field(default_factory=list)
+    prepare_seconds: float = 0.0

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import time
 from typing import AsyncIterator, Sequence
 
 import torch
@@ -238,7 +239,9 @@ class LocalBackend(Backend):
     def complete(self, prompts, *, progress=False, **options) -> list[Completion]:
         """`generate`, always synchronous: the list of completions, also inside an event loop.
         `progress=True`: a tqdm bar of completions done (see `base.progress_bar`)."""
+        started = time.perf_counter()
         groups = self._submit(prompts, **options)
+        prepared = time.perf_counter() - started
         bar = base.progress_bar(progress, sum(g.params.n for g in groups))
         n_of = {g.future: g.params.n for g in groups}
         if not self.engine.background:
@@ -254,12 +257,15 @@ class LocalBackend(Backend):
         finally:
             if bar is not None:
                 bar.close()
-        return [c for g in groups for c in g.future.result()]
+        return _prepared_in([c for g in groups for c in g.future.result()], prepared)
 
     async def agenerate(self, prompts, *, progress=False, **options) -> list[Completion]:
         """`generate` for asyncio; cancelling the awaiting task cancels the requests."""
+        started = time.perf_counter()
         groups = await self.submit(prompts, **options)
-        return await self.collect(groups, base.progress_bar(progress, sum(g.params.n for g in groups)))
+        prepared = time.perf_counter() - started
+        return _prepared_in(await self.collect(groups, base.progress_bar(progress, sum(g.params.n for g in groups))),
+                            prepared)
 
     def cancel(self, group: RequestGroup) -> None:
         """Cancel a submitted request (its samples end as cancelled; a no-op once it finished)."""
@@ -378,3 +384,10 @@ class LocalBackend(Backend):
 
     def __repr__(self) -> str:
         return f"kvql.Model({self.name!r}, device={self.device}, cache_slots={self.engine.pool.num_slots})"
+
+
+def _prepared_in(completions: list[Completion], seconds: float) -> list[Completion]:
+    """`completions`, each told how long its call took before queueing them (`Completion.prepare_seconds`)."""
+    for c in completions:
+        c.prepare_seconds = seconds
+    return completions

@@ -51,6 +51,7 @@ class Context(Holes, Nested):
         self.requests = 0
         self._filled_by: tuple[str, int, str] | None = None  # (hole, tokens, bound): a hole the budget ended
         self._healed: tuple[int, str, list[int]] | None = None  # the last hole's healing, for its value's tokens
+        self._prepared = 0.0  # the last hole's backend time before its request was queued (Completion.prepare_seconds)
         # the last hole's forced tokens for its trace: (their indices in the tokens its value is added with,
         # how many of them are the value's own: see Completion.forced and .healed_output_tokens)
         self._forced: tuple[list[int], int] = ([], 0)

@@ -115,7 +115,7 @@ class Holes:
         max_tokens, bound = self._budget(name, plan)
         self._check_room(name, plan, max_tokens, bound, heal)
         setup = time.perf_counter() - started  # the checks before the request (a first use reads the vocabulary)
-        self._healed, self._forced = None, ([], 0)
+        self._healed, self._forced, self._prepared = None, ([], 0), 0.0
         if self.decoding.beam:
             value, tokens, full, guard = await self._beam(name, plan, prompt, max_tokens)
         else:
@@ -125,7 +125,8 @@ class Holes:
         # the row counts what the trace marks as this hole's: healed, also the tokens re-generating backed-up text
         generated, healed = (len(self._healed[2]), self._healed[0]) if self._healed else (len(tokens), 0)
         self._hole_log.append(TraceHole(name, str(value), where_text(constraint, name, plan), generated,
-                                        time.perf_counter() - started, self._forced[1], healed, setup))
+                                        time.perf_counter() - started, self._forced[1], healed,
+                                        setup + self._prepared))
         checked = plan.constrained(full, guard)
         self._check_value(name, plan, value, checked, plan.stop_index(full, guard) is not None,
                           lambda: self._why_cut(tokens, max_tokens, bound))
@@ -294,6 +295,7 @@ class Holes:
             raise UnmetConstraint(name, "no token could continue its value under all its constraints "
                                         f"({' and '.join(plan.conditions + bounds)}): {e}") from e
         self.count([c])
+        self._prepared = c.prepare_seconds  # the backend's share: options checked, constraint compiled
         self.sent(len(self.buffer) - c.healed_prompt_tokens, c.cached_tokens)
         tokens = c.token_ids[c.healed_output_tokens:]  # the value's: a token spanning the healed text counts
         if c.healed_prompt_tokens:

@@ -33,7 +33,7 @@ SERVED = ("cached", "computed", "unsent")
 NEVER_SENT = ("never sent: no request to the model ever included this token (text after the last hole), "
               "so the model never read it")
 _LABEL = {"cached": "cached", "computed": "computed", "unsent": "never sent"}
-SHOWN_SETUP_S = 0.05  # a hole's pre-request checks are shown in its row from this many seconds on
+SHOWN_SETUP_S = 0.05  # a hole's time before its request was queued is shown in its row from this many seconds on
 FORCED = ("forced by the hole's constraint (it allowed only this token): appended without a decode step of "
           "its own (jump-forward)")
 
@@ -57,7 +57,7 @@ class TraceHole:
     seconds: float
     forced: int = 0      # how many of them the constraint forced (jump-forward: no decode step of their own)
     healed: int = 0      # prompt tokens token healing backed up (their text generated again by this hole)
-    setup_seconds: float = 0.0  # of `seconds`, the checks before its request was sent
+    setup_seconds: float = 0.0  # of `seconds`, before its request was queued: checks, its constraint compiled
 
 
 def where_text(constraint, name: str, plan=None) -> str:
@@ -185,7 +185,8 @@ class Trace:
             f"<td>{html.escape(repr(h.value))}</td><td>{h.tokens}" + (f" ({h.forced} forced)" if h.forced else "")
             + (f" (healed: {h.healed} backed-up prompt token{'s' * (h.healed != 1)} generated again)"
                if h.healed else "")
-            + f"</td><td>{h.seconds:.3f} s" + (f" (checks before the request: {h.setup_seconds:.3f} s)"
+            + f"</td><td>{h.seconds:.3f} s" + (f" (before the request: {h.setup_seconds:.3f} s, checks and "
+                                               "compiling its constraint)"
                                                if h.setup_seconds >= SHOWN_SETUP_S else "") + "</td></tr>"
             for h in self.holes)
         heading = f"Sample {self.sample + 1} of {of}" if of > 1 else "Run"
