@@ -1,0 +1,118 @@
+"""Single-stream decode: one request decoding alone, next to the machine's memory-bandwidth limit (issue 27).
+
+What is measured (one process, side by side, each model in --models and dtype in --dtypes)
+-------------------------------------------------------------------------------------------
+- bandwidth: this machine's read bandwidth, a torch sum over a 1 GiB float32 tensor (best of 5, the same
+  threads as the models).
+- limit: decoding one token reads every weight once, so one stream decodes at most bandwidth / weight bytes
+  tokens per second (the unique parameter storage: a tied embedding counts once; the KV read, small at this
+  context, is left out, so the limit is a little generous).
+- kvql: `Model.generate` of one prompt, greedy, `ignore_eos`, N and 1 new tokens; decode tok/s =
+  (N - 1) / (t_N - t_1): the prefill and the first token cancel out. The cache is cleared before each run.
+- transformers: a plain copy of the model as loaded, `generate(max_new_tokens=N, min_new_tokens=N, do_sample=False)`, the
+  same subtraction.
+- llama.cpp: `llama-cpp-python`, where it is installed, on the same weights (not installed here: it builds
+  from source; the row says so).
+Timings alternate the sides in each repeat; the best of --repeats is reported (decode speed is bounded above,
+noise only slows it), with the fraction of the limit. The machine is shared and noisy: only ratios inside one
+run mean much. Usage:
+    .venv/bin/python benchmarks/single_stream.py [--models smollm2-135m,gemma3-270m] [--dtypes float32,bfloat16]
+        [--tokens 96] [--repeats 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import kvql
+from kvql.backends.dtype import resolve
+from kvql.backends.loader import load_hf
+
+PROMPT = "Write a long story about a robot who learns to paint. Once upon a time,"
+
+
+def bandwidth(threads: int) -> float:
+    """Bytes per second a torch sum reads (best of 5 over 1 GiB)."""
+    torch.set_num_threads(threads)
+    x = torch.ones(1 << 28, dtype=torch.float32)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * x.element_size() / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = p.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += p.untyped_storage().nbytes()
+    return total
+
+
+def kvql_decode(m, ids: list[int], tokens: int) -> float:
+    """Seconds for `tokens - 1` decode steps of one stream (t_N - t_1, cache cleared before each)."""
+    def run(n):
+        m.clear_cache()
+        return _timed(lambda: m.generate([ids], max_tokens=n, temperature=0, ignore_eos=True))
+    return run(tokens) - run(1)
+
+
+def hf_decode(hf, ids: list[int], tokens: int) -> float:
+    x = torch.tensor([ids])
+
+    def run(n):
+        with torch.inference_mode():
+            return _timed(lambda: hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                              do_sample=False, pad_token_id=0))
+    return run(tokens) - run(1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="smollm2-135m,gemma3-270m")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    bw = bandwidth(args.threads)
+    print(f"memory read bandwidth: {bw / 1e9:.1f} GB/s ({args.threads} threads)")
+    try:
+        import llama_cpp  # noqa: F401
+        llama = "installed, not yet wired in"
+    except ImportError:
+        llama = "not installed (llama-cpp-python builds from source)"
+    print(f"llama.cpp: {llama}")
+    print(f"{'model':<14} {'dtype':<9} {'weights':>9} {'limit':>9} {'kvql':>14} {'transformers':>14}")
+    for spec in args.models.split(","):
+        for name in args.dtypes.split(","):
+            m = kvql.model(spec, dtype=name, silent=True)
+            hf, _ = load_hf(spec, dtype=resolve(name))  # a copy as loaded: the engine sets its own up for itself
+            torch.set_num_threads(args.threads)
+            ids = m.tokenizer.encode(PROMPT)
+            size = weight_bytes(hf)
+            limit = bw / size
+            best = {"kvql": float("inf"), "transformers": float("inf")}
+            for _ in range(args.repeats):
+                best["kvql"] = min(best["kvql"], kvql_decode(m, ids, args.tokens))
+                best["transformers"] = min(best["transformers"], hf_decode(hf, ids, args.tokens))
+            rate = {k: (args.tokens - 1) / v for k, v in best.items()}
+            cells = " ".join(f"{rate[k]:6.1f} ({rate[k] / limit:4.0%})" for k in ("kvql", "transformers"))
+            print(f"{spec:<14} {str(resolve(name)).removeprefix('torch.'):<9} {size / 2**20:7.0f}MB {limit:6.1f}/s "
+                  f"{cells}")
+            m.close()
+    print("tok/s of one stream's decode (fraction of the bandwidth limit); best of", args.repeats)
+
+
+if __name__ == "__main__":
+    main()
