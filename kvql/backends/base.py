@@ -9,8 +9,10 @@ objects users hold (`kvql.Model`, `kvql.RemoteModel`) are these backends with LM
 (`kvql.llm.LLM`: `generate`, `generate_sync`, `score`, `score_sync`).
 
 What a backend offers:
-- `tokenizer`: a Hugging Face tokenizer (its chat template included), or None. With one, the runtime
-  keeps every prompt as token ids and sends ids (the `TOKEN_IDS` capability); without, it sends text.
+- `tokenizer`: a Hugging Face tokenizer (its chat template included), a server's own
+  (`kvql.backends.server_tokenizer.ServerTokenizer`: encode, decode, special ids, chat template; no
+  vocabulary: `get_vocab` is absent, so checks that read every token are skipped), or None. With one, the
+  runtime keeps every prompt as token ids and sends ids (the `TOKEN_IDS` capability); without, it sends text.
 - `eos_ids`: the token ids that end a sequence; `context_length`: tokens, or None when unknown.
 - `agenerate(prompts, **options)` -> one `Completion` per prompt and sample, with the options below;
   `stream(prompt, **options)` -> `StreamChunk`s.
