@@ -297,3 +297,25 @@ def test_the_openai_client_calls_a_named_tool_on_smollm2(smol_server):
                                        temperature=0)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+NAMED_BAD = {"type": "function", "function": {"name": "bad"}}
+UNSATISFIABLE = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("parameters, tool_choice", [
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "required"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, NAMED_BAD),
+    ({"type": 5}, "required"), ({"type": 5}, NAMED_BAD),
+    (UNSATISFIABLE, NAMED_BAD),  # (under "required" the other tool can still be called: that compiles)
+])
+def test_a_tool_schema_that_cannot_be_compiled_fails_its_own_request_only(server, parameters, tool_choice):
+    bad = {"type": "function", "function": {"name": "bad", "parameters": parameters}}
+    for stream in (False, True):  # a stream's bad request is refused before its 200
+        r = post(server, {"messages": USER, "tools": [bad, TIME], "tool_choice": tool_choice, "max_tokens": 30,
+                          "stream": stream})
+        assert r.status_code == 400, r.text
+        assert "schema" in r.json()["error"]["message"].lower() or "grammar" in r.json()["error"]["message"].lower()
+    good = post(server, {"messages": USER, "tools": TOOLS, "tool_choice": "required", "temperature": 0})
+    assert good.status_code == 200 and good.json()["choices"][0]["message"]["tool_calls"]
+    server[1].check_integrity()
