@@ -11,8 +11,12 @@ What is measured (one process, side by side, each model in --models and dtype in
   (N - 1) / (t_N - t_1): the prefill and the first token cancel out. The cache is cleared before each run.
 - transformers: a plain copy of the model as loaded, `generate(max_new_tokens=N, min_new_tokens=N, do_sample=False)`, the
   same subtraction.
-- llama.cpp: `llama-cpp-python`, where it is installed, on the same weights (not installed here: it builds
-  from source; the row says so).
+- llama.cpp: `llama-cpp-python` in its own venv (--llama-python; it builds from source, so the benchmark does
+  not install it: `python3 -m venv ~/.cache/kvql/llamacpp-venv && ~/.cache/kvql/llamacpp-venv/bin/pip install
+  llama-cpp-python==0.3.36`), on the same weights converted to an F32 / BF16 GGUF (--gguf-dir, files
+  `{model}-f32.gguf`, `{model}-bf16.gguf`, made by llama.cpp's `convert_hf_to_gguf.py` from the directory kvql
+  converts the embedded model to), same threads, greedy with EOS banned, the same N - 1 subtraction; a column
+  says why it is missing where it is.
 Timings alternate the sides in each repeat; the best of --repeats is reported (decode speed is bounded above,
 noise only slows it), with the fraction of the limit. The machine is shared and noisy: only ratios inside one
 run mean much. Usage:
@@ -23,7 +27,10 @@ run mean much. Usage:
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -77,6 +84,36 @@ def hf_decode(hf, ids: list[int], tokens: int) -> float:
     return run(tokens) - run(1)
 
 
+LLAMA = """
+import json, sys, time
+from llama_cpp import Llama
+path, prompt, n, threads, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+ban = {llm.token_eos(): -1e9}
+
+def run(k):
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.create_completion(prompt, max_tokens=k, temperature=0, logit_bias=ban)
+    return time.perf_counter() - t0
+run(2)
+print(json.dumps(min(run(n) - run(1) for _ in range(repeats))))
+"""
+
+
+def llama_decode(python: Path, gguf: Path, tokens: int, threads: int, repeats: int) -> float | str:
+    """Best seconds for `tokens - 1` decode steps in llama.cpp (a subprocess of its own venv), or why not."""
+    if not python.exists():
+        return "no llama-cpp-python venv"
+    if not gguf.exists():
+        return f"no {gguf.name}"
+    out = subprocess.run([str(python), "-c", LLAMA, str(gguf), PROMPT, str(tokens), str(threads), str(repeats)],
+                         capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        return "failed: " + (out.stderr.strip().splitlines() or ["?"])[-1][:60]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="smollm2-135m,gemma3-270m")
@@ -84,16 +121,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--llama-python", type=Path, default=Path("~/.cache/kvql/llamacpp-venv/bin/python").expanduser())
+    p.add_argument("--gguf-dir", type=Path, default=Path("~/.cache/kvql/gguf").expanduser())
     args = p.parse_args()
     bw = bandwidth(args.threads)
     print(f"memory read bandwidth: {bw / 1e9:.1f} GB/s ({args.threads} threads)")
-    try:
-        import llama_cpp  # noqa: F401
-        llama = "installed, not yet wired in"
-    except ImportError:
-        llama = "not installed (llama-cpp-python builds from source)"
-    print(f"llama.cpp: {llama}")
-    print(f"{'model':<14} {'dtype':<9} {'weights':>9} {'limit':>9} {'kvql':>14} {'transformers':>14}")
+    print(f"{'model':<14} {'dtype':<9} {'weights':>9} {'limit':>9} {'kvql':>14} {'transformers':>14} {'llama.cpp':>14}")
     for spec in args.models.split(","):
         for name in args.dtypes.split(","):
             m = kvql.model(spec, dtype=name, silent=True)
@@ -106,11 +139,19 @@ def main() -> None:
             for _ in range(args.repeats):
                 best["kvql"] = min(best["kvql"], kvql_decode(m, ids, args.tokens))
                 best["transformers"] = min(best["transformers"], hf_decode(hf, ids, args.tokens))
+            dtype = str(resolve(name)).removeprefix("torch.")
+            m.close()
+            del hf
+            gguf = args.gguf_dir / f"{spec}-{'f32' if dtype == 'float32' else 'bf16'}.gguf"
+            llama = llama_decode(args.llama_python, gguf, args.tokens, args.threads, args.repeats)
             rate = {k: (args.tokens - 1) / v for k, v in best.items()}
             cells = " ".join(f"{rate[k]:6.1f} ({rate[k] / limit:4.0%})" for k in ("kvql", "transformers"))
-            print(f"{spec:<14} {str(resolve(name)).removeprefix('torch.'):<9} {size / 2**20:7.0f}MB {limit:6.1f}/s "
-                  f"{cells}")
-            m.close()
+            if isinstance(llama, float):
+                r = (args.tokens - 1) / llama
+                cells += f" {r:6.1f} ({r / limit:4.0%})"
+            else:
+                cells += f"  {llama}"
+            print(f"{spec:<14} {dtype:<9} {size / 2**20:7.0f}MB {limit:6.1f}/s {cells}", flush=True)
     print("tok/s of one stream's decode (fraction of the bandwidth limit); best of", args.repeats)
 
 
