@@ -280,3 +280,10 @@ def test_ignore_eos_under_a_constraint_ends_at_the_grammars_end(make_model, cons
     (c,) = m.generate([[5, 6, 7]], max_tokens=12, ignore_eos=True, **constraint)
     assert c.finish_reason == "stop" and c.text in ("ab", "yes", "no", "xy")
     m.check_integrity()
+
+
+def test_the_json_spacing_above_the_engine_is_the_engines():
+    # two definitions because the engine imports nothing of the contract: they must not drift apart
+    from kvql.backends.options import JSON_SPACING
+    from kvql.engine.grammar import JSON_SPACING as ENGINE
+    assert JSON_SPACING == ENGINE

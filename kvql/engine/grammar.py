@@ -84,6 +84,10 @@ class _TokenizerState:
                 self.compiled.popitem(last=False)
 
 
+JSON_SPACING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""llguidance's JSON options for every JSON constraint: whitespace as `json.dumps` writes it (see
+`Grammar.json_schema`); `kvql.backends.options.JSON_SPACING` is its twin above the engine."""
+
 def check_choices(tokenizer, options) -> None:
     """ValueError / TypeError for choices no output can be: none, not strings, or holding a special token's
     text (llguidance would match it with the special token itself, and an end-of-sequence token ends the
@@ -253,11 +257,9 @@ class Grammar:
         text = json.dumps(schema)
         _check_size(text, "the JSON schema")
         what = f"JSON schema {text if len(text) < 500 else text[:500] + '...'}"
-        defaults = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
         def build():
             try:
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_SPACING)
             except ValueError as e:
                 raise ValueError(f"invalid {what}: {e}") from None
         return cls(tokenizer, build, what)

@@ -34,7 +34,7 @@ import weakref
 import llguidance
 import torch
 
-from .grammar import _ll_tokenizer, check_choices
+from .grammar import JSON_SPACING, _ll_tokenizer, check_choices
 from . import masks
 
 MAX_TOKENS = 8
@@ -149,9 +149,8 @@ class Healing:
             inner = f"start: VALUE\nVALUE: /{llguidance.regex_to_lark(value, '')}/"
         elif kind == "json_schema":
             schema = json.loads(value) if isinstance(value, str) else value
-            defaults = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
             if isinstance(schema, dict):
-                schema = {**schema, "x-guidance": {**defaults, **schema.get("x-guidance", {})}}
+                schema = {**schema, "x-guidance": {**JSON_SPACING, **schema.get("x-guidance", {})}}
             inner = f"start: %json {json.dumps(schema)}"
         elif kind == "grammar":
             inner = value

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from llguidance import regex_to_lark
 
+from ..backends.options import JSON_SPACING
 from .constraints import ANY, INT_REGEX, And, Atom, Node, Not, Or, describe, finite_values, first_invalid
 from .errors import ConstraintError, InvalidCondition
 from .json_types import type_schema
@@ -181,8 +182,7 @@ class HolePlan:
     def lark(self) -> str | None:
         """The Lark grammar of the value, or None if it is unconstrained."""
         if self.value_type is not None:  # plan_for allows no other term next to it
-            schema = {**type_schema(self.value_type),
-                      "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+            schema = {**type_schema(self.value_type), "x-guidance": JSON_SPACING}
             return f"start: %json {json.dumps(schema)}"
         return f"start: VALUE\nVALUE: {' & '.join(self.terms)}" if self.terms else None
 

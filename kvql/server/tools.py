@@ -32,12 +32,11 @@ import json
 import re
 import uuid
 
+from ..backends.options import JSON_SPACING
 from .protocol import RequestError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
-# the JSON's whitespace, as kvql's json_schema constraint writes it (kvql.engine.grammar.Grammar.json_schema)
-_SPACING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_OBJECT = {"type": "object"}
 _LITERALS = ("const", "enum", "default", "examples")  # values, not schemas
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -108,11 +107,11 @@ class ToolCalling:
     def constraint(self) -> dict:
         """The output's constraint, as `Model.generate` options."""
         if self.mode == "named":
-            return {"json_schema": {**self._parameters(self.named), "x-guidance": _SPACING}}
+            return {"json_schema": self._parameters(self.named)}  # written with JSON_SPACING, as every json_schema
         call = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]},
                                                            "arguments": self._parameters(f["name"])},
                            "required": ["name", "arguments"], "additionalProperties": False}
-                          for f in self.functions], "x-guidance": _SPACING}
+                          for f in self.functions], "x-guidance": JSON_SPACING}
         calls = 'call ("\\n" call)*' if self.parallel else "call"
         start = "calls" if self.mode == "required" else "calls | TEXT"
         lark = (f"start: {start}\ncalls: {calls}\n"
