@@ -32,6 +32,10 @@ class Completion:
     engine appended them without a decode step of their own: jump-forward); empty where the backend does not
     tell (servers). `prepare_seconds`: how long the call took before its requests were queued (checking the
     options, tokenizing, compiling the constraint); 0 where the backend does not tell (servers).
+    Speculative decoding: `drafted_tokens` were drafted for this sequence and verified, and `accepted` are the
+    indices in `token_ids` of those it accepted (computed ahead, several in one forward); 0 and empty where
+    nothing was drafted or the backend does not tell. Neither takes part in equality: an answer is the same
+    whether or not its tokens were drafted.
     """
 
     text: str
@@ -49,3 +53,5 @@ class Completion:
     healed_output_tokens: int = 0
     forced: list[int] = field(default_factory=list)
     prepare_seconds: float = field(default=0.0, compare=False)  # a timing: two equal answers are equal
+    drafted_tokens: int = field(default=0, compare=False)
+    accepted: list[int] = field(default_factory=list, compare=False)

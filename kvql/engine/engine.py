@@ -49,6 +49,7 @@ import weakref
 
 import torch
 
+from .drafts import Drafter
 from .kv_pool import KVPool
 from .memory import Memory
 from .model_runner import ModelRunner
@@ -72,7 +73,8 @@ def _close_all() -> None:
 
 class Engine(Persistence):
     def __init__(self, hf_model, tokenizer, *, num_slots: int, max_batch_tokens: int = 1024,
-                 max_running: int = 64, background: bool = True, geometry: admission.Geometry | None = None):
+                 max_running: int = 64, background: bool = True, geometry: admission.Geometry | None = None,
+                 speculate: bool = True):
         """`geometry`: `model_runner.read_geometry(hf_model)` when the caller has it already (it probes the
         model); a model the engine cannot run raises `admission.UnsupportedModel`, saying why."""
         config = hf_model.config
@@ -91,6 +93,8 @@ class Engine(Persistence):
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
         self.background = background  # False: the caller drives `step()` (tests, deterministic stagger)
         self.outputs = Outputs(self.scheduler, tokenizer, self.device, self.eos_ids, self._cancel_later)
+        self._drafter = Drafter()
+        self.speculate = speculate
         self.steps = 0
         self.mixed_steps = 0  # steps whose batch held both prefill chunks and decode steps
         self.max_batch_requests = 0
@@ -107,6 +111,16 @@ class Engine(Persistence):
     def _cancel_later(self, group: RequestGroup) -> None:
         with self._wake:
             self._cancels.append(group)
+
+    @property
+    def speculate(self) -> bool:
+        """Speculative decoding without a draft model (drafts.py, scheduler.py): a decoding request verifies
+        drafted tokens in its step while few requests run; outputs unchanged."""
+        return self.scheduler.drafter is not None
+
+    @speculate.setter
+    def speculate(self, on: bool) -> None:
+        self.scheduler.drafter = self._drafter if on else None
 
     @property
     def jump_forward(self) -> bool:
@@ -239,6 +253,7 @@ class Engine(Persistence):
     @openmp.releases_caller
     def clear_cache(self) -> int:
         with self._state:
+            self._drafter.reset()
             return self.tree.reset()
 
     def stats(self) -> dict:
@@ -251,6 +266,8 @@ class Engine(Persistence):
                 "computed_tokens": s.prompt_tokens - s.cached_tokens,
                 "generated_tokens": self.outputs.generated_tokens,
                 "forced_tokens": self.outputs.forced_tokens,
+                "drafted_tokens": self.outputs.drafted_tokens,
+                "accepted_tokens": self.outputs.accepted_tokens,
                 "forward_tokens": self.runner.forward_tokens,
                 "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
                 "cache_tokens": self.tree.total_tokens,

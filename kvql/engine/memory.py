@@ -13,7 +13,8 @@ it changes them together:
 Contract:
 - `admit` and `extend` allocate the slots of a request's next segment and append them to `kv_slots`
   at once, so every pool slot is always free, the tree's, or one running request's, even mid-step.
-  `commit(req, n)` marks them computed and hands computed prompt tokens to the tree.
+  `commit(req, n)` marks them computed and hands computed prompt tokens to the tree; `discard(req)` frees
+  the ones a step computed but did not keep (a draft's rejected tokens).
 - Allocation evicts unlocked least recently used leaves first; it never takes a locked node's slots.
 - After `preempt` or `release` a request holds nothing: `kv_slots` empty, `node` None, `tree_len`
   and `num_computed` 0. With `keep` its computed KV stays in the tree, unlocked, for reuse.
@@ -77,6 +78,13 @@ class Memory:
         req.num_computed = start + n
         if start < len(req.prompt_ids):
             self._cache_computed(req)
+
+    def discard(self, req: Request) -> None:
+        """Free the RUNNING request's slots past `num_computed`: a draft's rejected tokens (speculative
+        decoding), whose KV the forward wrote but which are not the request's."""
+        assert req.state is State.RUNNING
+        self.pool.free(req.kv_slots[req.num_computed:])
+        req.kv_slots = req.kv_slots[:req.num_computed]
 
     def fork(self, parent: Request, child: Request) -> None:
         """Start the new sample `child` RUNNING on `parent`'s computed prompt, which is in the tree."""

@@ -33,6 +33,8 @@ class Outputs:
         self.jump_forward = True  # append tokens a constraint forces without a decode step each (engine doc)
         self.generated_tokens = 0
         self.forced_tokens = 0
+        self.drafted_tokens = 0  # speculative decoding: tokens drafted and verified, and those accepted
+        self.accepted_tokens = 0
 
     def apply(self, batch: list, outputs: list) -> None:
         """`batch`: (request, segment) pairs of a step; `outputs`: each segment's logits (or None)."""
@@ -69,7 +71,9 @@ class Outputs:
         try:
             if req.forced:
                 self._replay(req, seg, logits)
-            if seg.needs_logits and req.state is State.RUNNING:
+            if seg.drafted and req.state is State.RUNNING:
+                self._verify(req, seg, logits)
+            elif seg.needs_logits and req.state is State.RUNNING:
                 self._sample(req, logits[-1])
         except BaseException as e:  # even SystemExit from a callback must not end the engine thread
             e.add_note(f"kvql: request {req.rid} failed while sampling:\n{traceback.format_exc(limit=3)}")
@@ -101,6 +105,37 @@ class Outputs:
             if not group.closed:
                 self._append(sib, tok, lp)
                 self._jump(sib)
+
+    def _verify(self, req: Request, seg, logits: torch.Tensor) -> None:
+        """Speculative decoding: row i of `logits` follows the segment's i-th drafted position; sample from
+        each in turn exactly as a decode step would (mask, penalties, stops, max_tokens, jump-forward), keep
+        each drafted token the sample equals (its KV is valid), and stop at the first that differs: that
+        sample is the step's last token. So outputs are those of one decode step per token. The rejected
+        drafted tokens' slots are freed."""
+        draft = seg.token_ids[-seg.drafted:]
+        req.vocab_size = logits.shape[-1]
+        accepted = 0
+        for i in range(seg.drafted + 1):
+            token, logprob = sample(logits[i], req)
+            self._append(req, token, logprob)
+            if req.state is not State.RUNNING:
+                break
+            if i == seg.drafted or token != draft[i]:
+                self._jump(req)
+                break
+            self.scheduler.accept(req)
+            accepted += 1
+            req.accepted_at.append(len(req.output_ids) - 1)
+            length = req.num_tokens
+            self._jump(req)
+            if req.num_tokens != length or req.state is not State.RUNNING:
+                break  # the constraint forced tokens after it: they are computed next step, as a chunk
+        self.drafted_tokens += seg.drafted
+        self.accepted_tokens += accepted
+        req.drafted_tokens += seg.drafted
+        req.draft.record(seg.drafted, accepted)
+        if req.state is State.RUNNING:
+            self.scheduler.discard(req)
 
     def _jump(self, req: Request) -> None:
         """Jump-forward: while the mask allows exactly one token after `req`'s tokens, take it (module
@@ -161,6 +196,8 @@ class Outputs:
         if done:
             self.scheduler.finish(req, State.FINISHED, keep=True)
             group.completions[req.sample] = req.completion()
+            if self.scheduler.drafter is not None:
+                self.scheduler.drafter.remember(req.salt, req.prompt_ids, req.output_ids)
         if group.on_update is not None:
             try:
                 group.on_update(req.sample, req.detok.pop_stream_delta(done), token,

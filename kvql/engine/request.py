@@ -144,6 +144,9 @@ class Request:
         self.forced_at: list[int] = []  # their indices in `output_ids` (what a trace needs to show them apart)
         self.next_allowed: tuple[int, object] | None = None  # (len(output_ids), mask result) already computed
         self.vocab_size: int | None = None  # the model's logits width, from the first sampled row
+        self.draft = None  # speculative decoding's state for this request (drafts.Draft), made at its first draft
+        self.drafted_tokens = 0  # tokens drafted for it and verified
+        self.accepted_at: list[int] = []  # indices in `output_ids` of drafted tokens it accepted
         self.state = State.WAITING
         self.kv_slots = torch.empty(0, dtype=torch.long, device=device)
         self.tree_len = 0
@@ -212,5 +215,7 @@ class Request:
             stop_reason=self.detok.stop_string,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
             forced=[i for i in self.forced_at if i < len(self.output_ids)],
+            drafted_tokens=self.drafted_tokens,
+            accepted=list(self.accepted_at),
         )
         return c if self.params.healing is None else self.params.healing.finish(c)

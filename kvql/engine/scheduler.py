@@ -19,6 +19,10 @@ Decisions and why:
   chunk of the running request, exactly like a prefill chunk. Pending forced tokens of a request
   that wants logprobs need the logits of every position from `Request.replay_from`: it is never
   served from the cache past there, and its segments return those rows.
+- Speculative decoding (drafts.py; `drafter`, None when off): a decoding request's segment carries a draft
+  after its last token while at most SPECULATE_MAX_RUNNING requests run (a step is memory-bound there, so
+  verifying a few more tokens costs little), only for greedy requests and only into free slots (a draft
+  never evicts cached tokens); outputs.py verifies it and frees what it rejects.
 - Prompt logprobs need the logits of every prompt position, and cached positions have none: a request
   asking for them matches only the positions it already scored (none at first, some after a
   preemption mid-prompt), skips dedup, and still inserts its prompt into the tree for later requests.
@@ -28,10 +32,16 @@ from __future__ import annotations
 
 from collections import deque
 
+from .drafts import Drafter
 from .memory import Memory
+from .sampler import GREEDY_BELOW
 from .segment import Segment
 from .radix_cache import common_prefix_len
 from .request import Request, State
+
+
+SPECULATE_MAX_RUNNING = 4
+"""Draft only while this few requests run (module doc)."""
 
 
 class Scheduler:
@@ -50,14 +60,24 @@ class Scheduler:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.preemptions = 0
+        self.drafter: Drafter | None = None
 
     # -- a request's life ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def commit(self, req: Request, seg: Segment) -> None:
-        """The batch's forward computed `seg`: its KV is valid (prompt tokens enter the tree)."""
-        self.memory.commit(req, len(seg.token_ids))
+        """The batch's forward computed `seg`: its KV is valid (prompt tokens enter the tree). A draft is not
+        the request's yet: outputs.py commits each drafted token it accepts (`accept`), then `discard`s."""
+        self.memory.commit(req, len(seg.token_ids) - seg.drafted)
+
+    def accept(self, req: Request) -> None:
+        """The next drafted token of this step's segment is the request's now (its KV is valid)."""
+        self.memory.commit(req, 1)
+
+    def discard(self, req: Request) -> None:
+        """Free the slots of the drafted tokens this step rejected (the request runs on)."""
+        self.memory.discard(req)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Start sample `child` on `parent`'s computed prompt (it decodes from the next step)."""
@@ -93,6 +113,14 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
+            draft = self._draft(req) if remaining == 1 else []
+            if draft and self.memory.extend(req, 1 + len(draft)):
+                start = req.num_computed
+                batch.append((req, Segment([req.tokens[-1], *draft], start, req.kv_slots[:start],
+                                           req.kv_slots[start:], needs_logits=True, drafted=len(draft))))
+                budget = max(0, budget - 1 - len(draft))
+                i += 1
+                continue
             ok = self.memory.extend(req, n)
             while not ok and req.state is State.RUNNING:
                 self._preempt(self.running[-1])  # the newest; never one already in this batch
@@ -104,6 +132,17 @@ class Scheduler:
             i += 1
         self._admit(batch, budget)
         return batch
+
+    def _draft(self, req: Request) -> list[int]:
+        """A draft for the decoding request `req`, or [] (module doc)."""
+        if (self.drafter is None or len(self.running) > SPECULATE_MAX_RUNNING or req.needs_prompt_logits
+                or req.params.temperature >= GREEDY_BELOW or req.num_computed < len(req.prompt_ids)):
+            return []
+        # tokens one step may append past its own: what max_tokens leaves, and what the pool has free beside
+        # a slot for every running request (a draft must not make a neighbour evict or be preempted)
+        limit = min(req.params.max_tokens - len(req.output_ids) - 1,
+                    self.memory.pool.num_free - len(self.running) - 1)
+        return self.drafter.propose(req, limit) if limit > 0 else []
 
     @staticmethod
     def _segment(req: Request, n: int) -> Segment:

@@ -13,7 +13,9 @@ class Segment:
     """New tokens of one request in a batch: `token_ids` at positions `start ...`, written to `new_slots`;
     `past_slots` hold the KV of its positions `0 .. start-1`. `needs_logits`: the logits of its last
     token are wanted (to sample); `all_logits`: those of every token (prompt logprobs); `logits_from`: those
-    of every position from there on (jump-forward's pending forced tokens: their logprobs)."""
+    of every position from there on (jump-forward's pending forced tokens: their logprobs). `drafted`: the last
+    `drafted` tokens are a draft (speculative decoding, drafts.py), not yet the request's: the logits of the
+    `drafted + 1` last positions are returned, each verifying the drafted token after it."""
 
     token_ids: list[int]
     start: int
@@ -22,6 +24,7 @@ class Segment:
     needs_logits: bool
     all_logits: bool = False
     logits_from: int | None = None
+    drafted: int = 0
 
     @property
     def logit_rows(self) -> int:
@@ -29,6 +32,8 @@ class Segment:
         n = len(self.token_ids)
         if self.all_logits:
             return n
+        if self.drafted:
+            return self.drafted + 1
         k = 1 if self.needs_logits else 0
         if self.logits_from is not None:
             k = max(k, min(n, self.start + n - self.logits_from))

@@ -1,0 +1,192 @@
+"""Speculative decoding without a draft model (kvql.engine.drafts, scheduler, outputs): drafts from the radix
+tree, the request's own context and earlier outputs, verified in one forward; outputs equal to decoding one
+token per step, with `check_integrity` after every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_prompts, reference_greedy, tiny_model
+from kvql.engine import drafts
+from kvql.engine.drafts import Drafter, NGrams, continuation
+from kvql.engine.grammar import Grammar
+from kvql.engine.radix_cache import RadixCache
+from kvql.engine.request import SamplingParams
+from kvql.engine.scheduler import SPECULATE_MAX_RUNNING
+
+
+def run(m, jobs, speculate: bool):
+    """Submit `jobs` [(prompt ids, SamplingParams kw)] with speculation `speculate`, stepping until idle and
+    checking integrity after every step; -> (completions per job, steps, stats)."""
+    engine = m.engine
+    engine.speculate = speculate
+    m.clear_cache()
+    before = engine.stats()
+    groups = [engine.submit(p, SamplingParams(**{"max_tokens": 24, **kw})) for p, kw in jobs]
+    steps = 0
+    while not engine.idle():
+        engine.step()
+        steps += 1
+        engine.check_integrity()
+    after = engine.stats()
+    stats = {k: after[k] - before[k] for k in ("drafted_tokens", "accepted_tokens", "generated_tokens")}
+    return [g.future.result() if g.future.exception() is None else g.future.exception() for g in groups], steps, stats
+
+
+def looping_prompts(tokenizer, count: int, seed: int = 4) -> list[list[int]]:
+    """Prompts whose text repeats itself; the tiny model's greedy outputs fall into loops after them (seed 4:
+    one of three repeats a token twenty times), so that drafts from the request's own context exist."""
+    prompts = random_prompts(seed=seed, count=count, vocab=len(tokenizer), prefix_lengths=(0, 6), suffix=(5, 9))
+    return [p + p[len(p) // 2:] + p for p in prompts]
+
+
+@pytest.fixture
+def engine_model(make_model):
+    return make_model(background=False)
+
+
+def test_greedy_outputs_equal_decoding_one_token_per_step(engine_model, tokenizer):
+    jobs = [(p, {"max_tokens": 48}) for p in looping_prompts(tokenizer, 3)]
+    on, steps_on, stats = run(engine_model, jobs, True)
+    off, steps_off, stats_off = run(engine_model, jobs, False)
+    assert on == off
+    assert stats["accepted_tokens"] > 0 and stats_off["drafted_tokens"] == 0
+    alone = jobs[:1]  # the looping one: decoding it alone takes fewer steps
+    assert run(engine_model, alone, True)[1] < run(engine_model, alone, False)[1] == 48
+    assert sum(len(c[0].accepted) for c in on) == stats["accepted_tokens"]
+    assert sum(c[0].drafted_tokens for c in on) == stats["drafted_tokens"]
+
+
+def test_greedy_with_speculation_equals_the_uncached_reference(engine_model, llama, tokenizer):
+    for p in looping_prompts(tokenizer, 2, seed=5):
+        got, _, stats = run(engine_model, [(p, {"max_tokens": 20})], True)
+        assert got[0][0].token_ids == reference_greedy(llama, p, 20, tokenizer.eos_token_id)
+
+
+def test_a_query_run_again_is_drafted_from_the_radix_tree(engine_model, tokenizer):
+    prompt = random_prompts(seed=11, count=1, vocab=len(tokenizer), prefix_lengths=(12,), suffix=(6, 7))[0]
+    engine = engine_model.engine
+    engine.speculate = True
+    first = engine_model.generate([prompt], max_tokens=30, ignore_eos=True)[0]
+    steps = engine.steps
+    again = engine_model.generate([prompt], max_tokens=30, ignore_eos=True)[0]
+    assert again.token_ids == first.token_ids
+    # all but the first token (from the prefill) were drafted and accepted: a few steps instead of 30
+    assert len(again.accepted) >= 25 and engine.steps - steps <= 1 + 30 // (drafts.FIRST_LENGTH + 1) + 1
+
+
+def test_drafts_stop_where_max_tokens_stop_strings_and_stop_fn_stop(engine_model, tokenizer):
+    prompts = looping_prompts(tokenizer, 2, seed=7)
+    text = engine_model.generate([prompts[0]], max_tokens=24)[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2] or "a"
+    jobs = [(prompts[0], {"max_tokens": 7}), (prompts[1], {"stop": (stop,)}),
+            (prompts[0], {"stop_fn": lambda ids, text: len(ids) >= 5})]
+    on, _, _ = run(engine_model, jobs, True)
+    off, _, _ = run(engine_model, jobs, False)
+    assert on == off
+    assert len(on[0][0].token_ids) == 7 and len(on[2][0].token_ids) == 5
+
+
+def test_constrained_and_logprob_requests_get_the_same_outputs(engine_model, tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12}}, "required": ["a"]}
+    mask = Grammar.json_schema(tokenizer, schema)
+    prompts = looping_prompts(tokenizer, 3, seed=9)
+    jobs = [(prompts[0], {"mask": mask.mask_fn(), "max_tokens": 40}), (prompts[1], {"logprobs": 3}),
+            (prompts[2], {"repetition_penalty": 1.3, "presence_penalty": 0.5})]
+    on, _, stats = run(engine_model, jobs, True)
+    jobs[0] = (prompts[0], {"mask": mask.mask_fn(), "max_tokens": 40})  # a fresh matcher
+    off, _, _ = run(engine_model, jobs, False)
+    assert [c[0].token_ids for c in on] == [c[0].token_ids for c in off]
+    for a, b in zip(on[1][0].logprobs, off[1][0].logprobs):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert stats["drafted_tokens"] > 0
+
+
+def test_a_mask_raising_on_a_drafted_position_fails_its_request_alone(engine_model, tokenizer):
+    prompts = looping_prompts(tokenizer, 2, seed=13)
+
+    def bad(ids):
+        if len(ids) >= 4:
+            raise ValueError("mask broke")
+        return None
+
+    on, _, _ = run(engine_model, [(prompts[0], {"mask": bad}), (prompts[1], {})], True)
+    off, _, _ = run(engine_model, [(prompts[1], {})], False)
+    assert isinstance(on[0], ValueError) and on[1] == off[0]
+
+
+def test_large_batches_and_sampled_requests_are_not_drafted(engine_model, tokenizer):
+    prompts = looping_prompts(tokenizer, SPECULATE_MAX_RUNNING + 4, seed=15)
+    _, _, big = run(engine_model, [(p, {"max_tokens": 4}) for p in prompts], True)
+    sampled = [(p, {"temperature": 0.8, "seed": 1}) for p in prompts[:2]]
+    on, _, drawn = run(engine_model, sampled, True)
+    off, _, _ = run(engine_model, sampled, False)
+    assert drawn["drafted_tokens"] == 0 and on == off
+    assert big["drafted_tokens"] == 0  # all of them run together to the end: never few enough to draft
+
+
+def test_drafts_never_evict_or_preempt_under_memory_pressure(make_model, tokenizer):
+    m = make_model(cache_tokens=160, background=False)
+    jobs = [(p, {"max_tokens": 48}) for p in looping_prompts(tokenizer, 3)]
+    preemptions = []
+    for speculate in (True, False):
+        before = m.engine.stats()["preemptions"]
+        outputs, _, stats = run(m, jobs, speculate)
+        preemptions.append(m.engine.stats()["preemptions"] - before)
+        if speculate:
+            on, drafted = outputs, stats["drafted_tokens"]
+    assert on == outputs and drafted > 0
+    assert preemptions[0] == preemptions[1] > 0  # the pool is short either way; drafts add no preemption
+
+
+def test_bf16_greedy_is_the_same_drafted_or_not(tokenizer, make_model):
+    hf = tiny_model(tokenizer, "llama", 1, hidden_size=128, intermediate_size=256, initializer_range=0.05).to(torch.bfloat16)
+    m = make_model(hf, background=False)
+    jobs = [(p, {"max_tokens": 20}) for p in looping_prompts(tokenizer, 3, seed=19)]
+    on, _, stats = run(m, jobs, True)
+    off, _, _ = run(m, jobs, False)
+    assert on == off and stats["drafted_tokens"] > 0
+
+
+# -- the draft sources ---------------------------------------------------------------------------------------
+def test_ngrams_draft_what_followed_the_latest_longest_match():
+    index = NGrams()
+    seq = [1, 2, 3, 4, 9, 9, 2, 3, 4, 5, 6, 7]
+    index.add(seq)
+    assert index.lookup([0, 2, 3, 4], 3) == [5, 6, 7]  # the latest occurrence of (2, 3, 4)
+    assert index.lookup([8, 9, 9], 2) == [2, 3]
+    assert index.lookup([5, 3], 4) == []  # (3,) alone is too short a match
+    seq.extend([8, 1])
+    index.add(seq, start=12)
+    assert index.lookup([6, 7], 2) == [8, 1]
+
+
+def test_the_tree_drafts_the_continuation_of_the_same_context():
+    tree = RadixCache(lambda slots: None)
+    tree.insert([1, 2, 3, 4, 5, 6], torch.arange(6))
+    tree.insert([1, 2, 3, 7, 8], torch.arange(6, 11))  # the most recent branch after (1, 2, 3)
+    _, node = tree.match_prefix([1, 2])
+    assert continuation(node, [3], 3) == [7, 8]
+    assert continuation(node, [3, 4], 5) == [5, 6]
+    assert continuation(node, [9], 3) == []
+    assert continuation(tree.root, [1, 2, 3, 4, 5, 6], 3) == []
+
+
+def test_remembered_outputs_draft_only_within_their_cache_partition():
+    class Req:
+        def __init__(self, tokens, salt):
+            self.tokens, self.salt, self.draft, self.tree_len = tokens, salt, None, 0
+            self.node = None
+
+    tree = RadixCache(lambda slots: None)
+    drafter = Drafter()
+    drafter.remember("tenant-a", [50, 51], [60, 61, 62, 63, 64])
+    a, b = Req([70, 61, 62], "tenant-a"), Req([70, 61, 62], "tenant-b")
+    a.node, b.node = tree._root("tenant-a"), tree._root("tenant-b")
+    assert drafter.propose(a, 8) == [63, 64]
+    assert drafter.propose(b, 8) == []
+    drafter.reset()
+    a = Req([70, 61, 62], "tenant-a")
+    a.node = tree._root("tenant-a")
+    assert drafter.propose(a, 8) == []
