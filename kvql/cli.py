@@ -56,7 +56,7 @@ def load(spec: str, args):
 
     return kvql.model(spec, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", None),
                       cache_budget=getattr(args, "cache_budget", None), cache_dir=getattr(args, "cache_dir", None),
-                      silent=False)
+                      speculate=getattr(args, "speculate", True), silent=False)
 
 
 def demo(args) -> None:
@@ -250,6 +250,8 @@ MODEL_HELP = ("smollm2-135m (embedded), a local model directory, a Hugging Face 
               "HF cache, else downloaded), local:PATH_OR_ID, or http://HOST:PORT/v1")
 DTYPE_HELP = ("auto: bfloat16 on CUDA and on a CPU with native bf16 matrix units (AMX-BF16 or AVX-512 BF16), else "
               "float32 (the same rule for every command and for kvql.model()); float32: kvql's exact mode")
+SPECULATE_HELP = ("speculative decoding: while few requests run, greedy ones verify tokens drafted from the cache, their "
+                  "own prompt and earlier outputs several per step (the same outputs, faster)")
 
 
 # --- argument types: each checks one argument as argparse reads it (a usage error, before any load) ------
@@ -367,6 +369,8 @@ def _model_options(p: argparse.ArgumentParser, model_default: str | None = DEFAU
     p.add_argument("--dtype", choices=NAMES, default=DEFAULT, help=DTYPE_HELP)
     p.add_argument("--cache-budget", type=size, default=None, metavar="SIZE",
                    help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
+    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
+                   help=SPECULATE_HELP)
     if cache_dir:
         p.add_argument("--cache-dir", type=directory, default=None, metavar="DIR",
                        help="keep the KV cache in DIR between runs: a snapshot per model and dtype, loaded at start "

@@ -104,7 +104,7 @@ def tokenizer(spec: str = "smollm2-135m"):
 def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_budget: int | str | None = None,
           max_batch_tokens: int = 1024, max_running: int = 64, name: str | None = None, api_key: str | None = None,
           tokenizer=None, seed: int | None = None, silent: bool = True, cache_dir=None,
-          cache_save_interval: float = 300.0):
+          cache_save_interval: float = 300.0, speculate: bool = True):
     """Load a model for kvql's engine, or connect to a server.
 
     `spec`: `"smollm2-135m"` (the embedded default), a local Hugging Face model directory
@@ -120,6 +120,9 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     `cache_dir`: a directory that keeps the KV cache across restarts (loaded now if its snapshot is this
     model's, dtype's and tokenizer's; saved on close / exit and every `cache_save_interval` seconds when
     idle, 0: only on close; see `kvql.engine.cache_dir`). Local models only.
+    `speculate`: speculative decoding without a draft model (on by default; outputs are the same either way):
+    while few requests run, a greedy request verifies tokens drafted from the cache, its own prompt and earlier
+    outputs several at a time (see `kvql.engine.drafts`). Local models only.
 
     `"random"` (LMQL's test model, `seed=` as in LMQL; default 0) is a tiny random-weights Llama with
     SmolLM2's tokenizer (see `kvql.backends.loader.random_model`) and a 32 MB cache by default; calls with
@@ -141,7 +144,7 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
         t0 = time.perf_counter()
         m = model(spec, device=device, dtype=dtype, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
                   max_running=max_running, name=name, api_key=api_key, tokenizer=tokenizer, seed=seed,
-                  cache_dir=cache_dir, cache_save_interval=cache_save_interval)
+                  cache_dir=cache_dir, cache_save_interval=cache_save_interval, speculate=speculate)
         print(f"kvql: {banner(m)} · loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return m
     if remote:
@@ -151,6 +154,8 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
             raise TypeError("dtype= is for local models; a server computes in its own dtype (vLLM, kvql serve: --dtype)")
         if cache_dir is not None:
             raise TypeError("cache_dir= is for local models; a server keeps its own cache (kvql serve: --cache-dir)")
+        if speculate is not True:
+            raise TypeError("speculate= is for local models; a server decides (kvql serve: --no-speculate)")
         from .remote_model import RemoteModel
 
         return RemoteModel(spec, name=name, api_key=api_key, tokenizer=tokenizer)
@@ -163,14 +168,16 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     dtype = resolve(dtype, device)
 
     if spec == "random":
-        key = (seed or 0, device, dtype, cache_budget, max_batch_tokens, max_running, name, cache_dir, cache_save_interval)
+        key = (seed or 0, device, dtype, cache_budget, max_batch_tokens, max_running, name, cache_dir, cache_save_interval,
+               speculate)
         shared = _random_models.get(key)
         if shared is None or shared.closed:
             hf_model, tok = random_model(seed or 0, device=device, dtype=dtype)
             shared = _random_models[key] = Model(hf_model, tok, name=name or "random",
                                                  cache_budget=cache_budget or "32MB",
                                                  max_batch_tokens=max_batch_tokens, max_running=max_running,
-                                                 cache_dir=cache_dir, cache_save_interval=cache_save_interval)
+                                                 cache_dir=cache_dir, cache_save_interval=cache_save_interval,
+                                                 speculate=speculate)
         return shared
     if seed is not None:
         raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
@@ -179,7 +186,8 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     hf_model, tok = load_hf(spec, device=device, dtype=dtype)
     try:
         return Model(hf_model, tok, name=spec, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
-                     max_running=max_running, cache_dir=cache_dir, cache_save_interval=cache_save_interval)
+                     max_running=max_running, cache_dir=cache_dir, cache_save_interval=cache_save_interval,
+                     speculate=speculate)
     except UnsupportedModel as e:
         raise ModelLoadError(f"model {spec!r}: {e}") from None
 

@@ -190,3 +190,31 @@ def test_remembered_outputs_draft_only_within_their_cache_partition():
     a = Req([70, 61, 62], "tenant-a")
     a.node = tree._root("tenant-a")
     assert drafter.propose(a, 8) == []
+
+
+def test_a_trace_shows_the_drafted_and_accepted_tokens_of_each_hole(make_model, tmp_path):
+    import kvql
+
+    m = make_model()
+    query = '"Story: once upon a time [A]" where len(TOKENS(A)) < 24'
+    first = kvql.run_sync(query, model=m)
+    again = kvql.run_sync(query, model=m)  # the same context: drafted from the tree, accepted
+    hole = again.trace.holes[0]
+    assert again.prompt == first.prompt and hole.drafted >= hole.accepted >= 15
+    again.trace.save(tmp_path / "t.html")
+    assert f"{hole.accepted} of {hole.drafted} drafted tokens accepted" in (tmp_path / "t.html").read_text()
+    m.engine.speculate = False
+    plain = kvql.run_sync(query, model=m)
+    assert plain.prompt == first.prompt and plain.trace.holes[0].drafted == 0
+
+
+def test_speculate_is_an_option_of_local_models_only(tokenizer, llama):
+    import kvql
+
+    m = kvql.Model(llama, tokenizer, cache_budget="4MB", speculate=False)
+    try:
+        assert m.engine.speculate is False
+    finally:
+        m.close()
+    with pytest.raises(TypeError, match="speculate= is for local models"):
+        kvql.model("http://127.0.0.1:9/v1", speculate=False)

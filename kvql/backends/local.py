@@ -63,7 +63,7 @@ class LocalBackend(Backend):
 
     def __init__(self, hf_model, tokenizer, *, name: str = "model", cache_budget: int | str | None = None,
                  max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True,
-                 cache_dir=None, cache_save_interval: float = 300.0):
+                 cache_dir=None, cache_save_interval: float = 300.0, speculate: bool = True):
         config = hf_model.config
         self.name = name
         self.hf_model = hf_model
@@ -80,7 +80,8 @@ class LocalBackend(Backend):
         if budget < slot_bytes:
             raise ValueError(f"cache_budget {budget} bytes holds no token ({slot_bytes} bytes per token)")
         self.engine = Engine(hf_model, tokenizer, num_slots=budget // slot_bytes, max_batch_tokens=max_batch_tokens,
-                             max_running=max_running, background=background, geometry=geometry)
+                             max_running=max_running, background=background, geometry=geometry,
+                             speculate=speculate)
         self.eos_ids = frozenset(self.engine.eos_ids)
         # Grammars are immutable: the runs of a query (a map over many inputs) share one per constraint.
         self._compiled = functools.lru_cache(maxsize=256)(self._compile)

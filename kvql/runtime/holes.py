@@ -115,7 +115,7 @@ class Holes:
         max_tokens, bound = self._budget(name, plan)
         self._check_room(name, plan, max_tokens, bound, heal)
         setup = time.perf_counter() - started  # the checks before the request (a first use reads the vocabulary)
-        self._healed, self._forced, self._prepared = None, ([], 0), 0.0
+        self._healed, self._forced, self._prepared, self._drafts = None, ([], 0), 0.0, (0, 0)
         if self.decoding.beam:
             value, tokens, full, guard = await self._beam(name, plan, prompt, max_tokens)
         else:
@@ -126,7 +126,7 @@ class Holes:
         generated, healed = (len(self._healed[2]), self._healed[0]) if self._healed else (len(tokens), 0)
         self._hole_log.append(TraceHole(name, str(value), where_text(constraint, name, plan), generated,
                                         time.perf_counter() - started, self._forced[1], healed,
-                                        setup + self._prepared))
+                                        setup + self._prepared, *self._drafts))
         checked = plan.constrained(full, guard)
         self._check_value(name, plan, value, checked, plan.stop_index(full, guard) is not None,
                           lambda: self._why_cut(tokens, max_tokens, bound))
@@ -303,6 +303,7 @@ class Holes:
         # indices into the tokens the value is added with: all generated ones when healed, else `tokens`
         own = [i - c.healed_output_tokens for i in c.forced if i >= c.healed_output_tokens]
         self._forced = (list(c.forced) if c.healed_prompt_tokens else own, len(own))
+        self._drafts = (c.drafted_tokens, len(c.accepted))
         full = c.text + c.stop_reason if isinstance(c.stop_reason, str) else c.text
         return plan.cut(full, guard["chars"]), tokens, full, guard["chars"]
 

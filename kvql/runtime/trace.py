@@ -58,6 +58,8 @@ class TraceHole:
     forced: int = 0      # how many of them the constraint forced (jump-forward: no decode step of their own)
     healed: int = 0      # prompt tokens token healing backed up (their text generated again by this hole)
     setup_seconds: float = 0.0  # of `seconds`, before its request was queued: checks, its constraint compiled
+    drafted: int = 0     # speculative decoding: tokens drafted for it and verified, and how many it accepted
+    accepted: int = 0
 
 
 def where_text(constraint, name: str, plan=None) -> str:
@@ -183,6 +185,7 @@ class Trace:
         holes = "".join(
             f"<tr><td>[{html.escape(h.name)}]</td><td><code>{html.escape(h.constraints) or '—'}</code></td>"
             f"<td>{html.escape(repr(h.value))}</td><td>{h.tokens}" + (f" ({h.forced} forced)" if h.forced else "")
+            + (f" ({h.accepted} of {h.drafted} drafted tokens accepted: speculative decoding)" if h.drafted else "")
             + (f" (healed: {h.healed} backed-up prompt token{'s' * (h.healed != 1)} generated again)"
                if h.healed else "")
             + f"</td><td>{h.seconds:.3f} s" + (f" (before the request: {h.setup_seconds:.3f} s, checks and "

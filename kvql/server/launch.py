@@ -31,7 +31,7 @@ from ..backends.dtype import DEFAULT, NAMES
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `kvql serve`, each with a help text; argument types check them before anything loads."""
-    from ..cli import DTYPE_HELP, MODEL_HELP, at_least, directory, non_negative, size
+    from ..cli import DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, at_least, directory, non_negative, size
 
     p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP.replace(", or http://HOST:PORT/v1", ""))
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...; checked before the model loads")
@@ -66,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-host", action="append", metavar="HOST",
                    help="a host name accepted in the Host header besides IP addresses, localhost and --host "
                         "(repeatable; '*': any)")
+    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True, help=SPECULATE_HELP)
     p.add_argument("--cache-budget", type=size, default=None, metavar="SIZE",
                    help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
     p.add_argument("--cache-dir", type=directory, default=None, metavar="DIR",
@@ -116,7 +117,7 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     print(f"kvql serve: loading {args.model} on {args.device} ({name(dtype)}) ...",
           flush=True)
     m = kvql.model(args.model, device=args.device, dtype=dtype, cache_budget=args.cache_budget,
-                   cache_dir=args.cache_dir, cache_save_interval=args.cache_save_interval)
+                   cache_dir=args.cache_dir, cache_save_interval=args.cache_save_interval, speculate=args.speculate)
     if args.max_model_len is not None:
         if args.max_model_len > m.context_length:
             _fail(f"--max-model-len {args.max_model_len} is over the model's context of {m.context_length} tokens")

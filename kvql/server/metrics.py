@@ -40,6 +40,8 @@ ENGINE = [
     ("kvql_computed_tokens", "counter", "Prompt tokens computed (not cached)", "computed_tokens"),
     ("kvql_generated_tokens", "counter", "Tokens generated", "generated_tokens"),
     ("kvql_forced_tokens", "counter", "Generated tokens a constraint forced (jump-forward)", "forced_tokens"),
+    ("kvql_drafted_tokens", "counter", "Tokens drafted and verified (speculative decoding)", "drafted_tokens"),
+    ("kvql_accepted_tokens", "counter", "Drafted tokens accepted (speculative decoding)", "accepted_tokens"),
     ("kvql_forward_seconds", "counter", "Seconds spent inside the model's forward", "forward_seconds"),
     ("kvql_cache_hit_rate", "gauge", "Cached / prompt tokens since start", "hit_rate"),
     ("kvql_queue_depth", "gauge", "Requests waiting for admission", "waiting"),
