@@ -12,8 +12,9 @@ these sources that has any:
 3. earlier outputs (suffix-style, as SuffixDecoding): the same match over the outputs of finished requests
    of the same cache partition (answers that repeat across runs with new inputs).
 A draft never changes an output: the engine verifies it (outputs.py: each drafted position is sampled from
-its own logits exactly as a decode step would, and the draft ends at the first token that differs), so a
-draft only decides how many tokens one forward may yield. Drafts respect cache partitions (`cache_salt`):
+its own logits as a decode step would, and the draft ends at the first token that differs; a sampled
+request by speculative sampling, which keeps its distribution), so a draft only decides how many tokens
+one forward may yield. Drafts respect cache partitions (`cache_salt`):
 a request is never drafted from another partition's tokens.
 
 Adaptive per request (`Draft`): the draft length grows after a fully accepted draft and shrinks after a

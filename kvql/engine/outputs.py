@@ -108,15 +108,16 @@ class Outputs:
 
     def _verify(self, req: Request, seg, logits: torch.Tensor) -> None:
         """Speculative decoding: row i of `logits` follows the segment's i-th drafted position; sample from
-        each in turn exactly as a decode step would (mask, penalties, stops, max_tokens, jump-forward), keep
-        each drafted token the sample equals (its KV is valid), and stop at the first that differs: that
-        sample is the step's last token. So outputs are those of one decode step per token. The rejected
-        drafted tokens' slots are freed."""
+        each in turn as a decode step would (mask, penalties, stops, max_tokens, jump-forward; sampled
+        requests by speculative sampling, `sampler.sample`'s `draft`), keep each drafted token the sample
+        equals (its KV is valid), and stop at the first that differs: that sample is the step's last token.
+        So greedy outputs are those of one decode step per token, and sampled ones have their distribution.
+        The rejected drafted tokens' slots are freed."""
         draft = seg.token_ids[-seg.drafted:]
         req.vocab_size = logits.shape[-1]
         accepted = 0
         for i in range(seg.drafted + 1):
-            token, logprob = sample(logits[i], req)
+            token, logprob = sample(logits[i], req, draft[i] if i < seg.drafted else None)
             self._append(req, token, logprob)
             if req.state is not State.RUNNING:
                 break

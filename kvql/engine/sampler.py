@@ -115,7 +115,7 @@ def forced_logprob(logits: torch.Tensor, req: Request, token: int) -> TokenLogpr
     return token_logprobs(logits[None], [token], p.logprobs)[0]
 
 
-def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None]:
+def sample(logits: torch.Tensor, req: Request, draft: int | None = None) -> tuple[int, TokenLogprob | None]:
     """Pick the next token for `req` from its float32 `logits` row `[vocab]`.
 
     Penalties first (repetition, frequency, presence; at their defaults the logits are untouched, so
@@ -124,6 +124,10 @@ def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None
     (top-p) filtering, then a draw from the request's own seeded generator.
     Logprobs are those of the raw model distribution (before penalties, mask and temperature), or of
     the masked (and penalized) one with `masked_logprobs`.
+    `draft`: a drafted token this row verifies (speculative decoding). Greedy: ignored (the caller compares).
+    Sampled: speculative sampling for a draft that proposes one token with certainty: keep `draft` with
+    probability p(draft), else draw from p with `draft` removed, renormalized; the token then has exactly
+    the distribution p, as without a draft (the random draws differ: seeded requests are never drafted).
     """
     p = req.params
     raw = logits
@@ -149,7 +153,15 @@ def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None
             drop[0] = False
             sorted_probs[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        token = int(torch.multinomial(probs.cpu(), 1, generator=req.generator))
+        probs = probs.cpu()
+        if draft is not None:
+            probs = probs / probs.sum()  # top-p left it unnormalized (multinomial does not mind; the test does)
+        if draft is not None and float(torch.rand(1, generator=req.generator)) < float(probs[draft]):
+            token = draft
+        else:
+            if draft is not None:
+                probs[draft] = 0.0  # (p(draft) < 1 here: something else is left to draw)
+            token = int(torch.multinomial(probs, 1, generator=req.generator))
     entry = None
     if p.logprobs is not None:
         entry = token_logprobs((logits if p.masked_logprobs else raw)[None], [token], p.logprobs)[0]

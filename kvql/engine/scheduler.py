@@ -21,8 +21,9 @@ Decisions and why:
   served from the cache past there, and its segments return those rows.
 - Speculative decoding (drafts.py; `drafter`, None when off): a decoding request's segment carries a draft
   after its last token while at most SPECULATE_MAX_RUNNING requests run (a step is memory-bound there, so
-  verifying a few more tokens costs little), only for greedy requests and only into free slots (a draft
-  never evicts cached tokens); outputs.py verifies it and frees what it rejects.
+  verifying a few more tokens costs little), never for a seeded sampled request (its draws must not depend
+  on its batch: same seed, same samples), and only into free slots (a draft never evicts cached tokens);
+  outputs.py verifies it (greedy: exactly; sampled: by speculative sampling) and frees what it rejects.
 - Prompt logprobs need the logits of every prompt position, and cached positions have none: a request
   asking for them matches only the positions it already scored (none at first, some after a
   preemption mid-prompt), skips dedup, and still inserts its prompt into the tree for later requests.
@@ -136,7 +137,8 @@ class Scheduler:
     def _draft(self, req: Request) -> list[int]:
         """A draft for the decoding request `req`, or [] (module doc)."""
         if (self.drafter is None or len(self.running) > SPECULATE_MAX_RUNNING or req.needs_prompt_logits
-                or req.params.temperature >= GREEDY_BELOW or req.num_computed < len(req.prompt_ids)):
+                or (req.params.seed is not None and req.params.temperature >= GREEDY_BELOW)
+                or req.num_computed < len(req.prompt_ids)):
             return []
         # tokens one step may append past its own: what max_tokens leaves, and what the pool has free beside
         # a slot for every running request (a draft must not make a neighbour evict or be preempted)
