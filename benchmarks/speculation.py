@@ -7,7 +7,9 @@ Workloads, each a list of prompts run one after another (batch 1), greedy, up to
   answers repeat the examples' format and copy names from their own sentence);
 - few-shot, seen inputs: the same 6 sentences asked again (a query run again: answers repeat exactly);
 - extraction: a ~450-token document, asked to copy out its product lines and to quote a paragraph;
-- free text: three open prompts (stories, an explanation): little to draft; speculation must not lose.
+- free text: three open prompts (stories, an explanation): little to draft; speculation must not lose;
+- batched: the few-shot prompts of 24 sentences (the 6 new ones, 4 times) submitted at once: drafting waits
+  until at most 4 requests run, so it must cost nothing there.
 Each workload runs with the engine's `speculate` off and on, alternating, on an empty cache each time
 (the few-shot prefix is then shared within a run, as it is for users); wall time of the whole workload, the
 best of --repeats. Outputs are compared token for token; the drafted and accepted token counts are the
@@ -87,7 +89,7 @@ FREE = [
 def workloads() -> dict[str, list[str]]:
     return {"few-shot, new inputs": [few_shot(s) for s in INPUTS],
             "few-shot, seen inputs": [few_shot(s) for s in INPUTS],  # run after the first: see main()
-            "extraction": EXTRACTION, "free text": FREE}
+            "extraction": EXTRACTION, "free text": FREE, "batched": [few_shot(s) for s in INPUTS * 4]}
 
 
 def encode(tok, text: str, chat: bool) -> list[int]:
@@ -97,14 +99,18 @@ def encode(tok, text: str, chat: bool) -> list[int]:
     return tok(text)["input_ids"]
 
 
-def run(m, prompts: list[list[int]], max_tokens: int, stop: tuple, warm: list[list[int]] | None):
-    """Wall seconds of the prompts one after another (a cleared cache, then `warm` run first, untimed)."""
+def run(m, prompts: list[list[int]], max_tokens: int, stop: tuple, warm: list[list[int]] | None, batched: bool):
+    """Wall seconds of the prompts one after another, or all at once (`batched`), after a cleared cache and
+    `warm` run first, untimed."""
     m.clear_cache()
     for p in warm or []:
         m.generate([p], max_tokens=max_tokens, temperature=0, stop=list(stop))
     before = m.stats()
     t0 = time.perf_counter()
-    out = [m.generate([p], max_tokens=max_tokens, temperature=0, stop=list(stop))[0].token_ids for p in prompts]
+    if batched:
+        out = [c.token_ids for c in m.generate(prompts, max_tokens=max_tokens, temperature=0, stop=list(stop))]
+    else:
+        out = [m.generate([p], max_tokens=max_tokens, temperature=0, stop=list(stop))[0].token_ids for p in prompts]
     wall = time.perf_counter() - t0
     after = m.stats()
     counts = {k: after[k] - before[k] for k in ("drafted_tokens", "accepted_tokens", "generated_tokens")}
@@ -131,13 +137,13 @@ def main() -> None:
             try:
                 jobs = {name: [encode(tok, t, a.chat) for t in texts] for name, texts in workloads().items()}
                 for name, prompts in jobs.items():
-                    stop = ("\n",) if name.startswith("few-shot") else ()
+                    stop = ("\n",) if name.startswith("few-shot") or name == "batched" else ()
                     warm = jobs["few-shot, new inputs"] if name == "few-shot, seen inputs" else None
                     best, outs, counts = {}, {}, {}
                     for _ in range(a.repeats):
                         for on in (False, True):
                             m.engine.speculate = on
-                            wall, out, c = run(m, prompts, a.max_tokens, stop, warm)
+                            wall, out, c = run(m, prompts, a.max_tokens, stop, warm, name == "batched")
                             best[on] = min(best.get(on, wall), wall)
                             outs[on], counts[on] = out, c
                     c = counts[True]

@@ -35,8 +35,12 @@ N_MAX, N_MIN = 4, 2
 """Lengths of the suffix n-grams looked up, longest first (one-token matches draft too often wrongly)."""
 FIRST_LENGTH, MAX_LENGTH, MIN_LENGTH = 4, 8, 2
 PAUSE_BELOW, PAUSE_STEPS = 0.25, 16
-OUTPUTS_MAX_TOKENS = 1 << 18
-"""Earlier outputs kept for drafting, per engine (all partitions together); the oldest go first."""
+OUTPUTS_MAX_TOKENS = 1 << 15
+"""Earlier outputs kept for drafting, per engine (all partitions together; ~3 index entries of ~200 bytes per
+token: ~20 MB at most); the oldest go first."""
+OWN_MAX_TOKENS = 1 << 14
+"""A request's own context is indexed from this many tokens before its end at its first draft (a longer
+prompt's start is not looked in: ~10 MB and ~15 ms at most per drafting request)."""
 LEAD = 8
 """Prompt tokens kept before a remembered output, so that an output's first tokens can be drafted."""
 
@@ -86,7 +90,7 @@ class Draft:
         old = len(self.context)
         if len(tokens) > old:
             self.context.extend(tokens[old:])
-            self.own.add(self.context, start=old)
+            self.own.add(self.context, start=old or max(0, len(tokens) - OWN_MAX_TOKENS))
 
     def record(self, drafted: int, accepted: int) -> None:
         """One verified draft: adapt the length and pause when drafts keep failing (module doc)."""

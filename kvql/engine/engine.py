@@ -32,6 +32,12 @@ from that forward's logits. Stops are then seen a forward later, so tokens after
 computed (their KV is cached under their own ids, never shown). `Request.forced_tokens` and the stat
 `forced_tokens` count the tokens appended this way (a forced EOS that ends the request included).
 
+Speculative decoding (`speculate`, on by default; drafts.py, scheduler.py, outputs.py): while few requests
+run, a decoding request's forward also scores tokens drafted from the tree, its own context and earlier
+outputs; each drafted position is sampled as a decode step would sample it and the draft ends at the first
+token that differs, so outputs are those without it (greedy: token for token; unseeded sampling: the same
+distribution; seeded requests are not drafted). `stats()` counts `drafted_tokens` and `accepted_tokens`.
+
 OpenMP workers (openmp.py): with more OpenMP threads alive than CPUs, GNU libgomp's workers sleep
 between parallel regions, and every region of a forward then pays a wake-up (a batch-24 decode step of
 SmolLM2 bf16 on 2 cores: 55 -> 43.5 ms). So the engine thread releases its pool when it goes idle, and

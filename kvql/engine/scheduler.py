@@ -95,6 +95,7 @@ class Scheduler:
         else:
             return
         self.memory.release(req, state, keep)
+        req.draft = None  # its drafting index (drafts.py) is not needed past here
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
