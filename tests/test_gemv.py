@@ -1,0 +1,74 @@
+"""The small-batch bf16 kernel (kvql.engine.kernels.gemv): each output row bit for bit oneDNN's prepacked
+GEMM's, whatever the rows beside it; kvql's linear layers take it for few rows and fall back without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvql.engine import cpu_linear
+from kvql.engine.kernels import gemv
+
+needs_kernel = pytest.mark.skipif(not (cpu_linear.can_pack() and gemv.available()),
+                                  reason="no oneDNN, no compiler or no AVX512_BF16")
+
+# the models' layer shapes in bf16 (out, in): SmolLM2-135M (q/k/v stacked, gate/up stacked, down's 1,536
+# inputs in two slices, lm_head) and Gemma 3 270M (q, k/v, o, gate/up, down in slices of 1,024)
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 768), (49152, 576),
+          (1024, 640), (256, 640), (640, 1024), (4096, 640), (64, 34)]
+
+
+def _onednn(x, w):
+    return torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rows_equal_onednn_bit_for_bit_at_every_batch_size(shape):
+    g = torch.Generator().manual_seed(shape[0] + shape[1])
+    w = (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
+    blocked = gemv.pack(w)
+    for rows in range(1, gemv.max_rows() + 1):
+        x = torch.randn(rows, shape[1], generator=g).to(torch.bfloat16)
+        assert torch.equal(gemv.gemv(x, blocked), _onednn(x, w)), rows
+
+
+@needs_kernel
+def test_a_row_does_not_depend_on_the_rows_beside_it():
+    w = (torch.randn(640, 640) * 0.05).to(torch.bfloat16)
+    x = torch.randn(8, 640).to(torch.bfloat16)
+    blocked = gemv.pack(w)
+    together = gemv.gemv(x, blocked)
+    for i in range(8):
+        assert torch.equal(gemv.gemv(x[i:i + 1], blocked)[0], together[i])
+
+
+@needs_kernel
+def test_shapes_outside_the_contract_are_not_taken():
+    assert not gemv.supports(torch.empty(96, 64, dtype=torch.bfloat16))  # outputs not a multiple of 64
+    assert not gemv.supports(torch.empty(64, 63, dtype=torch.bfloat16))  # odd inputs
+    assert not gemv.supports(torch.empty(64, 64))  # float32
+
+
+@needs_kernel
+def test_a_layer_gives_the_same_bits_with_and_without_the_kernel(monkeypatch):
+    """One row through the kernel, 24 rows through oneDNN, 3 rows with the kernel switched off: equal."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1536, 576, bias=False).to(torch.bfloat16)
+    x = torch.randn(24, 1536).to(torch.bfloat16)
+    with torch.inference_mode():
+        cpu_linear.prepare(layer, max_reduction=cpu_linear.MAX_REDUCTION)
+        assert all(blocked is not None for _, _, blocked in layer.kvql_packed.slices)
+        batch = layer(x)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(24)])
+        monkeypatch.setattr(cpu_linear, "GEMV_ROWS", 0)  # as with KVQL_GEMV=0: oneDNN at every size
+        off = torch.cat([layer(x[i:i + 1]) for i in range(24)])
+    assert torch.equal(alone, batch) and torch.equal(off, batch)
+
+
+def test_the_switch_turns_the_kernel_off(monkeypatch):
+    monkeypatch.setenv("KVQL_GEMV", "0")
+    assert not gemv.available() and gemv.max_rows() == 0
+    layer = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    cpu_linear.prepare(layer)
+    assert all(blocked is None for _, _, blocked in layer.kvql_packed.slices)
