@@ -40,7 +40,9 @@ def chat_tokenizer(tokenizer):
 
 @pytest.fixture(scope="module")
 def served(chat_tokenizer, llama):
-    model = kvql.Model(llama, chat_tokenizer, name="tiny", cache_budget=4 << 20)
+    # one token per step: the cancellation tests need long requests still decoding when the client goes (drafted
+    # from the tree, a prompt run before would finish at once); speculation's own isolation: test_speculation.py
+    model = kvql.Model(llama, chat_tokenizer, name="tiny", cache_budget=4 << 20, speculate=False)
     app = create_app(model, aliases=["models/tiny"], api_key=[KEY, OTHER_KEY], max_tokens_cap=LONG)
     with serving(app) as url:
         yield url, model
