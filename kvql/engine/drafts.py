@@ -5,7 +5,7 @@ from what the engine has already seen.
 these sources that has any:
 1. the radix tree: when the request's whole context (prompt and output so far) is a path of the tree, the
    tokens that followed it there (an earlier or a finished request with the same context: a query run
-   again, after a restart from a snapshot too);
+   again, after a restart from a snapshot too); once its context leaves the tree, it is not looked in again;
 2. its own context (prompt lookup, as vLLM's `ngram` method and transformers' `prompt_lookup_num_tokens`):
    the tokens that followed the latest earlier occurrence of its last 4, 3 or 2 tokens (extraction, copying
    from a document, a few-shot format);
@@ -85,6 +85,7 @@ class Draft:
         self.length = FIRST_LENGTH
         self.mean_accepted = 1.0
         self.paused = 0  # decode steps left without drafting
+        self.off_tree = False  # its context has left the radix tree's paths
 
     def sync(self, tokens: list[int]) -> None:
         old = len(self.context)
@@ -124,7 +125,8 @@ class Drafter:
         if k <= 0:
             return []
         tokens = req.tokens
-        draft = continuation(req.node, tokens[req.tree_len:], k)
+        draft = [] if state.off_tree else continuation(req.node, tokens[req.tree_len:], k)
+        state.off_tree = not draft  # once its context leaves the tree it stays out (a walk per step saved)
         if not draft:
             state.sync(tokens)
             draft = state.own.lookup(tokens, k, own=True)
