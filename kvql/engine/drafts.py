@@ -20,9 +20,10 @@ a request is never drafted from another partition's tokens.
 Adaptive per request (`Draft`): the draft length grows after a fully accepted draft and shrinks after a
 rejected first token; a request whose drafts keep failing (a running mean of accepted tokens per draft below
 `PAUSE_BELOW`) stops drafting and tries again after `PAUSE_STEPS` decode steps. Verifying k drafted tokens
-costs a batch-1 forward about as much as one token while the step is memory-bound (SmolLM2-135M, 2 threads,
-300 tokens of context: +5% for 2-4 drafted tokens, +12% for 6, +24% for 8), so even rare acceptance pays;
-the scheduler drafts only for small batches (where a step is memory-bound).
+costs a batch-1 forward little while the step is memory-bound (SmolLM2-135M, 2 threads, 300 tokens of
+context, one token vs 1 + k: fp32 +7% for k = 1-3, +10% for 5, +21% for 7; bf16 +9% for 1, +20% for 3, +41%
+for 5, +51% for 7: up to 4 rows run cpu_linear's small-batch kernel, more oneDNN's GEMM), so a first draft
+has 3 tokens and longer ones must be earned; the scheduler drafts only for small batches.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .radix_cache import Node
 
 N_MAX, N_MIN = 4, 2
 """Lengths of the suffix n-grams looked up, longest first (one-token matches draft too often wrongly)."""
-FIRST_LENGTH, MAX_LENGTH, MIN_LENGTH = 4, 8, 2
+FIRST_LENGTH, MAX_LENGTH, MIN_LENGTH = 3, 8, 2
 PAUSE_BELOW, PAUSE_STEPS = 0.25, 16
 OUTPUTS_MAX_TOKENS = 1 << 15
 """Earlier outputs kept for drafting, per engine (all partitions together; ~3 index entries of ~200 bytes per

@@ -115,6 +115,8 @@ class Outputs:
         The rejected drafted tokens' slots are freed."""
         draft = seg.token_ids[-seg.drafted:]
         req.vocab_size = logits.shape[-1]
+        req.drafted_tokens += seg.drafted  # now: an append below may finish the request (its completion made)
+        self.drafted_tokens += seg.drafted
         accepted = 0
         for i in range(seg.drafted + 1):
             token, logprob = sample(logits[i], req, draft[i] if i < seg.drafted else None)
@@ -131,9 +133,7 @@ class Outputs:
             self._jump(req)
             if req.num_tokens != length or req.state is not State.RUNNING:
                 break  # the constraint forced tokens after it: they are computed next step, as a chunk
-        self.drafted_tokens += seg.drafted
         self.accepted_tokens += accepted
-        req.drafted_tokens += seg.drafted
         req.draft.record(seg.drafted, accepted)
         if req.state is State.RUNNING:
             self.scheduler.discard(req)
