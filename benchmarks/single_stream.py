@@ -9,6 +9,9 @@ What is measured (one process, side by side, each model in --models and dtype in
   context, is left out, so the limit is a little generous).
 - kvql: `Model.generate` of one prompt, greedy, `ignore_eos`, N and 1 new tokens; decode tok/s =
   (N - 1) / (t_N - t_1): the prefill and the first token cancel out. The cache is cleared before each run.
+  Speculative decoding is off (`speculate=False`; --speculate turns it on): this measures one decode step
+  per token, what the step costs (benchmarks/speculation.py measures drafts; a repeated prompt is what they
+  serve best).
 - transformers: a plain copy of the model as loaded, `generate(max_new_tokens=N, min_new_tokens=N, do_sample=False)`, the
   same subtraction.
 - llama.cpp: `llama-cpp-python` in its own venv (--llama-python; it builds from source, so the benchmark does
@@ -21,7 +24,7 @@ Timings alternate the sides in each repeat; the best of --repeats is reported (d
 noise only slows it), with the fraction of the limit. The machine is shared and noisy: only ratios inside one
 run mean much. Usage:
     .venv/bin/python benchmarks/single_stream.py [--models smollm2-135m,gemma3-270m] [--dtypes float32,bfloat16]
-        [--tokens 96] [--repeats 3] [--threads 2]
+        [--tokens 96] [--repeats 3] [--threads 2] [--speculate]
 """
 
 from __future__ import annotations
@@ -121,6 +124,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--speculate", action="store_true", help="kvql with speculative decoding (default: off)")
     p.add_argument("--llama-python", type=Path, default=Path("~/.cache/kvql/llamacpp-venv/bin/python").expanduser())
     p.add_argument("--gguf-dir", type=Path, default=Path("~/.cache/kvql/gguf").expanduser())
     args = p.parse_args()
@@ -129,7 +133,7 @@ def main() -> None:
     print(f"{'model':<14} {'dtype':<9} {'weights':>9} {'limit':>9} {'kvql':>14} {'transformers':>14} {'llama.cpp':>14}")
     for spec in args.models.split(","):
         for name in args.dtypes.split(","):
-            m = kvql.model(spec, dtype=name, silent=True)
+            m = kvql.model(spec, dtype=name, silent=True, speculate=args.speculate)
             hf, _ = load_hf(spec, dtype=resolve(name))  # a copy as loaded: the engine sets its own up for itself
             torch.set_num_threads(args.threads)
             ids = m.tokenizer.encode(PROMPT)
