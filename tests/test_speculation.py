@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from conftest import random_prompts, reference_greedy, tiny_model
-from kvql.engine import drafts
 from kvql.engine.drafts import Drafter, NGrams, continuation
 from kvql.engine.grammar import Grammar
 from kvql.engine.radix_cache import RadixCache

@@ -123,16 +123,16 @@ class Outputs:
             self._append(req, token, logprob)
             if req.state is not State.RUNNING:
                 break
-            if i == seg.drafted or token != draft[i]:
-                self._jump(req)
-                break
-            self.scheduler.accept(req)
-            accepted += 1
-            req.accepted_at.append(len(req.output_ids) - 1)
+            hit = i < seg.drafted and token == draft[i]
+            if hit:
+                self.scheduler.accept(req)
+                accepted += 1
+                req.accepted_at.append(len(req.output_ids) - 1)
             length = req.num_tokens
             self._jump(req)
-            if req.num_tokens != length or req.state is not State.RUNNING:
-                break  # the constraint forced tokens after it: they are computed next step, as a chunk
+            # a miss ends the draft; so do tokens the constraint forced after a hit (computed next step, a chunk)
+            if not hit or req.num_tokens != length or req.state is not State.RUNNING:
+                break
         self.accepted_tokens += accepted
         req.draft.record(seg.drafted, accepted)
         if req.state is State.RUNNING:
