@@ -56,6 +56,7 @@ def load(spec: str, args):
 
     return kvql.model(spec, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", None),
                       cache_budget=getattr(args, "cache_budget", None), cache_dir=getattr(args, "cache_dir", None),
+                      disk_cache=getattr(args, "disk_cache", None), disk_budget=getattr(args, "disk_budget", None),
                       speculate=getattr(args, "speculate", True), silent=False)
 
 
@@ -194,8 +195,9 @@ def run(args) -> None:
     else:
         spec = query_model_spec(q, inputs, args.model)
         remote = bool(spec) and spec.startswith(("http://", "https://"))
-        if remote and args.cache_dir:
-            raise UsageError("--cache-dir is for local models; a server keeps its own cache (kvql serve --cache-dir)")
+        if remote and (args.cache_dir or args.disk_cache):
+            raise UsageError("--cache-dir and --disk-cache are for local models; a server keeps its own cache "
+                             "(kvql serve --cache-dir / --disk-cache)")
         model = spec if remote or not spec else load(spec, args)
     result = q.run_sync(model=model, **overrides, **inputs)
     traces = list(getattr(q, "last_traces", None) or [])
@@ -375,6 +377,16 @@ def _model_options(p: argparse.ArgumentParser, model_default: str | None = DEFAU
         p.add_argument("--cache-dir", type=directory, default=None, metavar="DIR",
                        help="keep the KV cache in DIR between runs: a snapshot per model and dtype, loaded at start "
                             "when there is one, saved at exit (a later run of the same prompts is served from it)")
+        disk_options(p)
+
+
+def disk_options(p: argparse.ArgumentParser) -> None:
+    """--disk-cache, --disk-budget: the disk tier behind the memory budget (kvql.engine.disk_tier)."""
+    p.add_argument("--disk-cache", type=directory, default=None, metavar="DIR",
+                   help="a second cache tier in DIR: KV evicted from memory is written there and read back instead "
+                        "of computed again; kept between runs (instead of --cache-dir)")
+    p.add_argument("--disk-budget", type=size, default=None, metavar="SIZE",
+                   help="bytes the disk tier may hold, e.g. 20GiB (default: 20 GiB, at most half the free space)")
 
 
 def parser() -> argparse.ArgumentParser:

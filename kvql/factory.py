@@ -74,7 +74,7 @@ def directory_problem(path) -> str | None:
 
 
 def check_options(*, device="cpu", dtype=None, cache_budget=None, cache_dir=None,
-                  cache_save_interval: float = 300.0) -> None:
+                  cache_save_interval: float = 300.0, disk_cache=None, disk_budget=None) -> None:
     """ValueError (one line, naming the option) when a local model's options cannot be used; loads nothing.
     `model()` calls it before anything else, commands before their "loading" line, so that a typo in
     `--cache-budget` is not found after a 13 s load."""
@@ -90,6 +90,17 @@ def check_options(*, device="cpu", dtype=None, cache_budget=None, cache_dir=None
         problem = directory_problem(cache_dir)
         if problem is not None:
             raise ValueError(f"cache_dir {str(cache_dir)!r} {problem}")
+    if disk_budget is not None and parse_bytes(disk_budget) <= 0:
+        raise ValueError(f"disk_budget {disk_budget!r} is no size > 0 (e.g. '20GiB')")
+    if disk_cache is not None:
+        if cache_dir is not None:
+            raise ValueError("cache_dir and disk_cache both keep the cache across restarts: pass one (disk_cache "
+                             "also keeps what the memory budget cannot hold)")
+        problem = directory_problem(disk_cache)
+        if problem is not None:
+            raise ValueError(f"disk_cache {str(disk_cache)!r} {problem}")
+    elif disk_budget is not None:
+        raise ValueError("disk_budget is the size of disk_cache: give disk_cache a directory too")
     resolve(dtype, device)
     check_device(device)
 
@@ -104,7 +115,7 @@ def tokenizer(spec: str = "smollm2-135m"):
 def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_budget: int | str | None = None,
           max_batch_tokens: int = 1024, max_running: int = 64, name: str | None = None, api_key: str | None = None,
           tokenizer=None, seed: int | None = None, silent: bool = True, cache_dir=None,
-          cache_save_interval: float = 300.0, speculate: bool = True):
+          cache_save_interval: float = 300.0, speculate: bool = True, disk_cache=None, disk_budget=None):
     """Load a model for kvql's engine, or connect to a server.
 
     `spec`: `"smollm2-135m"` (the embedded default), a local Hugging Face model directory
@@ -120,6 +131,10 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     `cache_dir`: a directory that keeps the KV cache across restarts (loaded now if its snapshot is this
     model's, dtype's and tokenizer's; saved on close / exit and every `cache_save_interval` seconds when
     idle, 0: only on close; see `kvql.engine.cache_dir`). Local models only.
+    `disk_cache`: a directory for a second cache tier behind the memory budget: KV evicted from memory is
+    written there and read back when a request needs it again, instead of being computed again; it holds at
+    most `disk_budget` bytes (default 20 GiB, at most half the disk's free space) and survives restarts
+    (instead of `cache_dir`; see `kvql.engine.disk_tier`). Local models only.
     `speculate`: speculative decoding without a draft model (on by default; outputs are the same either way):
     while few requests run, a greedy request verifies tokens drafted from the cache, its own prompt and earlier
     outputs several at a time (see `kvql.engine.drafts`). Local models only.
@@ -133,7 +148,7 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     remote = spec.startswith(("http://", "https://"))
     if not remote:
         check_options(device=device, dtype=dtype, cache_budget=cache_budget, cache_dir=cache_dir,
-                      cache_save_interval=cache_save_interval)
+                      cache_save_interval=cache_save_interval, disk_cache=disk_cache, disk_budget=disk_budget)
     if not silent:
         from .backends.loader import first_load_note
 
@@ -144,7 +159,8 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
         t0 = time.perf_counter()
         m = model(spec, device=device, dtype=dtype, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
                   max_running=max_running, name=name, api_key=api_key, tokenizer=tokenizer, seed=seed,
-                  cache_dir=cache_dir, cache_save_interval=cache_save_interval, speculate=speculate)
+                  cache_dir=cache_dir, cache_save_interval=cache_save_interval, speculate=speculate,
+                  disk_cache=disk_cache, disk_budget=disk_budget)
         print(f"kvql: {banner(m)} · loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return m
     if remote:
@@ -156,6 +172,8 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
             raise TypeError("cache_dir= is for local models; a server keeps its own cache (kvql serve: --cache-dir)")
         if speculate is not True:
             raise TypeError("speculate= is for local models; a server decides (kvql serve: --no-speculate)")
+        if disk_cache is not None:
+            raise TypeError("disk_cache= is for local models; a server keeps its own cache (kvql serve: --disk-cache)")
         from .remote_model import RemoteModel
 
         return RemoteModel(spec, name=name, api_key=api_key, tokenizer=tokenizer)
@@ -169,7 +187,7 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
 
     if spec == "random":
         key = (seed or 0, device, dtype, cache_budget, max_batch_tokens, max_running, name, cache_dir, cache_save_interval,
-               speculate)
+               speculate, disk_cache, disk_budget)
         shared = _random_models.get(key)
         if shared is None or shared.closed:
             hf_model, tok = random_model(seed or 0, device=device, dtype=dtype)
@@ -177,7 +195,7 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
                                                  cache_budget=cache_budget or "32MB",
                                                  max_batch_tokens=max_batch_tokens, max_running=max_running,
                                                  cache_dir=cache_dir, cache_save_interval=cache_save_interval,
-                                                 speculate=speculate)
+                                                 speculate=speculate, disk_cache=disk_cache, disk_budget=disk_budget)
         return shared
     if seed is not None:
         raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
@@ -187,7 +205,7 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     try:
         return Model(hf_model, tok, name=spec, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
                      max_running=max_running, cache_dir=cache_dir, cache_save_interval=cache_save_interval,
-                     speculate=speculate)
+                     speculate=speculate, disk_cache=disk_cache, disk_budget=disk_budget)
     except UnsupportedModel as e:
         raise ModelLoadError(f"model {spec!r}: {e}") from None
 

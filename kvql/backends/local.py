@@ -7,7 +7,9 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import shutil
 import time
+from pathlib import Path
 from typing import AsyncIterator, Sequence
 
 import torch
@@ -40,6 +42,16 @@ def default_budget(device: torch.device) -> int:
     return min(available // 4, 4 * 2**30)
 
 
+def default_disk_budget(directory) -> int:
+    """20 GiB, at most half the free space of the disk that holds `directory` (0 when there is none)."""
+    if directory is None:
+        return 0
+    path = Path(directory).expanduser()
+    while not path.exists():
+        path = path.parent
+    return min(20 * 2**30, shutil.disk_usage(path).free // 2)
+
+
 _COMPILERS = {"regex": "regex", "choices": "choices", "json_schema": "json_schema", "grammar": "lark"}
 
 
@@ -55,7 +67,8 @@ class LocalBackend(Backend):
 
     `cache_dir`: keep the KV cache across restarts: loaded from there now (when the snapshot is this
     model's), saved on `close()` / exit and every `cache_save_interval` seconds when idle (0: only on
-    close); see `kvql.engine.cache_dir`. `save_cache(path)` / `load_cache(path)` do it explicitly."""
+    close); see `kvql.engine.cache_dir`. `save_cache(path)` / `load_cache(path)` do it explicitly (the
+    pool's part). `disk_cache`: a second tier in that directory, `disk_budget` bytes (kvql.engine.disk_tier)."""
 
     capabilities = frozenset({base.TOKEN_IDS, base.SCORE, base.LOGPROBS, base.MASKED_LOGPROBS, base.MIN_TOKENS,
                               base.STOP_FN, base.SAMPLING, base.CACHE_SALT, base.TOKEN_GRAMMAR, base.HEAL,
@@ -63,7 +76,8 @@ class LocalBackend(Backend):
 
     def __init__(self, hf_model, tokenizer, *, name: str = "model", cache_budget: int | str | None = None,
                  max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True,
-                 cache_dir=None, cache_save_interval: float = 300.0, speculate: bool = True):
+                 cache_dir=None, cache_save_interval: float = 300.0, speculate: bool = True,
+                 disk_cache=None, disk_budget: int | str | None = None):
         config = hf_model.config
         self.name = name
         self.hf_model = hf_model
@@ -81,7 +95,9 @@ class LocalBackend(Backend):
             raise ValueError(f"cache_budget {budget} bytes holds no token ({slot_bytes} bytes per token)")
         self.engine = Engine(hf_model, tokenizer, num_slots=budget // slot_bytes, max_batch_tokens=max_batch_tokens,
                              max_running=max_running, background=background, geometry=geometry,
-                             speculate=speculate)
+                             speculate=speculate, disk_cache=disk_cache,
+                             disk_budget=parse_bytes(disk_budget) if disk_budget is not None
+                             else default_disk_budget(disk_cache))
         self.eos_ids = frozenset(self.engine.eos_ids)
         # Grammars are immutable: the runs of a query (a map over many inputs) share one per constraint.
         self._compiled = functools.lru_cache(maxsize=256)(self._compile)

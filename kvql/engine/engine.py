@@ -38,6 +38,12 @@ outputs; each drafted position is sampled as a decode step would sample it and t
 token that differs, so outputs are those without it (greedy: token for token; unseeded sampling: the same
 distribution; seeded requests are not drafted). `stats()` counts `drafted_tokens` and `accepted_tokens`.
 
+Disk tier (`disk_cache`, disk_tier.py; radix_cache.py and memory.py say how the tree and the scheduler use
+it): KV evicted from the pool is written to files and read back instead of computed again; at start the
+tree is rebuilt from the tier's files (every node on disk, read back when a request needs it), and `close`
+writes what is only in the pool there too, so the next start finds the whole cache. `stats()`: `disk_tokens`
+(prompt tokens served from the cache that were read back from disk for the request), `tier_*`.
+
 OpenMP workers (openmp.py): with more OpenMP threads alive than CPUs, GNU libgomp's workers sleep
 between parallel regions, and every region of a forward then pays a wake-up (a batch-24 decode step of
 SmolLM2 bf16 on 2 cores: 55 -> 43.5 ms). So the engine thread releases its pool when it goes idle, and
@@ -55,6 +61,7 @@ import weakref
 
 import torch
 
+from .disk_tier import DiskTier, Extent
 from .drafts import Drafter
 from .kv_pool import KVPool
 from .memory import Memory
@@ -80,9 +87,10 @@ def _close_all() -> None:
 class Engine(Persistence):
     def __init__(self, hf_model, tokenizer, *, num_slots: int, max_batch_tokens: int = 1024,
                  max_running: int = 64, background: bool = True, geometry: admission.Geometry | None = None,
-                 speculate: bool = True):
+                 speculate: bool = True, disk_cache=None, disk_budget: int = 0):
         """`geometry`: `model_runner.read_geometry(hf_model)` when the caller has it already (it probes the
-        model); a model the engine cannot run raises `admission.UnsupportedModel`, saying why."""
+        model); a model the engine cannot run raises `admission.UnsupportedModel`, saying why. `disk_cache`:
+        a directory for the disk tier (module doc), holding at most `disk_budget` bytes."""
         config = hf_model.config
         self.tokenizer = tokenizer
         self.device = next(hf_model.parameters()).device
@@ -111,8 +119,31 @@ class Engine(Persistence):
         self._thread: threading.Thread | None = None
         self._closed = False
         self._fingerprint: dict[str, str] | None = None  # of model, dtype, tokenizer: snapshot.py
+        if disk_cache is not None:
+            self.tree.tier = DiskTier(disk_cache, self.fingerprint(), self.pool, disk_budget)
+            self._rebuild_from_tier()
         _engines.add(self)
         self._release_caller_openmp()  # this thread loaded the model (and packed its weights)
+
+    def _rebuild_from_tier(self) -> None:
+        """Every file of the tier whose prefix the others spell becomes a node on disk (radix_cache.attach_disk);
+        least recently read first in the LRU order; files no node can use are deleted."""
+        tier, used = self.tree.tier, []
+        for mtime, path, nbytes, salt, prefix, tokens in tier.scan():
+            file = tier.adopt(path, nbytes)
+
+            def extent(offset, length, file=file):
+                file.refs += 1
+                return Extent(file, offset, length)
+
+            node = self.tree.attach_disk(prefix, tokens, salt, extent)
+            if node is None:
+                tier.release_unused(file)
+            else:
+                used.append((mtime, node))
+        for _, node in sorted(used, key=lambda u: u[0]):
+            self.tree.touch(node)
+        self.tree.reclaim_disk()
 
     def _cancel_later(self, group: RequestGroup) -> None:
         with self._wake:
@@ -204,6 +235,13 @@ class Engine(Persistence):
             self._take_inbox()
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.outputs.fail(req.group, concurrent.futures.CancelledError(), keep=True)
+            tier = self.tree.tier
+            if tier is not None and not tier.closed:
+                for load, *_ in self.memory.loads:
+                    load.done.wait()
+                self.memory.install_loads()
+                self.tree.write_back()  # the next start finds what only the pool held
+                tier.close()
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -228,6 +266,7 @@ class Engine(Persistence):
             self._take_inbox()
             batch = self.scheduler.schedule()
             if not batch:
+                self.memory.wait_loads(0.05)  # requests wait for KV read back from disk (no busy loop)
                 return
             self.steps += 1
             decodes = sum(1 for req, _ in batch if req.num_computed >= len(req.prompt_ids))
@@ -269,6 +308,7 @@ class Engine(Persistence):
             return {
                 "prompt_tokens": s.prompt_tokens,
                 "cached_tokens": s.cached_tokens,
+                "disk_tokens": s.disk_tokens,
                 "computed_tokens": s.prompt_tokens - s.cached_tokens,
                 "generated_tokens": self.outputs.generated_tokens,
                 "forced_tokens": self.outputs.forced_tokens,
@@ -291,7 +331,16 @@ class Engine(Persistence):
                 "mixed_steps": self.mixed_steps,
                 "max_batch_requests": self.max_batch_requests,
                 "forward_seconds": self.runner.forward_seconds,
+                **self._tier_stats(),
             }
+
+    def _tier_stats(self) -> dict:
+        tier = self.tree.tier
+        if tier is None:
+            return {}
+        return {"tier_tokens": self.tree.disk_tokens, "tier_bytes": tier.bytes, "tier_budget_bytes": tier.budget,
+                "tier_written_tokens": tier.written_tokens, "tier_read_tokens": tier.read_tokens,
+                "tier_failed_reads": tier.failed_reads, "tier_reads_in_flight": len(self.memory.loads)}
 
     @openmp.releases_caller
     def check_integrity(self, full: bool = True) -> None:

@@ -19,6 +19,11 @@ Contract:
 - After `preempt` or `release` a request holds nothing: `kv_slots` empty, `node` None, `tree_len`
   and `num_computed` 0. With `keep` its computed KV stays in the tree, unlocked, for reuse.
 - `max_cached` (the request's) bounds what `admit` takes from the tree (invariant 3).
+- Disk tier (`tree.tier`, disk_tier.py): `load_prefix(req)` starts reading back the KV on disk that continues a
+  waiting request's cached prefix into newly allocated slots (held by the read, not by any request; the
+  pool node above them locked meanwhile) and says the request must wait; `install_loads()` (between steps)
+  hands finished reads to the tree, so the request's next `admit` matches them. A read that fails its
+  checks drops the nodes it was for: their tokens are computed, never wrong.
 """
 
 from __future__ import annotations
@@ -39,9 +44,16 @@ _NEXT = {
 """Allowed transitions; a terminal state (FINISHED, FAILED, CANCELLED) has none."""
 
 
+MIN_LOAD_TOKENS = 16
+"""Fewer tokens on disk than this are computed, not read back (a read makes the request wait a step)."""
+MAX_LOADS = 4
+"""Reads back in flight at most: each holds its slots from its start."""
+
+
 class Memory:
     def __init__(self, pool: KVPool, tree: RadixCache):
         self.pool, self.tree = pool, tree
+        self.loads: list[tuple] = []  # (disk_tier.Load, the locked pool node above it, its nodes in path order)
 
     # -- transitions -----------------------------------------------------------------------------
     def admit(self, req: Request, budget: int, reserve: int = 0) -> int:
@@ -58,7 +70,62 @@ class Memory:
         self._move(req, State.RUNNING)
         req.kv_slots, req.node = torch.cat([slots, new]), node
         req.tree_len = req.num_computed = slots.numel()
+        req.disk_tokens += self.tree.served_from_disk(node)
         return n
+
+    # -- the disk tier ---------------------------------------------------------------------------
+    def load_prefix(self, req: Request, reserve: int = 0) -> bool:
+        """Whether the waiting `req` must wait for KV read back from disk: a read of the nodes on disk that
+        continue its cached prefix is in flight (one it starts now, or another request's). False: admit it."""
+        tokens = req.tokens[:req.max_cached()]
+        slots, node = self.tree.match_prefix(tokens, req.salt)
+        path, busy = self.tree.disk_path(node, tokens, slots.numel())
+        n = sum(len(x.key) for x in path)
+        if busy or n < MIN_LOAD_TOKENS or len(self.loads) >= MAX_LOADS:
+            return busy
+        for x in path:
+            x.loading = True  # before allocating: what the allocation evicts must not drop them
+        self.tree.lock(node)
+        new = self._alloc(n, reserve)
+        if new is None:
+            for x in path:
+                x.loading = False
+            self.tree.unlock(node)
+            return False
+        items, pos = [], slots.numel()
+        for x in path:
+            items.append((x.extent, tokens[:pos], x.key, req.salt))
+            pos += len(x.key)
+        self.loads.append((self.tree.tier.read(items, new), node, path))
+        return True
+
+    def install_loads(self) -> None:
+        """Hand every finished read back to the tree (module doc); a node a request computed meanwhile keeps
+        its computed copy, and the rows read for it are freed."""
+        for entry in [e for e in self.loads if e[0].done.is_set()]:
+            self.loads.remove(entry)
+            load, node, path = entry
+            at, dropped = 0, False
+            for x, (extent, *_), ok in zip(path, load.items, load.ok):
+                rows, at = load.slots[at:at + extent.length], at + extent.length
+                if not dropped and x.loading and x.slots is None:
+                    if ok:  # `x` may have lost leading tokens to a split since (its key is a suffix of theirs)
+                        x.loading = False
+                        self.tree.install(x, rows[rows.numel() - len(x.key):])
+                        rows = rows[:rows.numel() - len(x.key)]
+                    else:  # everything below it goes with it
+                        for y in path:
+                            y.loading = False
+                        self.tree.drop_disk(x)
+                        dropped = True
+                x.loading = False
+                self.pool.free(rows)
+            self.tree.unlock(node)
+
+    def wait_loads(self, timeout: float) -> None:
+        """Block until a read back in flight finishes (or `timeout` seconds): a step with nothing else to do."""
+        if self.loads:
+            self.loads[0][0].done.wait(timeout)
 
     def extend(self, req: Request, n: int) -> bool:
         """Allocate slots for the RUNNING request's next `n` tokens; False (nothing changes) if the
@@ -144,9 +211,10 @@ class Memory:
         """Assert the engine's invariants over the pool, the tree and the requests (between steps).
         `full=False`: O(running requests) arithmetic only, for a health probe."""
         own = sum(r.kv_slots.numel() - r.tree_len for r in running)
-        assert self.pool.num_free + self.tree.total_tokens + own == self.pool.num_slots, (
+        loading = sum(load.slots.numel() for load, *_ in self.loads)
+        assert self.pool.num_free + self.tree.total_tokens + own + loading == self.pool.num_slots, (
             f"invariant 2: slots leaked or doubled: free {self.pool.num_free} + tree {self.tree.total_tokens} "
-            f"+ running {own} != pool {self.pool.num_slots}")
+            f"+ running {own} + reading back {loading} != pool {self.pool.num_slots}")
         for r in running:
             assert r.state is State.RUNNING, f"request {r.rid} is in the running list but {r.state.name}"
             assert r.node is not None, f"running request {r.rid} locks no node"
@@ -157,8 +225,8 @@ class Memory:
                 f"(tree {r.tree_len}): its last token must be left to compute")
             assert r.cached_tokens is not None and r.cached_tokens <= len(r.prompt_ids) - 1, (
                 f"invariant 3: request {r.rid} was served {r.cached_tokens} of {len(r.prompt_ids)} prompt tokens")
-        if not running:
-            assert self.tree.locked_tokens == 0, "invariant 6: a node is locked while no request runs"
+        if not running and not self.loads:
+            assert self.tree.locked_tokens == 0, "invariant 6: a node is locked while no request runs or reads"
         if not full:
             return
         for r in waiting:
@@ -179,7 +247,7 @@ class Memory:
     def _check_slots(self, running: list[Request]) -> None:
         """Invariant 2, slot by slot: free, tree and running requests' own slots partition the pool."""
         free, tree = self.pool.free_slots(), self.tree.held_slots()
-        own = [r.kv_slots[r.tree_len:] for r in running]
+        own = [r.kv_slots[r.tree_len:] for r in running] + [load.slots for load, *_ in self.loads]
         every = torch.cat([free, tree, *own])
         assert every.numel() == self.pool.num_slots, (
             f"invariant 2: free {free.numel()} + tree {tree.numel()} + running {every.numel() - free.numel() - tree.numel()} "
@@ -191,7 +259,7 @@ class Memory:
         """Invariants 1, 4 and 6: each running request's `kv_slots[:tree_len]` are exactly the slots on
         the tree path from its salt's root to its locked `node`, whose keys are its first `tree_len`
         tokens (so cached K sit at their own positions); every node's lock count is the number of
-        running requests whose path passes through it (no lock without a live holder, none missing)."""
+        running requests and reads back whose paths pass through it (no lock without a live holder)."""
         expected: collections.Counter[int] = collections.Counter()
         for r in running:
             path: list[Node] = []
@@ -208,6 +276,11 @@ class Memory:
             slots = torch.cat([n.slots for n in path]) if path else r.kv_slots[:0]
             assert torch.equal(slots, r.kv_slots[:r.tree_len]), (
                 f"invariant 1: request {r.rid}: kv_slots[:tree_len] are not the slots of its tree path")
+        for _, node, path in self.loads:  # a read back locks the pool node above the nodes it reads
+            assert all(x.loading or x.slots is not None for x in path), "a node read back is not marked so"
+            while node.parent is not None:
+                expected[id(node)] += 1
+                node = node.parent
         for node in self.tree.nodes():
             if node.parent is not None:
                 assert node.lock_ref == expected[id(node)], (

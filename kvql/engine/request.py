@@ -153,6 +153,7 @@ class Request:
         self.num_computed = 0
         self.node = None
         self.cached_tokens: int | None = None  # set at first admission
+        self.disk_tokens = 0  # of those, read back from the disk tier for this request (memory.py)
         self.logprobs: list[TokenLogprob] | None = [] if self.params.logprobs is not None else None
         # entry i: logprob of prompt token i given tokens < i, filled as the prompt is computed (shared by forks)
         self.prompt_logprobs: list[TokenLogprob | None] | None = (

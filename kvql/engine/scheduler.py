@@ -24,6 +24,9 @@ Decisions and why:
   verifying a few more tokens costs little), never for a seeded sampled request (its draws must not depend
   on its batch: same seed, same samples), and only into free slots (a draft never evicts cached tokens);
   outputs.py verifies it (greedy: exactly; sampled: by speculative sampling) and frees what it rejects.
+- Disk tier (memory.py, disk_tier.py): a waiting request whose cached prefix continues in nodes on disk is
+  not admitted while their KV is read back (others keep running); it is admitted once it is in the pool,
+  served from there. Reads finished are installed at the start of each `schedule()`.
 - Prompt logprobs need the logits of every prompt position, and cached positions have none: a request
   asking for them matches only the positions it already scored (none at first, some after a
   preemption mid-prompt), skips dedup, and still inserts its prompt into the tree for later requests.
@@ -60,6 +63,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.disk_tokens = 0
         self.preemptions = 0
         self.drafter: Drafter | None = None
 
@@ -105,6 +109,8 @@ class Scheduler:
 
     # -- forming a batch -----------------------------------------------------------------------
     def schedule(self) -> list[tuple[Request, Segment]]:
+        if self.memory.loads:
+            self.memory.install_loads()
         batch: list[tuple[Request, Segment]] = []
         budget = self.max_batch_tokens
         i = 0
@@ -171,6 +177,8 @@ class Scheduler:
                     p.salt == req.salt and common_prefix_len(tokens, p.prompt_ids) - m >= self.dedup_min
                     for p in prefilling):
                 continue  # another request is computing our prefix: hit it next step
+            if self.tree.tier is not None and self.memory.load_prefix(req, reserve=len(self.running)):
+                continue  # its prefix is being read back from disk: admitted once it is in the pool
             n = self.memory.admit(req, budget, reserve=len(self.running))
             if n == 0:
                 break
@@ -178,6 +186,7 @@ class Scheduler:
                 req.cached_tokens = req.tree_len
                 self.prompt_tokens += len(req.prompt_ids)
                 self.cached_tokens += req.tree_len
+                self.disk_tokens += req.disk_tokens
             self.waiting.remove(req)
             self.running.append(req)
             prefilling.append(req)

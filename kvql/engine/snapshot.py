@@ -232,17 +232,18 @@ class CacheChanged(RuntimeError):
 
 
 def _tree_arrays(tree: RadixCache, pool: KVPool) -> tuple[dict[str, torch.Tensor], torch.Tensor, list]:
-    """The structure tensors (module doc), the slots of every token in the same order, the salts."""
+    """The structure tensors (module doc), the slots of every token in the same order, the salts. Nodes in
+    the pool only: a node on the disk tier (and all below it) has its KV in the tier's files."""
     nodes, parents, salts_of, salts = [], [], [], []
     for salt, root in tree.roots.items():
         si = len(salts)
         salts.append(salt)
-        stack = [(child, -1) for child in root.children.values()]
+        stack = [(child, -1) for child in root.children.values() if child.slots is not None]
         while stack:  # parent before children
             node, parent = stack.pop()
             parents.append(parent)
             salts_of.append(si)
-            stack.extend((c, len(nodes)) for c in node.children.values())
+            stack.extend((c, len(nodes)) for c in node.children.values() if c.slots is not None)
             nodes.append(node)
     order = sorted(range(len(nodes)), key=lambda i: nodes[i].last_access)
     rank = [0] * len(nodes)

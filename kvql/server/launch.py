@@ -31,7 +31,7 @@ from ..backends.dtype import DEFAULT, NAMES
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `kvql serve`, each with a help text; argument types check them before anything loads."""
-    from ..cli import DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, at_least, directory, non_negative, size
+    from ..cli import DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, at_least, directory, disk_options, non_negative, size
 
     p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP.replace(", or http://HOST:PORT/v1", ""))
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...; checked before the model loads")
@@ -74,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "when there is one, saved there on shutdown and every --cache-save-interval seconds when idle")
     p.add_argument("--cache-save-interval", type=non_negative, default=300.0, metavar="SECONDS",
                    help="with --cache-dir: seconds between saves while idle (0: only on shutdown)")
+    disk_options(p)
     p.add_argument("--max-body-bytes", type=at_least(1), default=1 << 20, metavar="BYTES",
                    help="a request body over this is answered 413")
     p.add_argument("--max-tokens-cap", type=at_least(1), default=4096, metavar="TOKENS",
@@ -112,12 +113,14 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     from .app import create_app
 
     check_options(device=args.device, dtype=args.dtype, cache_budget=args.cache_budget, cache_dir=args.cache_dir,
-                  cache_save_interval=args.cache_save_interval)  # the device, before the "loading" line
+                  cache_save_interval=args.cache_save_interval, disk_cache=args.disk_cache,
+                  disk_budget=args.disk_budget)  # the device, before the "loading" line
     dtype = resolve(args.dtype, args.device)
     print(f"kvql serve: loading {args.model} on {args.device} ({name(dtype)}) ...",
           flush=True)
     m = kvql.model(args.model, device=args.device, dtype=dtype, cache_budget=args.cache_budget,
-                   cache_dir=args.cache_dir, cache_save_interval=args.cache_save_interval, speculate=args.speculate)
+                   cache_dir=args.cache_dir, cache_save_interval=args.cache_save_interval, speculate=args.speculate,
+                   disk_cache=args.disk_cache, disk_budget=args.disk_budget)
     if args.max_model_len is not None:
         if args.max_model_len > m.context_length:
             _fail(f"--max-model-len {args.max_model_len} is over the model's context of {m.context_length} tokens")

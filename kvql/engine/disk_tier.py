@@ -1,0 +1,303 @@
+"""Disk tier: the KV of radix-tree nodes evicted from the pool, kept in files and read back into pool slots
+instead of being computed again (`kvql.model(..., disk_cache=DIR, disk_budget=...)`).
+
+The radix tree stays the one index (radix_cache.py): a node's KV is in pool slots, in an `Extent` of a tier
+file, or both (a clean copy: evicting the node again writes nothing). This module only moves bytes and
+checks them; which node goes where is the tree's and `Memory`'s decision.
+
+Files: `DIR/<16 hex digits of the fingerprint's SHA-256>/<sequence>-<random>.kv.safetensors`, one per
+spilled node, never rewritten and never reused under another name:
+
+    prefix  I64 [P]   the tokens on the node's tree path before it (from its partition's root)
+    tokens  I64 [N]   the node's own tokens
+    k, v    [layers, kv_heads, N, head_dim] (the pool's dtype)
+    metadata: kvql_format (FORMAT), fingerprint (the directory's digest), salt (JSON: the cache partition),
+              sha256 (of prefix, tokens, k and v bytes, in that order)
+
+A file thus says by itself which KV it holds (the tokens it follows, its own tokens, its partition), so a
+restart rebuilds the tree from the files alone (`scan`) and a file read back is checked against the tree
+path it is read for: sha256, fingerprint, salt, prefix and tokens must all agree, else the read fails and
+the tokens are computed again (a damaged, truncated, missing or misplaced file is a miss, never a wrong
+answer).
+
+Contract:
+- `spill(items)` (engine thread, between steps): copies the K/V of each `(prefix, tokens, salt, slots)`
+  out of the pool into staging tensors, returns one `Extent` per item and queues the writes; the caller
+  may free the slots at once. The writer thread hashes and writes each file (temporary name, then
+  rename); until it is written, reads are served from its staging copy. `room(n)`: whether `n` more tokens
+  may be staged (at most MAX_STAGED bytes wait for the writer; past that the tree drops instead).
+- `read(items, slots)` (engine thread) -> `Load`: the reader thread checks each `(extent, prefix, tokens,
+  salt)` and copies its rows into its share of `slots` (rows of pool slots no one else writes: they are
+  allocated to the load). `Load.done` / `Load.ok` (per item, in order) are set when it is finished; `wait`.
+- `release(extent)`: one reference to a file fewer; the file is deleted (by the writer thread, after any
+  write still queued for it) when none is left. `bytes` counts live files (staged ones included);
+  `over_budget()` when it exceeds `budget`.
+- `close()`: writes what is queued, then stops the threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT = "kvql-kv-tier-1"
+SUFFIX = ".kv.safetensors"
+MAX_STAGED = 512 * 2**20
+"""Bytes of spilled KV that may wait for the writer thread; past that, eviction drops (as without a tier)."""
+
+log = logging.getLogger("kvql.cache")
+
+
+def tier_dir(directory, fingerprint: dict[str, str]) -> Path:
+    """Where the tier of the model with `fingerprint` lives under `directory` (one per model, dtype, device,
+    tokenizer: two models never read each other's KV)."""
+    return Path(directory).expanduser() / fingerprint_digest(fingerprint)
+
+
+def fingerprint_digest(fingerprint: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class TierFile:
+    """One file of the tier. `staging` holds (prefix, tokens, k, v) until the writer has written it."""
+
+    def __init__(self, path: Path, nbytes: int, refs: int, staging=None):
+        self.path, self.bytes, self.refs, self.staging = path, nbytes, refs, staging
+        self.lock = threading.Lock()  # guards `staging` between the writer and the reader
+
+
+@dataclass
+class Extent:
+    """Rows `[offset, offset + length)` of `file`'s tokens: where a node's KV is on disk."""
+
+    file: TierFile
+    offset: int
+    length: int
+
+
+@dataclass
+class Load:
+    """A read of several extents into pool slots (reader thread); `ok[i]` per item once `done` is set."""
+
+    items: list
+    slots: torch.Tensor
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: list[bool] = field(default_factory=list)
+
+
+def _hash(*arrays: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(a.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _as_numpy(t: torch.Tensor):
+    """A numpy view of a CPU tensor of any dtype (bfloat16 as int16): numpy copies take no OpenMP threads."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+class DiskTier:
+    def __init__(self, directory, fingerprint: dict[str, str], pool, budget: int):
+        if budget <= 0:
+            raise ValueError(f"disk_budget must be > 0 bytes, got {budget}")
+        self.digest = fingerprint_digest(fingerprint)
+        self.path = Path(directory).expanduser() / self.digest
+        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.pool, self.budget = pool, budget
+        self.bytes = 0
+        self.staged_bytes = 0
+        self.written_tokens = self.read_tokens = self.failed_reads = 0
+        layers, kv_heads, _, head_dim = pool.k.shape
+        self._token_bytes = 2 * layers * kv_heads * head_dim * pool.k.element_size()
+        self._seq = itertools.count(time.time_ns())
+        self._writes: queue.Queue = queue.Queue()
+        self._reads: queue.Queue = queue.Queue()
+        self._staged_lock = threading.Lock()
+        self.closed = False
+        self._threads = [threading.Thread(target=self._writer, name="kvql-tier-writer", daemon=True),
+                         threading.Thread(target=self._reader, name="kvql-tier-reader", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # -- spilling (engine thread) ----------------------------------------------------------------
+    def room(self, n_tokens: int) -> bool:
+        with self._staged_lock:
+            return self.staged_bytes + n_tokens * self._token_bytes <= MAX_STAGED
+
+    def spill(self, items) -> list[Extent]:
+        """`items`: (prefix, tokens, salt, slots) per node; one Extent each (module doc)."""
+        extents = []
+        for prefix, tokens, salt, slots in items:
+            k = self.pool.k[:, :, slots]  # a copy: the slots may be reused as soon as this returns
+            v = self.pool.v[:, :, slots]
+            nbytes = len(tokens) * self._token_bytes
+            name = f"{next(self._seq)}-{secrets.token_hex(4)}{SUFFIX}"
+            staging = (torch.tensor(prefix, dtype=torch.long), torch.tensor(tokens, dtype=torch.long), k, v)
+            file = TierFile(self.path / name, nbytes, refs=1, staging=staging)
+            with self._staged_lock:
+                self.staged_bytes += nbytes
+            self.bytes += nbytes
+            self.written_tokens += len(tokens)
+            self._writes.put(("write", file, salt))
+            extents.append(Extent(file, 0, len(tokens)))
+        return extents
+
+    def adopt(self, path: Path, nbytes: int) -> TierFile:
+        """A file found on disk at start (`scan`), taken into the budget; its references are the caller's."""
+        self.bytes += nbytes
+        return TierFile(path, nbytes, refs=0)
+
+    def release(self, extent: Extent) -> None:
+        file = extent.file
+        file.refs -= 1
+        if file.refs == 0:
+            self.bytes -= file.bytes
+            self._writes.put(("delete", file, None))
+
+    def over_budget(self) -> bool:
+        return self.bytes > self.budget
+
+    def _writer(self) -> None:
+        while True:
+            op, file, salt = self._writes.get()
+            if op == "stop":
+                self._writes.task_done()
+                return
+            try:
+                if op == "write":
+                    self._write(file, salt)
+                else:
+                    file.path.unlink(missing_ok=True)
+            except Exception as e:  # noqa: BLE001 -- a failed write is a file that is not there: a miss later
+                log.warning("kvql disk tier: could not %s %s: %s", op, file.path.name, e)
+            finally:
+                if op == "write":
+                    with file.lock:
+                        staged, file.staging = file.staging, None
+                    with self._staged_lock:
+                        self.staged_bytes -= file.bytes if staged is not None else 0
+                self._writes.task_done()
+
+    def _write(self, file: TierFile, salt) -> None:
+        if file.refs == 0:  # released before it was written
+            return
+        prefix, tokens, k, v = file.staging
+        meta = {"kvql_format": FORMAT, "fingerprint": self.digest, "salt": json.dumps(salt),
+                "sha256": _hash(prefix, tokens, k, v)}
+        tmp = file.path.with_name(f".{file.path.name}.tmp")
+        save_file({"prefix": prefix, "tokens": tokens, "k": k, "v": v}, str(tmp), metadata=meta)
+        os.replace(tmp, file.path)
+
+    # -- reading back --------------------------------------------------------------------------------
+    def read(self, items, slots: torch.Tensor) -> Load:
+        """`items`: (extent, prefix, tokens, salt) per node, in tree order; their rows go to `slots` in order."""
+        load = Load(list(items), slots)
+        self._reads.put(load)
+        return load
+
+    def _reader(self) -> None:
+        pool_k, pool_v = _as_numpy(self.pool.k), _as_numpy(self.pool.v)
+        while True:
+            load = self._reads.get()
+            if load is None:
+                return
+            slots, at = load.slots.numpy(), 0
+            for extent, prefix, tokens, salt in load.items:
+                rows = slots[at:at + extent.length]
+                at += extent.length
+                try:
+                    k, v = self._check(extent, prefix, tokens, salt)
+                    pool_k[:, :, rows] = _as_numpy(k)[:, :, extent.offset:extent.offset + extent.length]
+                    pool_v[:, :, rows] = _as_numpy(v)[:, :, extent.offset:extent.offset + extent.length]
+                    load.ok.append(True)
+                except Exception as e:  # noqa: BLE001 -- any failure to read is a miss
+                    log.warning("kvql disk tier: %s not used (%s); its tokens are computed again",
+                                extent.file.path.name, e)
+                    self.failed_reads += 1
+                    load.ok.append(False)
+            self.read_tokens += sum(e.length for (e, *_), ok in zip(load.items, load.ok) if ok)
+            load.done.set()
+
+    def _check(self, extent: Extent, prefix: list[int], tokens: list[int], salt):
+        """The file's K/V if it is the KV of `prefix + tokens` under `salt` (module doc), else ValueError."""
+        with extent.file.lock:
+            staged = extent.file.staging
+        if staged is not None:
+            p, t, k, v = staged
+        else:
+            with safe_open(str(extent.file.path), framework="pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("kvql_format") != FORMAT or meta.get("fingerprint") != self.digest:
+                    raise ValueError("another format or model")
+                p, t, k, v = (f.get_tensor(name) for name in ("prefix", "tokens", "k", "v"))
+            if _hash(p, t, k, v) != meta.get("sha256"):
+                raise ValueError("checksum mismatch")
+            if json.loads(meta.get("salt", "null")) != salt:
+                raise ValueError("another cache partition")
+            want_k = (self.pool.k.shape[0], self.pool.k.shape[1], t.numel(), self.pool.k.shape[3])
+            if k.dtype != self.pool.k.dtype or tuple(k.shape) != want_k or tuple(v.shape) != want_k:
+                raise ValueError(f"K/V of shape {tuple(k.shape)} {k.dtype}, not {want_k} {self.pool.k.dtype}")
+            os.utime(extent.file.path)  # its access time orders the LRU at the next start (`scan`)
+        own = t.tolist()
+        if p.tolist() + own[:extent.offset] != prefix or own[extent.offset:extent.offset + extent.length] != tokens:
+            raise ValueError("its tokens are not the ones the tree expects there")
+        return k, v
+
+    # -- start and stop --------------------------------------------------------------------------------
+    def scan(self) -> list[tuple[int, Path, int, object, list[int], list[int]]]:
+        """Every readable file of this tier as (mtime_ns, path, bytes, salt, prefix, tokens), shortest prefix
+        first, then least recently read first; temporary files of writes that never finished are removed. Contents are
+        checked only when read back (`read`)."""
+        found = []
+        for path in self.path.iterdir():
+            if path.name.startswith(".") and path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)
+                continue
+            if not path.name.endswith(SUFFIX):
+                continue
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    meta = f.metadata() or {}
+                    if meta.get("kvql_format") != FORMAT or meta.get("fingerprint") != self.digest:
+                        raise ValueError("another format or model")
+                    prefix, tokens = f.get_tensor("prefix").tolist(), f.get_tensor("tokens").tolist()
+                    salt = json.loads(meta["salt"])
+                found.append((path.stat().st_mtime_ns, path, path.stat().st_size, salt, prefix, tokens))
+            except Exception as e:  # noqa: BLE001 -- an unreadable file is deleted: it can serve nothing
+                log.warning("kvql disk tier: %s removed (%s)", path.name, e)
+                path.unlink(missing_ok=True)
+        found.sort(key=lambda f: (len(f[4]), f[0]))
+        return found
+
+    def release_unused(self, file: TierFile) -> None:
+        """A file `scan` found that the tree cannot use (no file holds its prefix, or others hold all its
+        tokens): out of the budget, deleted."""
+        if file.refs == 0:
+            self.bytes -= file.bytes
+            self._writes.put(("delete", file, None))
+
+    def flush(self) -> None:
+        """Wait until every queued write and deletion is done."""
+        self._writes.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the threads (reads in flight finish first)."""
+        self.closed = True
+        self._writes.put(("stop", None, None))
+        self._reads.put(None)
+        for t in self._threads:
+            t.join()
