@@ -31,7 +31,8 @@ def test_a_packed_layer_computes_the_same_linear_map(dtype, shape):
     x = torch.randn(*shape).to(dtype)
     with torch.inference_mode():
         plain = layer(x).float()
-        assert prepare(layer) == 1 and layer.kvql_packed.slices[0][1] is not None  # packed
+        # packed where this CPU's oneDNN packs the dtype (bf16 needs AVX-512 or AVX-NE-CONVERT), else plain
+        assert prepare(layer) == 1 and (layer.kvql_packed.slices[0][1] is not None) == cpu_linear.can_pack(dtype)
         packed = layer(x).float()
     tol = 1e-5 if dtype == torch.float32 else 0.02
     torch.testing.assert_close(packed, plain, rtol=tol, atol=tol)
@@ -143,3 +144,19 @@ def test_the_engine_packs_on_cpu_and_splits_in_reduced_precision_only(tokenizer)
     finally:
         bf16.close()
         fp32.close()
+
+
+def test_a_dtype_this_cpus_onednn_cannot_pack_runs_the_plain_kernel(monkeypatch):
+    """On an AVX2-only CPU oneDNN raises when asked to pack bf16: such a layer must still compute its map."""
+    monkeypatch.setattr(cpu_linear, "_packs", lambda dtype: dtype == torch.float32)
+    layer = _layer(576, bias=True, dtype=torch.bfloat16)
+    x = torch.randn(3, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        plain = layer(x)
+        prepare(layer)
+        assert layer.kvql_packed.slices[0][1] is None
+        stacked = cpu_linear.Stacked([layer, _layer(576, bias=False, dtype=torch.bfloat16, out_features=32)])
+        assert stacked.packed.slices[0][1] is None
+        ours, stacked_ours = layer(x).float(), stacked(x)[:, :96].float()
+    torch.testing.assert_close(ours, plain.float(), rtol=0.02, atol=0.02)  # the bias added apart: its rounding
+    torch.testing.assert_close(stacked_ours, plain.float(), rtol=0.02, atol=0.02)

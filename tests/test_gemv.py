@@ -1,5 +1,6 @@
-"""The small-batch bf16 kernel (kvql.engine.kernels.gemv): each output row bit for bit oneDNN's prepacked
-GEMM's, whatever the rows beside it; kvql's linear layers take it for few rows and fall back without it."""
+"""The small-batch kernel (kvql.engine.kernels.gemv): in bf16 each output row bit for bit oneDNN's prepacked
+GEMM's, in fp32 equal to it to float32 rounding; whatever the rows beside it; kvql's linear layers take it
+for few rows and fall back without it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from kvql.engine.kernels import gemv
 
 needs_kernel = pytest.mark.skipif(not (cpu_linear.can_pack() and gemv.available()),
                                   reason="no oneDNN, no compiler or no AVX512_BF16")
+needs_f32_kernel = pytest.mark.skipif(not (cpu_linear.can_pack() and gemv.available(torch.float32)),
+                                      reason="no oneDNN, no compiler or neither AVX512F nor AVX2 with FMA")
 
 # the models' layer shapes in bf16 (out, in): SmolLM2-135M (q/k/v stacked, gate/up stacked, down's 1,536
 # inputs in two slices, lm_head) and Gemma 3 270M (q, k/v, o, gate/up, down in slices of 1,024)
@@ -47,7 +50,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
 def test_shapes_outside_the_contract_are_not_taken():
     assert not gemv.supports(torch.empty(96, 64, dtype=torch.bfloat16))  # outputs not a multiple of 64
     assert not gemv.supports(torch.empty(64, 63, dtype=torch.bfloat16))  # odd inputs
-    assert not gemv.supports(torch.empty(64, 64))  # float32
+    assert not gemv.supports(torch.empty(64, 64, dtype=torch.float16))  # a dtype it has no arithmetic for
 
 
 @needs_kernel
@@ -72,3 +75,45 @@ def test_the_switch_turns_the_kernel_off(monkeypatch):
     layer = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
     cpu_linear.prepare(layer)
     assert all(blocked is None for _, _, blocked in layer.kvql_packed.slices)
+
+
+@needs_f32_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_float32_rows_equal_onednn_to_float32_rounding(shape):
+    g = torch.Generator().manual_seed(shape[0] + shape[1])
+    w = torch.randn(*shape, generator=g) * 0.05
+    blocked = gemv.pack(w)
+    for rows in range(1, gemv.max_rows() + 1):
+        x = torch.randn(rows, shape[1], generator=g)
+        exact = (x.double() @ w.double().T)
+        got = gemv.gemv(x, blocked)
+        assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
+        # an fp32 dot product of k terms: error bound ~ k * eps * sum |x w|
+        bound = shape[1] * 2**-24 * (x.double().abs() @ w.double().abs().T)
+        assert ((got.double() - exact).abs() <= bound).all(), rows
+        assert torch.allclose(got, _onednn(x, w), rtol=1e-5, atol=1e-6), rows
+
+
+@needs_f32_kernel
+def test_a_float32_row_does_not_depend_on_the_rows_beside_it():
+    w = torch.randn(640, 640) * 0.05
+    x = torch.randn(8, 640)
+    blocked = gemv.pack(w)
+    together = gemv.gemv(x, blocked)
+    for i in range(8):
+        assert torch.equal(gemv.gemv(x[i:i + 1], blocked)[0], together[i])
+
+
+@needs_f32_kernel
+def test_a_float32_layer_takes_the_kernel_for_few_rows_and_agrees_with_onednn(monkeypatch):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(576, 960, bias=False)
+    x = torch.randn(24, 576)
+    with torch.inference_mode():
+        cpu_linear.prepare(layer)
+        assert all(blocked is not None for _, _, blocked in layer.kvql_packed.slices)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(24)])
+        batch = layer(x)
+        monkeypatch.setattr(cpu_linear, "GEMV_ROWS", 0)
+        off = torch.cat([layer(x[i:i + 1]) for i in range(24)])
+    assert torch.allclose(alone, batch, rtol=1e-5, atol=1e-6) and torch.allclose(off, batch, rtol=1e-5, atol=1e-6)

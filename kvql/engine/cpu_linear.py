@@ -9,13 +9,16 @@ from memory as in a real step): 24 decode rows take 80 -> 45 ms in fp32 and 36 -
 relative in fp32 (another kernel, another rounding; fp32 stays exact in the project's sense: greedy
 output with the cache equals the uncached reference, which runs through the same layers).
 
-**Small batches in bf16** (`kernels/gemv.py`): a call of at most GEMV_ROWS rows (a decode step of one
-stream, or a few) reads a third, blocked copy of each bf16 weight slice through kvql's own kernel, which
-streams it at the memory bandwidth and rounds bit for bit as oneDNN's prepacked GEMM (checked on each
-slice's real weight when it is packed; a slice where it would not is left to oneDNN, with a warning). So a
-row's result is the same whichever kernel its batch size picks: batch invariance holds. Cost: the bf16
-linear weights take three times their memory. Measured, SmolLM2-135M bf16 batch-1 decode step on a loaded
-machine, one run, fastest of 40 steps: 17.2 -> 11.4 ms (`KVQL_GEMV=0` vs default).
+**Small batches** (`kernels/gemv.py`): a call of at most GEMV_ROWS rows (a decode step of one stream, or a
+few) reads a third, blocked copy of each weight slice through kvql's own kernel, which streams it near the
+memory bandwidth. In bf16 it rounds bit for bit as oneDNN's prepacked GEMM (checked on each slice's real
+weight when it is packed; a slice where it would not is left to oneDNN, with a warning), so a row's result
+is the same whichever kernel its batch size picks: batch invariance holds. In fp32 it agrees with oneDNN to
+float32 rounding (fp32 promises no batch invariance; its contract, cached == uncached greedy output, is
+tested through the model). Cost: the linear weights take three times their memory. Measured, SmolLM2-135M
+bf16 batch-1 decode step on a loaded machine, one run, fastest of 40 steps: 17.2 -> 11.4 ms (`KVQL_GEMV=0`
+vs default); fp32, SmolLM2's linear set with one row, 2 threads, alternating, 6 repeats: oneDNN 17.2-20.2
+GB/s, gemv 23.1-28.7 GB/s (a torch sum 31.7).
 
 The packed copy is held beside the layer's own weight, which is kept, so the module stays an ordinary
 `nn.Linear` (state dict, `.to()`, the snapshot fingerprint): the linear weights take twice their memory.
@@ -41,6 +44,7 @@ reduced precision only.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -52,15 +56,32 @@ MAX_REDUCTION = 1024
 """Longest reduction a bf16 GEMM row is batch-invariant over (module doc)."""
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes oneDNN's prepacked linear may take; `can_pack(dtype)` says whether this CPU's oneDNN does."""
 
 GEMV_ROWS = 4
 """Calls of at most this many rows (within gemv's own limit) take the small-batch kernel where a layer has
 its blocked copy (module doc)."""
 
 
-def can_pack() -> bool:
-    """Whether this torch has oneDNN's prepacked linear (x86 and arm64 CPU builds do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def can_pack(dtype: torch.dtype | None = None) -> bool:
+    """Whether this torch has oneDNN's prepacked linear (x86 and arm64 CPU builds do) and, given `dtype`,
+    whether it packs weights of that dtype on this CPU: oneDNN's bf16 path needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT and raises without them, so an AVX2-only CPU computes bf16 layers with the plain kernel."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype is None or _packs(dtype)
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    if dtype not in PACKED_DTYPES:
+        return False
+    try:
+        w = torch.zeros(64, 64, dtype=dtype)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 64, dtype=dtype), _packed(w), None, "none", [], "")
+        return True
+    except RuntimeError:
+        return False
 
 
 def _packed(w: torch.Tensor) -> torch.Tensor:
@@ -72,8 +93,10 @@ class _Packed:
     from (`source`), and (`Stacked`) the stacked bias. A copy or a pickle of the model carries none: oneDNN's packed tensors cannot be
     copied, and the copy packs its own weight at its first call."""
 
-    def __init__(self, slices: list | None = None, source: tuple | None = None, bias: torch.Tensor | None = None):
+    def __init__(self, slices: list | None = None, source: tuple | None = None, bias: torch.Tensor | None = None,
+                 weight: torch.Tensor | None = None):
         self.slices, self.source, self.bias = slices or [], source, bias
+        self.weight = weight  # `Stacked`'s stacked weight where it is not packed (the plain kernel reads it)
 
     def __deepcopy__(self, memo) -> _Packed:
         return _Packed()
@@ -97,7 +120,7 @@ class Linear(torch.nn.Linear):
 
     def repack(self) -> _Packed:
         w = self.weight
-        pack = self.kvql_pack and w.device.type == "cpu" and w.dtype in PACKED_DTYPES
+        pack = self.kvql_pack and w.device.type == "cpu" and can_pack(w.dtype)
         self.kvql_packed = _Packed(_slices(w, self.kvql_slice, pack), self._source())
         return self.kvql_packed
 
@@ -141,12 +164,14 @@ def _slices(w: torch.Tensor, step: int, pack: bool) -> list:
 
 
 def _blocked(w: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
-    """gemv's copy of `w`, if the kernel takes it and its rows equal oneDNN's on `packed` bit for bit on a
-    random input (else None, with a warning: the layer then runs oneDNN's kernel at every batch size)."""
+    """gemv's copy of `w`, if the kernel takes it and (bf16) its rows equal oneDNN's on `packed` bit for bit on
+    a random input (else None, with a warning: the layer then runs oneDNN's kernel at every batch size)."""
     if not (gemv.supports(w) and GEMV_ROWS <= gemv.max_rows()):
         return None
     with torch.inference_mode():
         blocked = gemv.pack(w)
+        if w.dtype == torch.float32:  # no bit-for-bit promise in fp32 (module doc)
+            return blocked
         x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
         if torch.equal(gemv.gemv(x, blocked), torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")):
             return blocked
@@ -169,7 +194,7 @@ class Stacked:
     """Linear layers that read the same input (q/k/v projections, gate/up) computed as one GEMM:
     `stacked(x)` equals `cat([part(x) for part in parts], -1)` to float rounding (one GEMM over the
     stacked weight rows instead of several narrow ones: 212 -> 88 us for SmolLM2's q/k/v at 24 rows in
-    bf16). Prepacked (CPU, PACKED_DTYPES; callers check `can_pack()`) and sliced for `max_reduction` as
+    bf16). Prepacked where `can_pack(dtype)` (callers check `can_pack()`; else the plain kernel) and sliced for `max_reduction` as
     `Linear`. The packed copy follows the parts: rebuilt when a part's weight or bias is edited in place
     or replaced. Only the packed copy is held (the parts keep their own weights, unpacked: `prepare`
     leaves layers marked `kvql_stacked` alone). Not a module: the model's state dict is unchanged; a copy
@@ -194,14 +219,15 @@ class Stacked:
             bias = None if all(b is None for b in biases) else torch.cat(
                 [b.detach() if b is not None else w.new_zeros(p.out_features) for b, p in zip(biases, self.parts)])
             # one assignment: a thread calling meanwhile sees the old set or the new one, never a mix
-            self.packed = _Packed(_slices(w, self.step, True), self._source(), bias)
+            pack = w.device.type == "cpu" and can_pack(w.dtype)
+            self.packed = _Packed(_slices(w, self.step, pack), self._source(), bias, None if pack else w)
         return self.packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         packs = self.packed
         if packs.source != self._source():
             packs = self.repack()  # a part changed since, or this is a copy
-        out = _matmul(x, packs.slices, self.step, self.in_features, None)
+        out = _matmul(x, packs.slices, self.step, self.in_features, packs.weight)
         return out if packs.bias is None else out + packs.bias
 
 
