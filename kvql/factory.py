@@ -172,8 +172,10 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
             raise TypeError("cache_dir= is for local models; a server keeps its own cache (kvql serve: --cache-dir)")
         if speculate is not True:
             raise TypeError("speculate= is for local models; a server decides (kvql serve: --no-speculate)")
-        if disk_cache is not None:
-            raise TypeError("disk_cache= is for local models; a server keeps its own cache (kvql serve: --disk-cache)")
+        if disk_cache is not None or disk_budget is not None:
+            option = "disk_cache" if disk_cache is not None else "disk_budget"
+            raise TypeError(f"{option}= is for local models; a server keeps its own cache (kvql serve: --disk-cache, "
+                            "--disk-budget)")
         from .remote_model import RemoteModel
 
         return RemoteModel(spec, name=name, api_key=api_key, tokenizer=tokenizer)

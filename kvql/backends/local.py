@@ -68,7 +68,8 @@ class LocalBackend(Backend):
     `cache_dir`: keep the KV cache across restarts: loaded from there now (when the snapshot is this
     model's), saved on `close()` / exit and every `cache_save_interval` seconds when idle (0: only on
     close); see `kvql.engine.cache_dir`. `save_cache(path)` / `load_cache(path)` do it explicitly (the
-    pool's part). `disk_cache`: a second tier in that directory, `disk_budget` bytes (kvql.engine.disk_tier)."""
+    pool's part). `disk_cache`: a second tier in that directory, `disk_budget` bytes (kvql.engine.disk_tier); it
+    keeps the cache across restarts too, so it excludes `cache_dir`, and `disk_budget` needs it (ValueError)."""
 
     capabilities = frozenset({base.TOKEN_IDS, base.SCORE, base.LOGPROBS, base.MASKED_LOGPROBS, base.MIN_TOKENS,
                               base.STOP_FN, base.SAMPLING, base.CACHE_SALT, base.TOKEN_GRAMMAR, base.HEAL,
@@ -78,6 +79,11 @@ class LocalBackend(Backend):
                  max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True,
                  cache_dir=None, cache_save_interval: float = 300.0, speculate: bool = True,
                  disk_cache=None, disk_budget: int | str | None = None):
+        if disk_cache is not None and cache_dir is not None:
+            raise ValueError("cache_dir and disk_cache both keep the cache across restarts: pass one (disk_cache "
+                             "also keeps what the memory budget cannot hold)")
+        if disk_budget is not None and disk_cache is None:
+            raise ValueError("disk_budget is the size of disk_cache: give disk_cache a directory too")
         config = hf_model.config
         self.name = name
         self.hf_model = hf_model

@@ -30,9 +30,12 @@ Contract:
   salt)` and copies its rows into its share of `slots` (rows of pool slots no one else writes: they are
   allocated to the load). `Load.done` / `Load.ok` (per item, in order) are set when it is finished; `wait`.
 - `release(extent)`: one reference to a file fewer; the file is deleted (by the writer thread, after any
-  write still queued for it) when none is left. `bytes` counts live files (staged ones included);
+  write still queued for it) when none is left. `bytes` counts the live files' sizes on disk: a file staged
+  for the writer counts at an upper bound of its size (`file_bytes`), replaced by its size once written (0 if
+  the write failed), so `bytes` is never below what the files take and equals it once `flush()` returned;
   `over_budget()` when it exceeds `budget`.
 - `close()`: writes what is queued, then stops the threads.
+- The pool must be in CPU memory (ValueError otherwise): reads back are copied into it through numpy views.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ FORMAT = "kvql-kv-tier-1"
 SUFFIX = ".kv.safetensors"
 MAX_STAGED = 512 * 2**20
 """Bytes of spilled KV that may wait for the writer thread; past that, eviction drops (as without a tier)."""
+HEADER_BYTES = 1024
+"""Bound of a file's safetensors header (8-byte length, tensor entries, metadata) besides its salt (`file_bytes`)."""
 
 log = logging.getLogger("kvql.cache")
 
@@ -72,7 +77,8 @@ def fingerprint_digest(fingerprint: dict[str, str]) -> str:
 
 
 class TierFile:
-    """One file of the tier. `staging` holds (prefix, tokens, k, v) until the writer has written it."""
+    """One file of the tier. `staging` holds (prefix, tokens, k, v) until the writer has written it. `bytes`: its
+    size (until it is written, an upper bound of it); `refs`: extents of tree nodes in it (engine thread)."""
 
     def __init__(self, path: Path, nbytes: int, refs: int, staging=None):
         self.path, self.bytes, self.refs, self.staging = path, nbytes, refs, staging
@@ -114,11 +120,13 @@ class DiskTier:
     def __init__(self, directory, fingerprint: dict[str, str], pool, budget: int):
         if budget <= 0:
             raise ValueError(f"disk_budget must be > 0 bytes, got {budget}")
+        if pool.k.device.type != "cpu":  # the reader copies rows through numpy views of the pool
+            raise ValueError(f"disk_cache needs the KV pool in CPU memory, not on {pool.k.device.type}")
         self.digest = fingerprint_digest(fingerprint)
         self.path = Path(directory).expanduser() / self.digest
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.pool, self.budget = pool, budget
-        self.bytes = 0
+        self.bytes = 0  # the live files' sizes (module doc)
         self.staged_bytes = 0
         self.written_tokens = self.read_tokens = self.failed_reads = 0
         layers, kv_heads, _, head_dim = pool.k.shape
@@ -126,7 +134,7 @@ class DiskTier:
         self._seq = itertools.count(time.time_ns())
         self._writes: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
-        self._staged_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards `staged_bytes`, `bytes` and the writer's view of `TierFile.refs`
         self.closed = False
         self._threads = [threading.Thread(target=self._writer, name="kvql-tier-writer", daemon=True),
                          threading.Thread(target=self._reader, name="kvql-tier-reader", daemon=True)]
@@ -135,8 +143,15 @@ class DiskTier:
 
     # -- spilling (engine thread) ----------------------------------------------------------------
     def room(self, n_tokens: int) -> bool:
-        with self._staged_lock:
+        """Whether `n_tokens` more may be staged for the writer now (all a caller's pending ones together: `spill`
+        stages them only when it is called)."""
+        with self._lock:
             return self.staged_bytes + n_tokens * self._token_bytes <= MAX_STAGED
+
+    def file_bytes(self, prefix_len: int, n_tokens: int, salt) -> int:
+        """An upper bound of the size of the file `spill` writes for `n_tokens` after `prefix_len` under `salt`:
+        their K/V, both token lists (int64) and the header (the salt's JSON at most doubled by escaping)."""
+        return n_tokens * self._token_bytes + 8 * (prefix_len + n_tokens) + HEADER_BYTES + 2 * len(json.dumps(salt))
 
     def spill(self, items) -> list[Extent]:
         """`items`: (prefix, tokens, salt, slots) per node; one Extent each (module doc)."""
@@ -147,10 +162,10 @@ class DiskTier:
             nbytes = len(tokens) * self._token_bytes
             name = f"{next(self._seq)}-{secrets.token_hex(4)}{SUFFIX}"
             staging = (torch.tensor(prefix, dtype=torch.long), torch.tensor(tokens, dtype=torch.long), k, v)
-            file = TierFile(self.path / name, nbytes, refs=1, staging=staging)
-            with self._staged_lock:
+            file = TierFile(self.path / name, self.file_bytes(len(prefix), len(tokens), salt), refs=1, staging=staging)
+            with self._lock:
                 self.staged_bytes += nbytes
-            self.bytes += nbytes
+                self.bytes += file.bytes
             self.written_tokens += len(tokens)
             self._writes.put(("write", file, salt))
             extents.append(Extent(file, 0, len(tokens)))
@@ -158,14 +173,17 @@ class DiskTier:
 
     def adopt(self, path: Path, nbytes: int) -> TierFile:
         """A file found on disk at start (`scan`), taken into the budget; its references are the caller's."""
-        self.bytes += nbytes
+        with self._lock:
+            self.bytes += nbytes
         return TierFile(path, nbytes, refs=0)
 
     def release(self, extent: Extent) -> None:
         file = extent.file
-        file.refs -= 1
+        with self._lock:  # against the writer's correction of `bytes` (`_writer`)
+            file.refs -= 1
+            if file.refs == 0:
+                self.bytes -= file.bytes
         if file.refs == 0:
-            self.bytes -= file.bytes
             self._writes.put(("delete", file, None))
 
     def over_budget(self) -> bool:
@@ -177,9 +195,10 @@ class DiskTier:
             if op == "stop":
                 self._writes.task_done()
                 return
+            size = 0  # of the file written (none if the write failed)
             try:
                 if op == "write":
-                    self._write(file, salt)
+                    size = self._write(file, salt)
                 else:
                     file.path.unlink(missing_ok=True)
             except Exception as e:  # noqa: BLE001 -- a failed write is a file that is not there: a miss later
@@ -188,19 +207,25 @@ class DiskTier:
                 if op == "write":
                     with file.lock:
                         staged, file.staging = file.staging, None
-                    with self._staged_lock:
-                        self.staged_bytes -= file.bytes if staged is not None else 0
+                    with self._lock:
+                        self.staged_bytes -= staged[1].numel() * self._token_bytes if staged is not None else 0
+                        if file.refs > 0:  # still live: count what it takes on disk (module doc)
+                            self.bytes += size - file.bytes
+                            file.bytes = size
                 self._writes.task_done()
 
-    def _write(self, file: TierFile, salt) -> None:
+    def _write(self, file: TierFile, salt) -> int:
+        """Write `file` from its staging copy (temporary name, then rename); its size (0: released before)."""
         if file.refs == 0:  # released before it was written
-            return
+            return 0
         prefix, tokens, k, v = file.staging
         meta = {"kvql_format": FORMAT, "fingerprint": self.digest, "salt": json.dumps(salt),
                 "sha256": _hash(prefix, tokens, k, v)}
         tmp = file.path.with_name(f".{file.path.name}.tmp")
         save_file({"prefix": prefix, "tokens": tokens, "k": k, "v": v}, str(tmp), metadata=meta)
+        size = tmp.stat().st_size
         os.replace(tmp, file.path)
+        return size
 
     # -- reading back --------------------------------------------------------------------------------
     def read(self, items, slots: torch.Tensor) -> Load:
@@ -287,7 +312,8 @@ class DiskTier:
         """A file `scan` found that the tree cannot use (no file holds its prefix, or others hold all its
         tokens): out of the budget, deleted."""
         if file.refs == 0:
-            self.bytes -= file.bytes
+            with self._lock:
+                self.bytes -= file.bytes
             self._writes.put(("delete", file, None))
 
     def flush(self) -> None:

@@ -19,7 +19,8 @@ Contract (what callers may rely on):
   without slots is "on disk": `match_prefix` stops before it; `disk_path` continues through such nodes,
   whose KV `Memory` reads back (`install` then gives them slots); `insert` of computed tokens that a disk
   node also holds gives the node the caller's slots (computed twice: the pool copy wins). When the tier is
-  over its byte budget, `evict` drops least recently used disk leaves and clean copies until it is not.
+  over its byte budget, `evict` drops least recently used disk leaves and clean copies until it is not
+  (leaves of the tier first: `reclaim_disk`).
 - `salt` (on `match_prefix` / `insert`) names a partition: each salt has its own root, so tokens
   inserted under one salt are never matched under another (tenant isolation; None is the shared
   default partition). An emptied salted root is dropped.
@@ -263,12 +264,13 @@ class RadixCache:
         first; return the count. To the tier if there is one and `spill` (module doc), else dropped."""
         heap = [(x.last_access, id(x), x) for x in self.nodes() if self._evictable(x)]
         heapq.heapify(heap)
-        freed, spilled = 0, []
+        freed, spilled, staged = 0, [], 0  # staged: tokens this call gives the tier's writer (`room` counts them)
         while freed < n and heap:
             _, _, node = heapq.heappop(heap)
             freed += len(node.key)
             parent = node.parent
-            if spill and self.tier is not None and (node.extent is not None or self.tier.room(len(node.key))):
+            if spill and self.tier is not None and (node.extent is not None or self.tier.room(staged + len(node.key))):
+                staged += len(node.key) if node.extent is None else 0
                 spilled.append((node, node.slots))
                 node.slots = None
                 self.total_tokens -= len(node.key)
@@ -322,28 +324,30 @@ class RadixCache:
         self._drop_empty_roots()
 
     def reclaim_disk(self) -> None:
-        """While the tier is over its budget: drop least recently used disk leaves (nothing below them) and
-        clean copies of nodes in the pool; a node being read back stays."""
+        """While the tier is over its budget: drop least recently used disk leaves and clean copies of nodes in
+        the pool, in both cases only extents no child's extent follows (as `evict` takes leaves: a file whose
+        prefix's file is gone could not be attached at the next start); a node being read back stays."""
         if not self.tier.over_budget():
             return
         heap = [(x.last_access, id(x), x) for x in self.nodes() if self._reclaimable(x)]
         heapq.heapify(heap)
         while heap and self.tier.over_budget():
             _, _, node = heapq.heappop(heap)
+            parent = node.parent
             if node.slots is not None:  # a clean copy: the node stays, in the pool
                 self.tier.release(node.extent)
                 node.extent = None
-                continue
-            parent = node.parent
-            self._drop(node)
+            else:
+                self._drop(node)
             if self._reclaimable(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         self._drop_empty_roots()
 
     @staticmethod
     def _reclaimable(node: Node) -> bool:
+        """Its extent may go: not being read back, and no child has an extent (a node on disk: no child)."""
         return (node.parent is not None and node.extent is not None and not node.loading
-                and (node.slots is not None or not node.children))
+                and not any(c.extent is not None for c in node.children.values()))
 
     def _drop_empty_roots(self) -> None:
         for salt in [s for s, r in self.roots.items() if s is not None and not r.children]:
