@@ -71,9 +71,12 @@ def demo(args) -> None:
         for q, c in zip(QUESTIONS, out):
             print(f"  {q:<40} -> {c.text.strip()!r:<12} ({c.cached_tokens}/{c.prompt_tokens} prompt tokens cached)")
     s = m.stats()
-    print(f"\nprompt tokens {s['prompt_tokens']}, served from cache {s['cached_tokens']}, computed "
-          f"{s['computed_tokens']} (hit rate {s['hit_rate']:.0%}); cache {s['cache_bytes'] / 2**20:.1f} MiB "
-          f"of {s['cache_budget_bytes'] / 2**20:.0f} MiB budget")
+    print(f"\nprompt tokens {s['prompt_tokens']}, served from cache {s['cached_tokens']}"
+          + (f" ({s['ram_tokens']} from memory, {s['disk_tokens']} read back from disk)" if "tier_bytes" in s else "")
+          + f", computed {s['computed_tokens']} (hit rate {s['hit_rate']:.0%}); cache {s['cache_bytes'] / 2**20:.1f} "
+          f"MiB of {s['cache_budget_bytes'] / 2**20:.0f} MiB budget"
+          + (f"; disk tier {s['tier_bytes'] / 2**20:.1f} MiB of {s['tier_budget_bytes'] / 2**20:.0f} MiB"
+             if "tier_bytes" in s else ""))
     m.close()
 
 
@@ -229,7 +232,9 @@ def run(args) -> None:
             label = f"sample {k}/{len(traces)}: " if len(traces) > 1 else ""
             print(f"{label}tokens {s['tokens']}: cached {s['cached']}, computed {s['computed']}, generated "
                   f"{s['generated']}, never sent {s['unsent']}; {s['requests']} requests sent {s['request_tokens']} "
-                  f"prompt tokens, {s['request_cached']} from the cache (hit rate {s['hit_rate']:.0%}); "
+                  f"prompt tokens, {s['request_cached']} from the cache"
+                  + (f", {s['request_disk']} of them read back from disk" if s["request_disk"] else "")
+                  + f" (hit rate {s['hit_rate']:.0%}); "
                   f"{s['seconds']:.2f} s" + (f"; server {t.server}" if t.server else ""), file=sys.stderr)
 
 

@@ -35,7 +35,8 @@ class Completion:
     Speculative decoding: `drafted_tokens` were drafted for this sequence and verified, and `accepted` are the
     indices in `token_ids` of those it accepted (computed ahead, several in one forward); 0 and empty where
     nothing was drafted or the backend does not tell. Neither takes part in equality: an answer is the same
-    whether or not its tokens were drafted.
+    whether or not its tokens were drafted. `disk_tokens`: of `cached_tokens`, those whose KV the engine read back
+    from its disk tier for this request (`disk_cache=`); 0 without one or where the backend does not tell (servers).
     """
 
     text: str
@@ -55,3 +56,4 @@ class Completion:
     prepare_seconds: float = field(default=0.0, compare=False)  # a timing: two equal answers are equal
     drafted_tokens: int = field(default=0, compare=False)
     accepted: list[int] = field(default_factory=list, compare=False)
+    disk_tokens: int = field(default=0, compare=False)  # where the cache found them: an answer is the same

@@ -371,8 +371,12 @@ class LocalBackend(Backend):
         return self.engine.pool.bytes
 
     def stats(self) -> dict:
-        """Engine counters: prompt/cached/computed tokens, hit rate, cache bytes and budget, evictions, ..."""
-        return self.engine.stats()
+        """Engine counters: prompt/cached/computed tokens, hit rate, cache bytes and budget, evictions, ...
+        Where the cached prompt tokens came from: `ram_tokens` (KV found in the pool) + `disk_tokens` (KV read back
+        from the disk tier) = `cached_tokens`; with a tier, its `tier_*` counters too (`Engine.stats`)."""
+        s = self.engine.stats()
+        s["ram_tokens"] = s["cached_tokens"] - s["disk_tokens"]
+        return s
 
     def clear_cache(self) -> int:
         """Evict every cached token not in use by a running request; returns how many were freed."""

@@ -339,7 +339,8 @@ class RemoteBackend(Backend):
 
     def stats(self) -> dict:
         """The server's counters, from its Prometheus `/metrics`: `prompt_tokens`, `cached_tokens`,
-        `computed_tokens`, `generated_tokens`, `hit_rate` where the server counts them, and `metrics`:
+        `computed_tokens`, `generated_tokens`, `hit_rate` where the server counts them (kvql's also `ram_tokens`
+        and `disk_tokens`: where its cached ones were, memory or its disk tier), and `metrics`:
         every sample by name (summed over labels). Read from kvql's `kvql_*_tokens_total`; vLLM's
         `vllm:prompt_tokens_total`, `vllm:generation_tokens_total` and its prefix cache's
         `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` (tokens; the hit rate is hits per
@@ -354,7 +355,8 @@ class RemoteBackend(Backend):
         names = {"prompt_tokens": "prompt_tokens_total", "generated_tokens": "generation_tokens_total",
                  "cached_tokens": "prefix_cache_hits_total"}
         if self.kind == "kvql":
-            names.update(generated_tokens="generated_tokens_total", cached_tokens="cached_tokens_total")
+            names.update(generated_tokens="generated_tokens_total", cached_tokens="cached_tokens_total",
+                         ram_tokens="prompt_tokens_from_ram_total", disk_tokens="prompt_tokens_from_disk_total")
         elif self.kind == "sglang":
             names.update(cached_tokens="cached_tokens_total")
         out = {k: metrics[prefix + v] for k, v in names.items() if prefix + v in metrics}

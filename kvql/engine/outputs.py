@@ -95,7 +95,7 @@ class Outputs:
                 sib.vocab_size = row.numel()
                 forks.append((sib, *sample(row, sib)))
         for sib, _, _ in forks:  # share the prompt's KV: it is in the tree, each sibling locks it
-            sib.cached_tokens = req.cached_tokens
+            sib.cached_tokens, sib.disk_tokens = req.cached_tokens, req.disk_tokens
             sib.prompt_logprobs = req.prompt_logprobs
             group.requests.append(sib)
             self.scheduler.fork(req, sib)

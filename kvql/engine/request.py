@@ -210,6 +210,7 @@ class Request:
             finish_reason=self.finish_reason or "length",
             prompt_tokens=len(self.prompt_ids),
             cached_tokens=self.cached_tokens or 0,
+            disk_tokens=min(self.disk_tokens, self.cached_tokens or 0),
             index=self.group.index,
             sample=self.sample,
             logprobs=self.logprobs,

@@ -48,6 +48,7 @@ class Context(Holes, Nested):
         self.dist_clause: tuple[str, list] | None = None
         self.cached_tokens = 0  # prompt tokens of every request of the run, as the backend served them
         self.computed_tokens = 0
+        self.disk_tokens = 0  # of the cached ones, read back from the engine's disk tier (Completion.disk_tokens)
         self.requests = 0
         self._filled_by: tuple[str, int, str] | None = None  # (hole, tokens, bound): a hole the budget ended
         self._healed: tuple[int, str, list[int]] | None = None  # the last hole's healing, for its value's tokens
@@ -132,6 +133,7 @@ class Context(Holes, Nested):
         for c in completions:
             self.cached_tokens += c.cached_tokens
             self.computed_tokens += c.prompt_tokens - c.cached_tokens
+            self.disk_tokens += c.disk_tokens
 
     def guard_chars(self, plan: HolePlan, tokens: list[int]) -> int | None:
         """Characters of a value's first `plan.min_tokens` tokens (None while it has fewer): stop
@@ -149,7 +151,8 @@ class Context(Holes, Nested):
             return None
         return Trace(tokens, list(self._hole_log), time.perf_counter() - self._started, model=self.model.name,
                      sample=self.run_index, server=getattr(self.model, "base_url", None), requests=self.requests,
-                     request_cached=self.cached_tokens, request_tokens=self.cached_tokens + self.computed_tokens)
+                     request_cached=self.cached_tokens, request_tokens=self.cached_tokens + self.computed_tokens,
+                     request_disk=self.disk_tokens)
 
     def program_state(self, growing: str | None = None, value: str = "", diff: str = "") -> ProgramState:
         """The run's state as LMQL hands it to decorators and output writers; `growing`: a hole being

@@ -52,6 +52,7 @@ class Nested:
         value, shown = Chain(post).post(value, str(value), self.program_state())
         self.cached_tokens += child.cached_tokens
         self.computed_tokens += child.computed_tokens
+        self.disk_tokens += child.disk_tokens
         self.variables[name] = value
         await self.text(shown)
         return value

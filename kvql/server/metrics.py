@@ -4,6 +4,9 @@ periodic throughput / hit-rate line while it is busy.
 - `/metrics` is rendered by `prometheus_client` from a registry of this app's own (several apps may live
   in one process). Counters and gauges are read from the engine at scrape time (`kvql_prompt_tokens_total`,
   `kvql_cached_tokens_total`, `kvql_generated_tokens_total`, ... : kvql's remote backend reads those three);
+  the cached ones split by where their KV was: `kvql_prompt_tokens_from_ram_total` (in the pool) and
+  `kvql_prompt_tokens_from_disk_total` (read back from the disk tier); with a disk tier (`--disk-cache`) its
+  `kvql_tier_*` metrics too (TIER), absent without one;
   histograms, per HTTP request that reached the engine: `kvql_time_to_first_token_seconds` (arrival to its
   first generated token), `kvql_e2e_request_latency_seconds` (arrival to its last), and
   `kvql_request_queue_time_seconds` (arrival until the engine admitted it; checked every `POLL_S`, and at
@@ -12,7 +15,8 @@ periodic throughput / hit-rate line while it is busy.
   `METHOD PATH STATUS prompt=P cached=C generated=G S.SSSs`; a request that did not finish (cancelled,
   its client gone) counts what it had generated when it ended.
 - Throughput (logger `kvql.server`, INFO), every `interval` seconds when tokens moved: prompt and
-  generated tokens per second, the hit rate over the interval, running and waiting requests.
+  generated tokens per second, the hit rate over the interval (with a disk tier: the share read back from
+  disk), running and waiting requests.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ ENGINE = [
     ("kvql_request_errors", "counter", "Requests answered with an error", "errors"),
     ("kvql_prompt_tokens", "counter", "Prompt tokens of admitted requests", "prompt_tokens"),
     ("kvql_cached_tokens", "counter", "Prompt tokens served from the prefix cache", "cached_tokens"),
+    ("kvql_prompt_tokens_from_ram", "counter", "Prompt tokens served from KV in the memory pool", "ram_tokens"),
+    ("kvql_prompt_tokens_from_disk", "counter", "Prompt tokens served from KV read back from the disk tier",
+     "disk_tokens"),
     ("kvql_computed_tokens", "counter", "Prompt tokens computed (not cached)", "computed_tokens"),
     ("kvql_generated_tokens", "counter", "Tokens generated", "generated_tokens"),
     ("kvql_forced_tokens", "counter", "Generated tokens a constraint forced (jump-forward)", "forced_tokens"),
@@ -54,6 +61,16 @@ ENGINE = [
     ("kvql_free_slots", "gauge", "Free KV pool slots (tokens)", "free_slots"),
     ("kvql_pool_slots", "gauge", "KV pool size in slots (tokens)", "pool_slots"),
 ]
+TIER = [  # only with a disk tier (`kvql serve --disk-cache`): Model.stats() has its keys then
+    ("kvql_tier_tokens", "gauge", "Cached tokens whose KV is only on disk (disk tier)", "tier_tokens"),
+    ("kvql_tier_bytes", "gauge", "Disk tier bytes in use", "tier_bytes"),
+    ("kvql_tier_budget_bytes", "gauge", "Disk tier budget in bytes", "tier_budget_bytes"),
+    ("kvql_tier_written_tokens", "counter", "Tokens of evicted KV written to the disk tier", "tier_written_tokens"),
+    ("kvql_tier_read_tokens", "counter", "Tokens of KV read back from the disk tier", "tier_read_tokens"),
+    ("kvql_tier_failed_reads", "counter", "Disk tier reads that failed their checks (computed instead)",
+     "tier_failed_reads"),
+    ("kvql_tier_reads_in_flight", "gauge", "Disk tier reads in flight", "tier_reads_in_flight"),
+]
 
 
 class _EngineCollector:
@@ -62,7 +79,7 @@ class _EngineCollector:
 
     def collect(self):
         s = {**self.model.stats(), **self.counters}
-        for name, kind, help_, key in ENGINE:
+        for name, kind, help_, key in ENGINE + [t for t in TIER if t[3] in s]:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(name, help_, value=s[key])
 
@@ -218,8 +235,10 @@ async def throughput_lines(model, interval: float) -> None:
         generated = s["generated_tokens"] - last["generated_tokens"]
         if prompt or generated:
             dt = now - t
-            server_log.info("throughput: prompt %.1f tokens/s, generated %.1f tokens/s, hit rate %.0f%%, "
+            disk = s.get("disk_tokens", 0) - last.get("disk_tokens", 0)
+            server_log.info("throughput: prompt %.1f tokens/s, generated %.1f tokens/s, hit rate %.0f%%%s, "
                             "%d running, %d waiting, cache %d/%d tokens", prompt / dt, generated / dt,
-                            100 * cached / prompt if prompt else 0.0, s["running"], s["waiting"],
-                            s["pool_slots"] - s["free_slots"], s["pool_slots"])
+                            100 * cached / prompt if prompt else 0.0,
+                            f" ({100 * disk / prompt:.0f}% from disk)" if "tier_bytes" in s and prompt else "",
+                            s["running"], s["waiting"], s["pool_slots"] - s["free_slots"], s["pool_slots"])
         last, t = s, now
