@@ -78,6 +78,7 @@ def check_options(*, device="cpu", dtype=None, cache_budget=None, cache_dir=None
     """ValueError (one line, naming the option) when a local model's options cannot be used; loads nothing.
     `model()` calls it before anything else, commands before their "loading" line, so that a typo in
     `--cache-budget` is not found after a 13 s load."""
+    from .backends.cache_options import check_tiers
     from .backends.dtype import resolve
     from .backends.loader import check_device
     from .backends.sizes import parse_bytes
@@ -92,15 +93,11 @@ def check_options(*, device="cpu", dtype=None, cache_budget=None, cache_dir=None
             raise ValueError(f"cache_dir {str(cache_dir)!r} {problem}")
     if disk_budget is not None and parse_bytes(disk_budget) <= 0:
         raise ValueError(f"disk_budget {disk_budget!r} is no size > 0 (e.g. '20GiB')")
+    check_tiers(cache_dir, disk_cache, disk_budget)
     if disk_cache is not None:
-        if cache_dir is not None:
-            raise ValueError("cache_dir and disk_cache both keep the cache across restarts: pass one (disk_cache "
-                             "also keeps what the memory budget cannot hold)")
         problem = directory_problem(disk_cache)
         if problem is not None:
             raise ValueError(f"disk_cache {str(disk_cache)!r} {problem}")
-    elif disk_budget is not None:
-        raise ValueError("disk_budget is the size of disk_cache: give disk_cache a directory too")
     resolve(dtype, device)
     check_device(device)
 

@@ -23,6 +23,7 @@ from ..engine.kv_pool import KVPool
 from ..engine.request import RequestGroup, SamplingParams
 from . import base
 from .base import Backend, StreamChunk
+from .cache_options import check_tiers
 from .options import GenerateOptions
 from .sizes import parse_bytes
 
@@ -79,11 +80,7 @@ class LocalBackend(Backend):
                  max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True,
                  cache_dir=None, cache_save_interval: float = 300.0, speculate: bool = True,
                  disk_cache=None, disk_budget: int | str | None = None):
-        if disk_cache is not None and cache_dir is not None:
-            raise ValueError("cache_dir and disk_cache both keep the cache across restarts: pass one (disk_cache "
-                             "also keeps what the memory budget cannot hold)")
-        if disk_budget is not None and disk_cache is None:
-            raise ValueError("disk_budget is the size of disk_cache: give disk_cache a directory too")
+        check_tiers(cache_dir, disk_cache, disk_budget)
         config = hf_model.config
         self.name = name
         self.hf_model = hf_model

@@ -84,6 +84,11 @@ def _packs(dtype: torch.dtype) -> bool:
         return False
 
 
+def _packable(w: torch.Tensor) -> bool:
+    """Whether oneDNN packs weight `w` here: in CPU memory, of a dtype `can_pack` says it takes."""
+    return w.device.type == "cpu" and can_pack(w.dtype)
+
+
 def _packed(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
 
@@ -120,7 +125,7 @@ class Linear(torch.nn.Linear):
 
     def repack(self) -> _Packed:
         w = self.weight
-        pack = self.kvql_pack and w.device.type == "cpu" and can_pack(w.dtype)
+        pack = self.kvql_pack and _packable(w)
         self.kvql_packed = _Packed(_slices(w, self.kvql_slice, pack), self._source())
         return self.kvql_packed
 
@@ -219,7 +224,7 @@ class Stacked:
             bias = None if all(b is None for b in biases) else torch.cat(
                 [b.detach() if b is not None else w.new_zeros(p.out_features) for b, p in zip(biases, self.parts)])
             # one assignment: a thread calling meanwhile sees the old set or the new one, never a mix
-            pack = w.device.type == "cpu" and can_pack(w.dtype)
+            pack = _packable(w)
             self.packed = _Packed(_slices(w, self.step, pack), self._source(), bias, None if pack else w)
         return self.packed
 
