@@ -126,14 +126,14 @@ class _Norm:
 
 
 # activation module classes -> fused_ops.ACTIVATIONS (GELUTanh: gelu_pytorch_tanh; NewGELU: gelu_new, the same formula)
-_ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh"}
+ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh"}
 
 
 class _MLP:
     def forward(self, x):
         if _plain(x, self):
             return super().forward(x)
-        return self.down_proj(fused_ops.gated_mul(self.kvql_gate_up(x), _ACTIVATIONS[type(self.act_fn).__name__]))
+        return self.down_proj(fused_ops.gated_mul(self.kvql_gate_up(x), ACTIVATIONS[type(self.act_fn).__name__]))
 
 
 class _Attention:
@@ -185,7 +185,7 @@ def prepare(model: torch.nn.Module, max_reduction: int | None = None) -> int:
         what = kind(type(module))[0]
         if what == "norm" and module.weight.shape[0] % 16 == 0:
             _swap(module, _Norm)
-        elif what == "mlp" and type(module.act_fn).__name__ in _ACTIVATIONS \
+        elif what == "mlp" and type(module.act_fn).__name__ in ACTIVATIONS \
                 and module.gate_proj.out_features % 16 == 0:
             module.kvql_gate_up = cpu_linear.Stacked([module.gate_proj, module.up_proj], max_reduction)
             _stack(module.gate_proj, module.up_proj)

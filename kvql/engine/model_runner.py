@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .attention_plan import Bucket, Causal, Plan, plan
-from . import admission, cpu_linear, fused_layers
+from . import admission, cpu_linear, fused_layers, lean_model
 from .kernels import paged_attention
 from .kv_pool import KVPool
 from .segment import Segment
@@ -189,6 +189,8 @@ class ModelRunner:
             # first, so that the stacked layers' parts are not packed only to be unpacked again
             fused_layers.prepare(hf_model, max_reduction=max_reduction)
             cpu_linear.prepare(hf_model, max_reduction=max_reduction)
+        # the same forward without transformers' module calls, where the model's structure allows (lean_model.py)
+        self.lean = lean_model.build(hf_model) if self.device.type == "cpu" else None
         self.paged = paged_attention.supports(self.device, pool.k.dtype, geometry.heads, geometry.kv_heads,
                                               pool.k.shape[-1])
         self.forward_seconds = 0.0
@@ -210,15 +212,20 @@ class ModelRunner:
             rows.extend(range(len(ids) - k, len(ids)))
         step_plan = plan(segments, self.groups, dev, merge=not self.batch_invariant, paged=self.paged)
         started = time.perf_counter()
-        out = self.model(
-            input_ids=torch.tensor([ids], device=dev),
-            position_ids=torch.cat(pos).to(dev)[None],
-            attention_mask=_NO_MASK.to(dev),
-            cache=PoolCache(self.pool, torch.cat([s.new_slots for s in segments]), step_plan),
-            logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev),
-            kvql_plan=step_plan,
-        )
-        logits = out.logits[0].float()
+        write_slots = torch.cat([s.new_slots for s in segments])
+        keep = torch.tensor(rows, dtype=torch.long, device=dev)
+        if self.lean is not None and step_plan.paged is not None and self.lean.usable(self.pool.k.dtype):
+            logits = self.lean.forward(torch.tensor(ids), torch.cat(pos), write_slots, step_plan, keep, self.pool)
+        else:
+            out = self.model(
+                input_ids=torch.tensor([ids], device=dev),
+                position_ids=torch.cat(pos).to(dev)[None],
+                attention_mask=_NO_MASK.to(dev),
+                cache=PoolCache(self.pool, write_slots, step_plan),
+                logits_to_keep=keep,
+                kvql_plan=step_plan,
+            )
+            logits = out.logits[0].float()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.forward_seconds += time.perf_counter() - started
