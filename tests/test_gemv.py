@@ -10,8 +10,10 @@ import torch
 from kvql.engine import cpu_linear
 from kvql.engine.kernels import gemv
 
-needs_kernel = pytest.mark.skipif(not (cpu_linear.can_pack() and gemv.available()),
-                                  reason="no oneDNN, no compiler or no AVX512_BF16")
+needs_kernel = pytest.mark.skipif(not (cpu_linear.can_pack(torch.bfloat16) and gemv.rounds_as_onednn()),
+                                  reason="no oneDNN bf16 packing, no compiler or no AVX512_BF16")
+needs_widening = pytest.mark.skipif(not gemv.any_rows(torch.bfloat16),
+                                    reason="the widening bf16 kernel is built where AVX2 with FMA lacks AVX512_BF16")
 needs_f32_kernel = pytest.mark.skipif(not (cpu_linear.can_pack() and gemv.available(torch.float32)),
                                       reason="no oneDNN, no compiler or neither AVX512F nor AVX2 with FMA")
 
@@ -67,6 +69,41 @@ def test_a_layer_gives_the_same_bits_with_and_without_the_kernel(monkeypatch):
         monkeypatch.setattr(cpu_linear, "GEMV_ROWS", 0)  # as with KVQL_GEMV=0: oneDNN at every size
         off = torch.cat([layer(x[i:i + 1]) for i in range(24)])
     assert torch.equal(alone, batch) and torch.equal(off, batch)
+
+
+@needs_widening
+@pytest.mark.parametrize("shape", SHAPES[:5])
+def test_the_widening_kernel_takes_any_rows_and_a_row_never_depends_on_them(shape):
+    """bf16 without AVX512_BF16: one float32 chain per output, rounded once, whatever the rows around it (four
+    at a time or one), close to the float32 product."""
+    g = torch.Generator().manual_seed(shape[0])
+    w = (torch.randn(*shape, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(37, shape[1], generator=g).to(torch.bfloat16)
+    blocked = gemv.pack(w)
+    together = gemv.gemv(x, blocked)
+    for a, b in ((0, 1), (3, 7), (8, 12), (30, 37), (5, 6)):
+        assert torch.equal(gemv.gemv(x[a:b], blocked), together[a:b]), (a, b)
+    want = (x.float() @ w.float().T)
+    torch.testing.assert_close(together.float(), want, rtol=1e-2, atol=1e-2)
+
+
+@needs_widening
+def test_a_bf16_layer_runs_the_widening_kernel_at_every_batch_size():
+    """Where oneDNN packs no bf16 weight, a bf16 layer (sliced past MAX_REDUCTION) takes the kernel at every
+    batch size: 24 rows at once equal each row alone, and the plain kernel still serves autograd."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1536, 576, bias=True).to(torch.bfloat16)
+    x = torch.randn(24, 1536).to(torch.bfloat16)
+    with torch.inference_mode():
+        cpu_linear.prepare(layer, max_reduction=cpu_linear.MAX_REDUCTION)
+        if cpu_linear.can_pack(torch.bfloat16):
+            pytest.skip("oneDNN packs bf16 weights here: the kernel only serves few rows")
+        assert all(packed is None and blocked is not None for _, packed, blocked in layer.kvql_packed.slices)
+        batch = layer(x)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(24)])
+    assert torch.equal(alone, batch)
+    torch.testing.assert_close(batch.float(), torch.nn.functional.linear(x.float(), layer.weight.float(),
+                                                                         layer.bias.float()), rtol=2e-2, atol=2e-2)
 
 
 def test_the_switch_turns_the_kernel_off(monkeypatch):

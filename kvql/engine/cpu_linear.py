@@ -89,6 +89,13 @@ def _packable(w: torch.Tensor) -> bool:
     return w.device.type == "cpu" and can_pack(w.dtype)
 
 
+def _own_kernel(w: torch.Tensor) -> bool:
+    """Whether weight `w` runs gemv's widening bf16 kernel at every batch size: bf16 in CPU memory where oneDNN
+    packs no bf16 weight and the kernel takes any number of rows (module doc)."""
+    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and not can_pack(w.dtype)
+            and gemv.any_rows(w.dtype))
+
+
 def _packed(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous())
 
@@ -126,7 +133,8 @@ class Linear(torch.nn.Linear):
     def repack(self) -> _Packed:
         w = self.weight
         pack = self.kvql_pack and _packable(w)
-        self.kvql_packed = _Packed(_slices(w, self.kvql_slice, pack), self._source())
+        self.kvql_packed = _Packed(_slices(w, self.kvql_slice, pack, self.kvql_pack and _own_kernel(w)),
+                                   self._source())
         return self.kvql_packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,13 +148,16 @@ class Linear(torch.nn.Linear):
 
 def _matmul(x: torch.Tensor, slices: list, step: int, n_in: int, w: torch.Tensor | None, plain: bool = False):
     """x times the weight given as reduction slices `(start, packed or None, blocked or None)` of `step`
-    inputs each (a slice without a packed copy, or all with `plain`, multiplies by `w`'s columns; one with
-    a blocked copy takes the small-batch kernel for up to gemv.max_rows() rows), summed in order."""
+    inputs each, summed in order: a slice with a blocked copy and no packed one takes gemv's kernel at every
+    batch size (bf16 where oneDNN packs none); one without either, or all with `plain`, multiplies by `w`'s
+    columns; one with both takes the small-batch kernel for up to GEMV_ROWS rows, oneDNN's above."""
     out = None
     rows = x.numel() // n_in
     for a, packed, blocked in slices:
         xs = x if step == n_in else x[..., a:a + step]
-        if packed is None or plain:
+        if packed is None and blocked is not None and rows > 0 and not plain:
+            y = gemv.gemv(xs.reshape(rows, step), blocked).view(*x.shape[:-1], -1)
+        elif packed is None or plain:
             y = torch.nn.functional.linear(xs, w if step == n_in else w[:, a:a + step])
         elif blocked is not None and 0 < rows <= GEMV_ROWS:
             y = gemv.gemv(xs.reshape(rows, step), blocked).view(*x.shape[:-1], -1)
@@ -156,15 +167,20 @@ def _matmul(x: torch.Tensor, slices: list, step: int, n_in: int, w: torch.Tensor
     return out
 
 
-def _slices(w: torch.Tensor, step: int, pack: bool) -> list:
+def _slices(w: torch.Tensor, step: int, pack: bool, own: bool = False) -> list:
     """`(start, packed copy or None without `pack`, blocked copy or None)` for each reduction slice of
-    `step` inputs of `w` (module doc: the blocked copy where the kernel takes the slice and rounds as
-    oneDNN does on it)."""
+    `step` inputs of `w` (module doc: beside a packed copy, the blocked copy where the kernel takes the slice
+    and rounds as oneDNN does on it; with `own` and no packed copy, the blocked copy where the kernel takes
+    the slice: it then computes the slice at every batch size)."""
     out = []
     for a in range(0, w.shape[1], step):
         ws = w[:, a:a + step]
         packed = _packed(ws) if pack else None
-        out.append((a, packed, _blocked(ws, packed) if packed is not None else None))
+        if packed is not None:
+            blocked = _blocked(ws, packed)
+        else:
+            blocked = gemv.pack(ws) if own and gemv.supports(ws) else None
+        out.append((a, packed, blocked))
     return out
 
 
@@ -173,6 +189,8 @@ def _blocked(w: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
     a random input (else None, with a warning: the layer then runs oneDNN's kernel at every batch size)."""
     if not (gemv.supports(w) and GEMV_ROWS <= gemv.max_rows()):
         return None
+    if w.dtype == torch.bfloat16 and not gemv.rounds_as_onednn():
+        return None  # the widening kernel rounds otherwise: oneDNN's at every batch size
     with torch.inference_mode():
         blocked = gemv.pack(w)
         if w.dtype == torch.float32:  # no bit-for-bit promise in fp32 (module doc)
@@ -225,7 +243,8 @@ class Stacked:
                 [b.detach() if b is not None else w.new_zeros(p.out_features) for b, p in zip(biases, self.parts)])
             # one assignment: a thread calling meanwhile sees the old set or the new one, never a mix
             pack = _packable(w)
-            self.packed = _Packed(_slices(w, self.step, pack), self._source(), bias, None if pack else w)
+            self.packed = _Packed(_slices(w, self.step, pack, _own_kernel(w)), self._source(), bias,
+                                  None if pack else w)
         return self.packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

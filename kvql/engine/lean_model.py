@@ -225,7 +225,7 @@ class _Program:
         reduction slice, the slices added in order, then the bias."""
         for i, (a, _, blocked) in enumerate(part[0]):
             target = out if i == 0 else self._buf(out.shape[1])
-            k = blocked.shape[1] * (2 if blocked.dtype == torch.bfloat16 else 1)
+            k = blocked.shape[1] * (2 if blocked.dim() == 4 else 1)
             self.steps.append((gemv.LIBRARY.get().kvql_gemv, (
                 x.data_ptr() + a * x.element_size(), x.stride(0), blocked.data_ptr(), target.data_ptr(),
                 target.stride(0), x.shape[0], blocked.shape[0] * 64, k, self.is_bf16, self.threads)))

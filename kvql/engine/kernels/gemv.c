@@ -8,6 +8,13 @@
    subnormals flushed), in blocks of 512 k each summed from zero then added to the running total, rounded
    once to bf16 by vcvtneps2bf16.
 
+   bfloat16 without AVX512_BF16, where the CPU has AVX2 with FMA (oneDNN packs no bf16 weights there: this kernel
+   computes such layers at every batch size): the same blocked layout; each weight and input widened to float32
+   exactly, one fused multiply-add chain per output over k in order, from zero, rounded once to bf16 (to nearest
+   even). One row at a time for 64 outputs (eight chains: a stream of the weight, what a decode step needs), or
+   four rows at a time for 16 outputs (each widened weight used four times: a prompt's rows); an output's chain is
+   the same either way, so a row's result never depends on the rows beside it.
+
    float32, where the CPU has AVX512F or AVX2 with FMA: the weight as [n / 64][k][64] (64 outputs side by side, one k at a
    time), read once, in memory order; one fused multiply-add chain per output over k in order, from zero.
    Not oneDNN's rounding (its order is its own): a float32 output agrees with oneDNN's to float32 rounding.
@@ -19,14 +26,17 @@
 #include <string.h>
 
 #include "simd.h"
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #ifdef __AVX512BF16__
-const int kvql_gemv_bf16 = 1;
+const int kvql_gemv_bf16 = 1, kvql_gemv_bf16_onednn = 1, kvql_gemv_bf16_any_rows = 0;
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GEMV_BF16_FMA 1
+const int kvql_gemv_bf16 = 1, kvql_gemv_bf16_onednn = 0, kvql_gemv_bf16_any_rows = 1;
 #else
-const int kvql_gemv_bf16 = 0;
+const int kvql_gemv_bf16 = 0, kvql_gemv_bf16_onednn = 0, kvql_gemv_bf16_any_rows = 0;
 #endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define GEMV_F32 1
@@ -65,6 +75,51 @@ static inline void bf16_block(const uint16_t *xm, const uint16_t *wb, uint16_t *
 }
 #endif
 
+#ifdef GEMV_BF16_FMA
+/* 8 bf16 weights widened to float32 (exact). */
+static inline __m256 widen8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline void round8(__m256 a, uint16_t *o) {
+    float f[8];
+    _mm256_storeu_ps(f, a);
+    for (int i = 0; i < 8; i++) o[i] = f32_to_bf16(f[i]);
+}
+
+/* Outputs 64 b .. 64 b + 63 for input row xm (widened to float32), from the block wb ([k][64]). */
+static inline void bf16_fma_row(const float *xm, const uint16_t *wb, uint16_t *o, int64_t k) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < k; j++) {
+        __m256 xj = _mm256_broadcast_ss(xm + j);
+        const uint16_t *p = wb + 64 * j;
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(widen8(p + 8 * i), xj, a[i]);
+    }
+    for (int i = 0; i < 8; i++) round8(a[i], o + 8 * i);
+}
+
+/* The same outputs for the four rows x, x + k, .. (widened; out rows ldo apart), 16 outputs at a time. */
+static inline void bf16_fma_rows4(const float *x, const uint16_t *wb, uint16_t *o, int64_t ldo, int64_t k) {
+    for (int s = 0; s < 64; s += 16) {
+        __m256 a[4][2];
+        for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < k; j++) {
+            const uint16_t *p = wb + 64 * j + s;
+            __m256 w0 = widen8(p), w1 = widen8(p + 8);
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                __m256 xj = _mm256_broadcast_ss(x + r * k + j);
+                a[r][0] = _mm256_fmadd_ps(w0, xj, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(w1, xj, a[r][1]);
+            }
+        }
+        for (int r = 0; r < 4; r++) round8(a[r][0], o + r * ldo + s), round8(a[r][1], o + r * ldo + s + 8);
+    }
+}
+#endif
+
 #ifdef __AVX512F__
 /* Outputs 64 b .. 64 b + 63 for input row xm, from the block wb ([k][64]). */
 static inline void f32_block(const float *xm, const float *wb, float *o, int64_t k) {
@@ -87,6 +142,7 @@ static inline void f32_block(const float *xm, const float *wb, float *o, int64_t
     for (int64_t j = 0; j < k; j++) {
         __m256 xj = _mm256_set1_ps(xm[j]);
         const float *p = wb + 64 * j;
+#pragma GCC unroll 8
         for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(p + 8 * i), xj, a[i]);
     }
     for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + 8 * i, a[i]);
@@ -97,8 +153,26 @@ static inline void f32_block(const float *xm, const float *wb, float *o, int64_t
    Returns 1 (nothing done) when the shape is outside the contract or the CPU lacks the dtype's instructions. */
 int kvql_gemv(const void *x, int64_t ldx, const void *w, void *out, int64_t ldo, int64_t rows, int64_t n,
               int64_t k, int is_bf16, int threads) {
-    if (rows < 1 || rows > MAX_ROWS || n % 64 || (is_bf16 && k % 2)) return 1;
+    if (rows < 1 || (rows > MAX_ROWS && !(is_bf16 && kvql_gemv_bf16_any_rows)) || n % 64 || (is_bf16 && k % 2))
+        return 1;
     if (is_bf16) {
+#ifdef GEMV_BF16_FMA
+        /* the rows widened once (exact), read by every block */
+        float *xf = malloc(sizeof(float) * rows * k);
+        if (!xf) return 1;
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t j = 0; j < k; j++) xf[m * k + j] = bf16_to_f32(((const uint16_t *)x)[m * ldx + j]);
+        uint16_t *ob = (uint16_t *)out;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * k * rows >= 1 << 15)
+        for (int64_t b = 0; b < n / 64; b++) {
+            const uint16_t *wb = (const uint16_t *)w + 64 * b * k;
+            int64_t m = 0;
+            for (; m + 4 <= rows; m += 4) bf16_fma_rows4(xf + m * k, wb, ob + m * ldo + 64 * b, ldo, k);
+            for (; m < rows; m++) bf16_fma_row(xf + m * k, wb, ob + m * ldo + 64 * b, k);
+        }
+        free(xf);
+        return 0;
+#endif
 #ifdef __AVX512BF16__
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * k >= 1 << 15)
         for (int64_t b = 0; b < n / 64; b++)

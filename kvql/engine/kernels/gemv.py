@@ -7,23 +7,29 @@ a plain sum reaches and pays a fixed cost per call that small layers feel. Measu
 bf16 linear weight set (random, 269 MB, one row, one thread, one run): oneDNN 23.6 GB/s, this kernel 34.0
 GB/s, a torch sum over as many bytes 36.6 GB/s.
 
-Contract (CPU, bfloat16 or float32, 1 <= rows <= max_rows(); `supports(w)` says whether a weight qualifies):
-- `pack(w [n, k])`: the blocked copy the kernel reads (bf16 `[n / 64, k / 2, 64, 2]`, float32 `[n / 64, k,
-  64]`, contiguous). Memory: a third copy of the weight beside the layer's own and oneDNN's packed one.
+Contract (CPU, bfloat16 or float32, 1 <= rows <= max_rows(), or any rows where `any_rows(dtype)`; `supports(w)`
+says whether a weight qualifies):
+- `pack(w [n, k])`: the blocked copy the kernel reads (bf16 with AVX512_BF16 `[n / 64, k / 2, 64, 2]`, else
+  `[n / 64, k, 64]`, contiguous). Memory: a third copy of the weight beside the layer's own and oneDNN's packed
+  one (where oneDNN packs it).
 - `gemv(x [rows, k], packed) -> [rows, n]`: each output computed alone (whatever the rows beside it, the
   threads). bfloat16: bit for bit oneDNN's prepacked bf16 GEMM's for that row (same instruction, same order
   over k: gemv.c), so a layer may switch between the two by batch size without changing any result
   (tests/test_gemv.py checks it over the models' layer shapes; kvql.engine.cpu_linear checks it again on
-  each layer's weight before using it). float32: one fused multiply-add chain per output over k in order,
+  each layer's weight before using it). bfloat16 without AVX512_BF16 (`rounds_as_onednn()` False; AVX2 with
+  FMA, where oneDNN packs no bf16 weight): weights and inputs widened to float32, one fused multiply-add chain
+  per output over k in order, rounded once; it takes any number of rows (`any_rows`), so cpu_linear computes
+  such a layer with it at every batch size: the same chain per output whatever the batch (batch-invariant by
+  construction), ~2x the plain bf16 kernel's speed on a few rows. float32: one fused multiply-add chain per output over k in order,
   equal to oneDNN's to float32 rounding, not bit for bit (float32 promises no batch invariance: the
   engine's float32 contract, cached == uncached greedy output, is tested through the model).
 Float32 needs the blocked copy: a row-major fp32 kernel without one measured slower than oneDNN's here (4
 read streams per thread needed for speed, then a chain per output's lanes: 26 vs 32 GB/s on one core).
 
 Availability: built once per machine (kvql.engine.kernels.build). `available(dtype)` is False when there is
-no compiler, the build fails, the CPU lacks the dtype's instructions (AVX512_BF16: without it oneDNN does
-not round as this does; AVX512F for float32), or `KVQL_GEMV=0`. The layers then run oneDNN's kernel at
-every batch size.
+no compiler, the build fails, the CPU lacks the dtype's instructions (AVX512F or AVX2 with FMA; bf16: AVX512_BF16
+or AVX2 with FMA), or `KVQL_GEMV=0`. The layers then run oneDNN's kernel (or, bf16 without oneDNN's, the plain
+one) at every batch size.
 """
 
 from __future__ import annotations
@@ -35,13 +41,25 @@ from . import build
 SIGNATURES = {"kvql_gemv": (build.I32, [build.PTR, build.I64, build.PTR, build.PTR, build.I64, build.I64,
                                         build.I64, build.I64, build.I32, build.I32])}
 LIBRARY = build.Library("gemv", "KVQL_GEMV", "running oneDNN's GEMM at every batch size", SIGNATURES,
-                        limits=("kvql_gemv_bf16", "kvql_gemv_f32", "kvql_gemv_max_rows"))
+                        limits=("kvql_gemv_bf16", "kvql_gemv_f32", "kvql_gemv_max_rows", "kvql_gemv_bf16_onednn",
+                                "kvql_gemv_bf16_any_rows"))
 _FLAGS = {torch.bfloat16: "kvql_gemv_bf16", torch.float32: "kvql_gemv_f32"}
 
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the kernel can run here for `dtype` (module doc; built on first call, a failure warned about once)."""
     return dtype in _FLAGS and LIBRARY.available() and bool(LIBRARY.limits[_FLAGS[dtype]])
+
+
+def rounds_as_onednn() -> bool:
+    """Whether the bf16 kernel rounds as oneDNN's prepacked bf16 GEMM (AVX512_BF16), else it is the widening one."""
+    return available(torch.bfloat16) and bool(LIBRARY.limits["kvql_gemv_bf16_onednn"])
+
+
+def any_rows(dtype: torch.dtype) -> bool:
+    """Whether `gemv` takes any number of rows in `dtype` (the widening bf16 kernel: module doc), not only
+    `max_rows()`."""
+    return dtype == torch.bfloat16 and available(dtype) and bool(LIBRARY.limits["kvql_gemv_bf16_any_rows"])
 
 
 def max_rows() -> int:
@@ -59,7 +77,7 @@ def supports(w: torch.Tensor) -> bool:
 def pack(w: torch.Tensor) -> torch.Tensor:
     """The blocked copy of `w` that `gemv` reads (module doc)."""
     n, k = w.shape
-    if w.dtype == torch.float32:
+    if w.dtype == torch.float32 or not rounds_as_onednn():
         return w.detach().reshape(n // 64, 64, k).transpose(1, 2).contiguous()
     return w.detach().reshape(n // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
@@ -68,7 +86,7 @@ def gemv(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """`x [rows, k] @ w.T` as a new `[rows, n]` tensor, from `packed = pack(w)` (module doc)."""
     rows, k = x.shape
     n = packed.shape[0] * 64
-    k_packed = packed.shape[1] * (2 if packed.dtype == torch.bfloat16 else 1)
+    k_packed = packed.shape[1] * (2 if packed.dim() == 4 else 1)
     assert x.dtype == packed.dtype and x.dtype in _FLAGS and x.stride(-1) == 1 and k_packed == k, (
         x.shape, packed.shape)
     out = torch.empty(rows, n, dtype=x.dtype)
