@@ -20,7 +20,8 @@ says whether a weight qualifies):
   FMA, where oneDNN packs no bf16 weight): weights and inputs widened to float32, one fused multiply-add chain
   per output over k in order, rounded once; it takes any number of rows (`any_rows`), so cpu_linear computes
   such a layer with it at every batch size: the same chain per output whatever the batch (batch-invariant by
-  construction), ~2x the plain bf16 kernel's speed on a few rows. float32: one fused multiply-add chain per output over k in order,
+  construction). Measured (a 3,072 x 576 weight, 2 threads, AVX2 EPYC): 2.4x torch's plain bf16 kernel at
+  one row, 3.2x at 24 and 300 rows (63 GFLOP/s; oneDNN's float32 GEMM 150). float32: one fused multiply-add chain per output over k in order,
   equal to oneDNN's to float32 rounding, not bit for bit (float32 promises no batch invariance: the
   engine's float32 contract, cached == uncached greedy output, is tested through the model).
 Float32 needs the blocked copy: a row-major fp32 kernel without one measured slower than oneDNN's here (4
