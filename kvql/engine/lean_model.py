@@ -69,6 +69,9 @@ class _Layer:
         self.act = fused_layers.ACTIVATIONS[type(mlp.act_fn).__name__]
 
 
+_UNBUILT = object()
+
+
 class LeanModel:
     def __init__(self, hf_model):
         base = hf_model.model
@@ -89,8 +92,9 @@ class LeanModel:
         t = ids.shape[0]
         if t <= cpu_linear.GEMV_ROWS:
             threads = torch.get_num_threads()
-            program = self._programs.get(t)
-            if program is None or not program.current(threads):
+            program = self._programs.get(t, _UNBUILT)
+            if program is _UNBUILT or (program is not None and not program.current(threads)):
+                # None (a layer without gemv's copies) stays None: which layers have them depends on shapes only
                 program = self._programs[t] = _Program.build(self, t, pool, threads)
             if program is not None:
                 return program.run(ids, positions, write_slots, plan.paged, rows)
