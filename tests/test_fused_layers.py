@@ -126,8 +126,8 @@ def test_swapped_model_computes_what_transformers_does(tokenizer, family, dtype)
 @pytest.mark.parametrize("family", ["gemma", "gemma3"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swapped_gemma_computes_what_transformers_does(tokenizer, family, dtype):
-    """Gemma's (1 + w) RMSNorm and GELU-tanh gated MLP run the kernels; Gemma 3's attention (q/k norms)
-    keeps its own forward, its q/k norms run the kernel."""
+    """Gemma's (1 + w) RMSNorm and GELU-tanh gated MLP run the kernels; so does Gemma 3's attention, its q/k
+    norms per head included."""
     import families as F
 
     model_type, overrides = F.FAMILIES[family]
@@ -135,12 +135,32 @@ def test_swapped_gemma_computes_what_transformers_does(tokenizer, family, dtype)
     ids = torch.randint(0, len(tokenizer), (2, 23), generator=torch.Generator().manual_seed(4))
     before = _logits(hf, ids)
     norms = 2 * (6 if family == "gemma3" else 2) + 1  # per layer two norms (Gemma 3: four and q/k norms); final
-    assert fused_layers.prepare(hf) == norms + 2 * 1 + 2 * (family == "gemma")  # MLPs; Gemma's attention too
+    assert fused_layers.prepare(hf) == norms + 2 * 1 + 2 * 1  # MLPs and attentions
     assert type(hf.model.layers[0].mlp).__name__.startswith("Kvql")
+    assert type(hf.model.layers[0].self_attn).__name__.startswith("Kvql")
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.1)
     torch.testing.assert_close(_logits(hf, ids), before, **tol)
     fused_layers.restore(hf)
     assert torch.equal(_logits(hf, ids), before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swapped_qwen3_attention_computes_what_transformers_does(tokenizer, dtype):
+    """Qwen3's attention (Llama-style q/k norms per head, before the rotary embedding) runs the kernels, in
+    prompts of several rows (the q/k rows are copied out of the stacked GEMM's output) and one."""
+    import families as F
+
+    model_type, overrides = F.FAMILIES["qwen3"]
+    hf = F.build(model_type, overrides, len(tokenizer), tokenizer.eos_token_id, seed=7).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.1)
+    for shape in ((2, 19), (1, 1)):
+        ids = torch.randint(0, len(tokenizer), shape, generator=torch.Generator().manual_seed(4))
+        before = _logits(hf, ids)
+        fused_layers.prepare(hf)
+        assert type(hf.model.layers[1].self_attn).__name__ == "KvqlQwen3Attention"
+        torch.testing.assert_close(_logits(hf, ids), before, **tol)
+        fused_layers.restore(hf)
+        assert torch.equal(_logits(hf, ids), before)
 
 
 def test_a_subclass_whose_helper_method_differs_keeps_its_own_forward():

@@ -1,5 +1,5 @@
-"""The lean forward (kvql.engine.lean_model): for every family it takes, logits and pool contents equal the model's
-own forward's bit for bit (decode steps of 1-4 tokens through the bound program, longer chunks through the
+"""The lean forward (kvql.engine.lean_model): for every family it takes (Llama's structure, q/k norms or not, and
+Gemma 3's), logits and pool contents equal the model's own forward's bit for bit (decode steps of 1-4 tokens through the bound program, longer chunks through the
 module-level path), in float32 and bfloat16; families it does not take keep the model's forward; hooks and weight
 edits are followed."""
 
@@ -55,11 +55,11 @@ def _steps(runner, pool, lean) -> tuple[list[torch.Tensor], torch.Tensor, torch.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_lean_forward_is_the_models_forward_bit_for_bit(family, dtype):
     runner, pool = _runner(family, dtype)
     lean = runner.lean
-    assert lean is not None, f"{family} is Llama-structured: the lean forward takes it"
+    assert lean is not None, f"{family} has a structure the lean forward takes"
     want, k, v = _steps(runner, pool, None)
     got, k2, v2 = _steps(runner, pool, lean)
     assert len(got) == len(want)
@@ -70,7 +70,7 @@ def test_lean_forward_is_the_models_forward_bit_for_bit(family, dtype):
     assert (lean._programs.get(1) is not None) == gemv.available(dtype)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3", "olmo2", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma2", "phi3", "olmo2", "gpt2"])
 def test_other_structures_keep_the_models_forward(family):
     runner, _ = _runner(family, torch.float32)
     assert runner.lean is None

@@ -4,7 +4,9 @@ arithmetic in fewer steps:
 
 - attention: one GEMM for the q, k and v projections (`cpu_linear.Stacked`), rotary embedding applied in
   place on its output (`fused_ops.rope_`, bit for bit transformers'), then the model's cache and attention
-  function exactly as transformers' forward calls them;
+  function exactly as transformers' forward calls them; with per-head q/k norms (Qwen3's and Gemma 3's
+  attention), q and k each through `fused_ops.rms_norm` over rows of head_dim (the norm module's own
+  weight, epsilon and form) before the rotary embedding;
 - gated MLP: one GEMM for gate and up, then `fused_ops.gated_mul` (SiLU, or GELU's tanh form: Gemma's),
   then down;
 - RMSNorm: `fused_ops.rms_norm`, one pass (Llama's `w * x_norm`, or Gemma's `(1 + w) * x_norm`).
@@ -18,7 +20,7 @@ that of Llama's, Qwen2's or Mistral's attention, Llama's MLP, or Llama's or Gemm
 constants and names, and every global it calls the same function in turn: transformers' modular copies
 are; a copy that calls another `apply_rotary_pos_emb`, GLM's partial rotary, is not). Which modules of
 each family it swaps: the README's family table (scripts/family_table.py counts them). Not (their own
-forward runs): attention with q/k norms (Qwen3, Gemma 3, OLMo 2), soft-capping or partial rotary, MLPs
+forward runs): attention with q/k norms over the whole projection (OLMo 2), soft-capping or partial rotary, MLPs
 with another activation (exact GELU: the kernels have no erf). Also: sizes that are multiples of 16, on a CPU in float32 or bfloat16 with the
 kernels built and oneDNN's packed GEMM (`cpu_linear.can_pack()`). Any call that is not that case (another
 device or dtype, autograd recording, training mode, batch rows whose positions do not line up) runs
@@ -45,12 +47,17 @@ def _references():
     from transformers.models.gemma import modeling_gemma as gemma
     from transformers.models.llama import modeling_llama as llama
     from transformers.models.mistral import modeling_mistral as mistral
+    from transformers.models.gemma3 import modeling_gemma3 as gemma3
     from transformers.models.qwen2 import modeling_qwen2 as qwen2
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
     return {
         "attention": [(llama.LlamaAttention, lambda m: {}),
                       (qwen2.Qwen2Attention, lambda m: {"sliding_window": m.sliding_window}),
                       (mistral.MistralAttention, lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)})],
+        # q and k each normalized per head (an RMSNorm over head_dim) before the rotary embedding
+        "attention_qk_norm": [(qwen3.Qwen3Attention, lambda m: {"sliding_window": m.sliding_window}),
+                              (gemma3.Gemma3Attention, lambda m: {"sliding_window": m.sliding_window})],
         "mlp": [(llama.LlamaMLP, None)],
         "norm": [(llama.LlamaRMSNorm, False), (gemma.GemmaRMSNorm, True)],  # plus_one
     }
@@ -141,14 +148,13 @@ class _Attention:
         shape = hidden_states.shape[:-1]
         cos, sin = position_embeddings if position_embeddings is not None else (None, None)
         if (_plain(hidden_states, self) or cos is None or cos.shape[:-1] != shape or cos.dtype != hidden_states.dtype
-                or not cos.is_contiguous() or not sin.is_contiguous()):
+                or not cos.is_contiguous() or not sin.is_contiguous() or not self._kvql_fits(hidden_states)):
             return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
         d = self.head_dim
         heads, kv = self.config.num_attention_heads, self.config.num_key_value_heads
         qkv = self.kvql_qkv(hidden_states.reshape(-1, hidden_states.shape[-1]))
-        fused_ops.rope_(qkv, cos.reshape(-1, d), sin.reshape(-1, d), heads + kv, d)
-        q, k, v = (qkv[:, a * d:b * d].view(*shape, b - a, d).transpose(1, 2)
-                   for a, b in ((0, heads), (heads, heads + kv), (heads + kv, heads + 2 * kv)))
+        q, k = self._kvql_rotated(qkv, cos.reshape(-1, d), sin.reshape(-1, d), heads, kv, d)
+        q, k, v = (x.view(*shape, -1, d).transpose(1, 2) for x in (q, k, qkv[:, (heads + kv) * d:]))
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         original = self.kvql_original
@@ -157,6 +163,34 @@ class _Attention:
         out, weights = interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
                                  **kind(original)[1](self), **kwargs)
         return self.o_proj(out.reshape(*shape, -1).contiguous()), weights
+
+    def _kvql_fits(self, x) -> bool:
+        return True
+
+    def _kvql_rotated(self, qkv, cos, sin, heads, kv, d):
+        """q and k (views of `qkv`), rotated in place."""
+        fused_ops.rope_(qkv, cos, sin, heads + kv, d)
+        return qkv[:, :heads * d], qkv[:, heads * d:(heads + kv) * d]
+
+
+class _QKNormAttention(_Attention):
+    def _kvql_fits(self, x) -> bool:
+        return self.q_norm.weight.dtype == x.dtype and self.k_norm.weight.dtype == x.dtype
+
+    def _kvql_rotated(self, qkv, cos, sin, heads, kv, d):
+        """q and k normalized per head (new rows), then rotated in place: as transformers' forward orders them."""
+        t = qkv.shape[0]
+        q = _head_norm(self.q_norm, qkv[:, :heads * d].reshape(t * heads, d)).view(t, heads * d)
+        k = _head_norm(self.k_norm, qkv[:, heads * d:(heads + kv) * d].reshape(t * kv, d)).view(t, kv * d)
+        fused_ops.rope_(q, cos, sin, heads, d)
+        fused_ops.rope_(k, cos, sin, kv, d)
+        return q, k
+
+
+def _head_norm(norm: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """`norm` (an RMSNorm `kind` knows) over each row of `rows`, by `fused_ops.rms_norm`."""
+    plus_one = kind(getattr(type(norm), "kvql_original", type(norm)))[1]
+    return fused_ops.rms_norm(rows, norm.weight, norm.eps if plus_one else norm.variance_epsilon, plus_one)
 
 
 _SWAPS: dict[type, type] = {}
@@ -194,6 +228,11 @@ def prepare(model: torch.nn.Module, max_reduction: int | None = None) -> int:
             module.kvql_qkv = cpu_linear.Stacked([module.q_proj, module.k_proj, module.v_proj], max_reduction)
             _stack(module.q_proj, module.k_proj, module.v_proj)
             _swap(module, _Attention)
+        elif what == "attention_qk_norm" and module.head_dim % 16 == 0 and all(
+                kind(getattr(type(n), "kvql_original", type(n)))[0] == "norm" for n in (module.q_norm, module.k_norm)):
+            module.kvql_qkv = cpu_linear.Stacked([module.q_proj, module.k_proj, module.v_proj], max_reduction)
+            _stack(module.q_proj, module.k_proj, module.v_proj)
+            _swap(module, _QKNormAttention)
         else:
             continue
         swapped += 1

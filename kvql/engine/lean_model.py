@@ -1,5 +1,5 @@
-"""Lean forward: a Llama-structured model's forward over the KV pool, layer by layer, without transformers'
-module calls; the same kernels on the same tensors, so its logits equal the model's own forward's bit for bit.
+"""Lean forward: a model's forward over the KV pool, layer by layer, without transformers' module calls; the same
+kernels on the same tensors, so its logits equal the model's own forward's bit for bit.
 
 Why: a decode step of one stream is a few hundred small calls around its GEMMs. Through transformers each layer
 costs ~8 module calls (`nn.Module.__call__`, decorators, keyword plumbing), the attention interface lookup and
@@ -7,15 +7,19 @@ kvql's cache object besides the kernels' own wrappers: measured on SmolLM2-135M 
 decode), ~17 ms of a ~40 ms step was not the GEMMs. The model runner calls `LeanModel.forward` instead of the
 model wherever it applies (`build`), and the model's own forward everywhere else.
 
-Where it applies, by structure (`build` returns None otherwise): the causal LM's forward, its base model's and
-every decoder layer's forward are the same functions (`fused_layers.same_function`) as those of Llama, Qwen2 or
-Mistral (the decoder layer: Llama's); every attention, MLP and RMSNorm of the layers and the final norm is one
-that `fused_layers.prepare` swapped (no q/k norms, soft-capping or other activation: those keep transformers'
-forward); the rotary embedding's forward is Llama's; no module has a hook. What the forward computes, in the
-order transformers computes it: embedding; cos/sin from the rotary module; per layer RMSNorm, the stacked q/k/v
-GEMM (its bias), rotary in place, K/V written to the pool slots, paged attention (`kernels.paged_attention`,
-the layer's scaling and window), `o_proj`, the residual sum, RMSNorm, the stacked gate/up GEMM, the gated
-activation, `down_proj`, the residual sum; the final norm; `lm_head` over the rows asked for.
+Where it applies, by structure (`build` returns None otherwise), two of them:
+- Llama's: the causal LM's and base model's forwards the same functions (`fused_layers.same_function`) as
+  Llama's, Qwen2's, Mistral's or Qwen3's, every decoder layer's Llama's, the rotary embedding's Llama's;
+- Gemma 3's: the causal LM's, base model's, decoder layers', rotary embedding's and scaled embedding's forwards
+  Gemma 3's (text), attention causal (not `use_bidirectional_attention`);
+and in both every attention, MLP and RMSNorm of the layers and the final norm one that `fused_layers.prepare`
+swapped, and no module with a hook. What the forward computes, in the order transformers computes it: the
+embedding (Gemma 3: times its scale); cos/sin from the rotary module (Gemma 3: per layer type); per layer the
+input RMSNorm, the stacked q/k/v GEMM (its bias), the q/k norms per head where the attention has them, rotary
+in place, K/V written to the pool slots, paged attention (`kernels.paged_attention`, the layer's scaling and
+window), `o_proj` (Gemma 3: its post-attention norm), the residual sum, the MLP's norm, the stacked gate/up
+GEMM, the gated activation, `down_proj` (Gemma 3: its post-feedforward norm), the residual sum; the final norm;
+`lm_head` over the rows asked for (Gemma 3: the final logit soft-cap where the config has one).
 
 Contract: `forward(ids [T], positions [T], write_slots [T], plan, rows)` on a CPU in float32 or bfloat16 with a
 paged plan (`Plan.paged`), under inference mode: float32 logits `[len(rows), vocab]`, the pool written exactly as
@@ -31,34 +35,61 @@ from . import cpu_linear, fused_layers
 from .kernels import fused_ops, gemv, paged_attention
 
 
-def _references() -> dict[str, list]:
+def _references() -> dict[str, dict[str, list]]:
+    """structure -> part -> reference classes whose forward that part's must be."""
+    from transformers.models.gemma3 import modeling_gemma3 as gemma3
     from transformers.models.llama import modeling_llama as llama
     from transformers.models.mistral import modeling_mistral as mistral
     from transformers.models.qwen2 import modeling_qwen2 as qwen2
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
-    return {"causal": [llama.LlamaForCausalLM, qwen2.Qwen2ForCausalLM, mistral.MistralForCausalLM],
-            "model": [llama.LlamaModel, qwen2.Qwen2Model, mistral.MistralModel],
-            "layer": [llama.LlamaDecoderLayer], "rotary": [llama.LlamaRotaryEmbedding]}
+    return {
+        "llama": {"causal": [llama.LlamaForCausalLM, qwen2.Qwen2ForCausalLM, mistral.MistralForCausalLM,
+                             qwen3.Qwen3ForCausalLM],
+                  "model": [llama.LlamaModel, qwen2.Qwen2Model, mistral.MistralModel, qwen3.Qwen3Model],
+                  "layer": [llama.LlamaDecoderLayer], "rotary": [llama.LlamaRotaryEmbedding],
+                  "embedding": [torch.nn.Embedding]},
+        "gemma3": {"causal": [gemma3.Gemma3ForCausalLM], "model": [gemma3.Gemma3TextModel],
+                   "layer": [gemma3.Gemma3DecoderLayer], "rotary": [gemma3.Gemma3RotaryEmbedding],
+                   "embedding": [gemma3.Gemma3TextScaledWordEmbedding]},
+    }
 
 
-def _is(module, what: str) -> bool:
+def _is(module, refs: list) -> bool:
     forward = getattr(type(module), "forward", None)
-    return forward is not None and any(fused_layers.same_function(forward, ref.forward)
-                                       for ref in _references()[what])
+    return forward is not None and any(fused_layers.same_function(forward, ref.forward) for ref in refs)
 
 
-def _swapped(module, what: str) -> bool:
+def _swapped(module, *what: str) -> bool:
     original = getattr(type(module), "kvql_original", None)
-    return original is not None and fused_layers.kind(original)[0] == what
+    return original is not None and fused_layers.kind(original)[0] in what
+
+
+class _Norm:
+    """An RMSNorm module's weight, epsilon and form (`plus_one`: Gemma's `(1 + w)`), as its swapped forward uses."""
+
+    def __init__(self, norm):
+        self.weight = norm.weight
+        self.plus_one = fused_layers.kind(type(norm).kvql_original)[1]
+        self.eps = norm.eps if self.plus_one else norm.variance_epsilon
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_ops.rms_norm(x, self.weight, self.eps, self.plus_one)
 
 
 class _Layer:
-    """One decoder layer's parts, read once (module doc)."""
+    """One decoder layer's parts, read once (module doc). `post_attention` / `post_mlp`: Gemma 3's norms of the
+    attention's and the MLP's outputs (None: Llama's)."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, gemma: bool):
         attn, mlp = layer.self_attn, layer.mlp
-        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        self.eps1, self.eps2 = self.norm1.variance_epsilon, self.norm2.variance_epsilon
+        self.attn = attn
+        self.norm_in = _Norm(layer.input_layernorm)
+        self.post_attention = _Norm(layer.post_attention_layernorm) if gemma else None
+        self.norm_mlp = _Norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm)
+        self.post_mlp = _Norm(layer.post_feedforward_layernorm) if gemma else None
+        self.qk_norms = (_Norm(attn.q_norm), _Norm(attn.k_norm)) if _swapped(attn, "attention_qk_norm") else None
+        self.layer_type = getattr(attn, "layer_type", None) if gemma else None
         self.qkv, self.o_proj = attn.kvql_qkv, attn.o_proj
         self.index = attn.layer_idx
         self.heads, self.kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
@@ -73,19 +104,41 @@ _UNBUILT = object()
 
 
 class LeanModel:
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, gemma: bool):
         base = hf_model.model
         dtypes = {p.dtype for p in hf_model.parameters()}
         self.dtype = dtypes.pop() if len(dtypes) == 1 else None  # an engine's model is not converted while it runs
-        self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
+        self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, _Norm(base.norm)
+        self.embed_scale = base.embed_tokens.embed_scale if gemma else None
+        self.softcap = getattr(hf_model.config, "final_logit_softcapping", None) if gemma else None
         self.lm_head = hf_model.lm_head
-        self.layers = [_Layer(layer) for layer in base.layers[:base.config.num_hidden_layers]]
+        self.layers = [_Layer(layer, gemma) for layer in base.layers[:base.config.num_hidden_layers]]
+        self.layer_types = sorted({layer.layer_type for layer in self.layers}, key=str)
         self._programs: dict[int, _Program | None] = {}
 
     def usable(self, dtype: torch.dtype) -> bool:
         """Whether a forward in `dtype` may take this path: every weight of the model was of that dtype when it
         was built."""
         return dtype == self.dtype and dtype in fused_ops.DTYPES
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.embedding(ids, self.embed.weight)
+        return x if self.embed_scale is None else x * self.embed_scale.to(self.embed.weight.dtype)
+
+    def rotations(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
+        """layer type -> (cos, sin) `[T, head_dim]` (one entry, None, for Llama's structure)."""
+        out = {}
+        for layer_type in self.layer_types:
+            args = () if layer_type is None else (layer_type,)
+            cos, sin = self.rotary(x[None], positions[None], *args)
+            out[layer_type] = cos[0], sin[0]
+        return out
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.forward(h)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, plan,
                 rows: torch.Tensor, pool) -> torch.Tensor:
@@ -98,28 +151,26 @@ class LeanModel:
                 program = self._programs[t] = _Program.build(self, t, pool, threads)
             if program is not None:
                 return program.run(ids, positions, write_slots, plan.paged, rows)
-        x = torch.nn.functional.embedding(ids, self.embed.weight)
-        cos, sin = self.rotary(x[None], position_ids=positions[None])
-        t = x.shape[0]
-        segs = plan.paged
+        x = self.embedding(ids)
+        rotations = self.rotations(x, positions)
         for layer in self.layers:
-            x = x + self._attention(layer, fused_ops.rms_norm(x, layer.norm1.weight, layer.eps1), cos, sin, t,
-                                    pool.k[layer.index], pool.v[layer.index], write_slots, segs)
-            h = fused_ops.rms_norm(x, layer.norm2.weight, layer.eps2)
-            x = x + layer.down_proj.forward(fused_ops.gated_mul(layer.gate_up(h), layer.act))
-        x = fused_ops.rms_norm(x, self.norm.weight, self.norm.variance_epsilon)
-        return self.lm_head.forward(x.index_select(0, rows)).float()
+            a = self._attention(layer, layer.norm_in(x), *rotations[layer.layer_type], pool.k[layer.index],
+                                pool.v[layer.index], write_slots, plan.paged)
+            x = x + (a if layer.post_attention is None else layer.post_attention(a))
+            m = layer.down_proj.forward(fused_ops.gated_mul(layer.gate_up(layer.norm_mlp(x)), layer.act))
+            x = x + (m if layer.post_mlp is None else layer.post_mlp(m))
+        return self.logits(self.norm(x).index_select(0, rows))
 
     @staticmethod
-    def _attention(layer: _Layer, h, cos, sin, t, k_pool, v_pool, write_slots, segs) -> torch.Tensor:
-        d, heads, kv = layer.head_dim, layer.heads, layer.kv_heads
+    def _attention(layer: _Layer, h, cos, sin, k_pool, v_pool, write_slots, segs) -> torch.Tensor:
+        t, d, heads, kv = h.shape[0], layer.head_dim, layer.heads, layer.kv_heads
         qkv = layer.qkv(h)
-        fused_ops.rope_(qkv, cos.view(t, d), sin.view(t, d), heads + kv, d)
-        k_pool.index_copy_(1, write_slots, qkv[:, heads * d:(heads + kv) * d].view(t, kv, d).transpose(0, 1))
+        q, k = layer.attn._kvql_rotated(qkv, cos, sin, heads, kv, d)  # the swapped module's own steps
+        k_pool.index_copy_(1, write_slots, k.view(t, kv, d).transpose(0, 1))
         v_pool.index_copy_(1, write_slots, qkv[:, (heads + kv) * d:].view(t, kv, d).transpose(0, 1))
         out = qkv.new_empty(t, heads, d)
-        paged_attention.attend(qkv[:, :heads * d].view(t, heads, d).transpose(0, 1), k_pool, v_pool, out, segs,
-                               layer.scaling, layer.window, None)
+        paged_attention.attend(q.view(t, heads, d).transpose(0, 1), k_pool, v_pool, out, segs, layer.scaling,
+                               layer.window, None)
         return layer.o_proj.forward(out.view(t, heads * d))
 
 
@@ -158,7 +209,7 @@ class _Attend:
 class _Program:
     """A decode step of `rows` (<= GEMV_ROWS) tokens as the same kernels called directly with their arguments
     bound once: every GEMM through gemv's blocked copies (as `cpu_linear._matmul` runs a few rows), intermediate
-    rows in this program's buffers (the residual stream, norm, q/k/v, attention, MLP rows), so a step makes ~13
+    rows in this program's buffers (the residual stream, norms, q/k/v, attention, MLP rows), so a step makes ~13
     calls per layer instead of ~40 Python calls and allocations. The same operations in the same order as the
     module-level forward: the same results bit for bit. `current(threads)` is False once a weight changed or the
     thread count did (the program is built again)."""
@@ -175,54 +226,79 @@ class _Program:
         self.lean, self.rows, self.threads = lean, rows, threads
         self.watch = [(x, p[2]) for x, p in zip(linears, parts)]
         self.dtype, self.is_bf16 = lean.dtype, fused_ops.DTYPES[lean.dtype]
-        fo, pa = fused_ops.LIBRARY.get(), paged_attention.LIBRARY.get()
+        self.fo, pa = fused_ops.LIBRARY.get(), paged_attention.LIBRARY.get()
         hidden = lean.embed.weight.shape[1]
         self.buffers = []  # the steps hold raw pointers into these
         self.x, self.h = self._buf(hidden), self._buf(hidden)
+        self.scale = None if lean.embed_scale is None else lean.embed_scale.to(self.dtype)
         self.slots = torch.empty(rows, dtype=torch.long)
-        first = lean.layers[0]
-        self.cos, self.sin = self._buf(first.head_dim), self._buf(first.head_dim)
+        d0 = lean.layers[0].head_dim
+        self.rotations = {t: (self._buf(d0), self._buf(d0)) for t in lean.layer_types}
         part = iter(parts)
         self.steps = []
         for layer in lean.layers:
             d, heads, kv = layer.head_dim, layer.heads, layer.kv_heads
-            qkv, att, o = self._buf((heads + 2 * kv) * d), self._buf(heads * d), self._buf(hidden)
+            width = (heads + 2 * kv) * d
+            qkv, att, o = self._buf(width), self._buf(heads * d), self._buf(hidden)
+            cos, sin = self.rotations[layer.layer_type]
             k_pool, v_pool = pool.k[layer.index], pool.v[layer.index]
-            query = qkv[:, :heads * d].view(rows, heads, d).transpose(0, 1)
-            self.steps.append((fo.kvql_rms_norm, self._norm(self.x, layer.norm1.weight, layer.eps1)))
+            self._norm(self.x, layer.norm_in, self.h)
             self._gemm(self.h, next(part), qkv)
-            self.steps.append((fo.kvql_rope, (qkv.data_ptr(), qkv.stride(0), rows, heads + kv, d, self.cos.data_ptr(),
-                                              self.sin.data_ptr(), self.cos.stride(0), self.is_bf16, threads)))
-            for pool_layer, a in ((k_pool, heads), (v_pool, heads + kv)):
-                view = qkv[:, a * d:(a + kv) * d].view(rows, kv, d).transpose(0, 1)
-                self.steps.append((pool_layer.index_copy_, (1, self.slots, view)))
+            if layer.qk_norms is None:
+                q, k = qkv[:, :heads * d], qkv[:, heads * d:(heads + kv) * d]
+                self._rope(qkv, heads + kv, d, cos, sin)
+            else:  # per head, each token's heads a run of rows d apart
+                q, k = self._buf(heads * d), self._buf(kv * d)
+                for r in range(rows):
+                    for norm, source, target, n in ((layer.qk_norms[0], 0, q, heads), (layer.qk_norms[1], heads, k, kv)):
+                        self._norm(qkv[r:r + 1, source * d:(source + n) * d].view(n, d), norm,
+                                   target[r:r + 1].view(n, d))
+                self._rope(q, heads, d, cos, sin)
+                self._rope(k, kv, d, cos, sin)
+            v = qkv[:, (heads + kv) * d:]
+            for pool_layer, source in ((k_pool, k), (v_pool, v)):
+                self.steps.append((pool_layer.index_copy_, (1, self.slots, source.view(rows, kv, d).transpose(0, 1))))
+            query = q.view(rows, heads, d).transpose(0, 1)
             self.steps.append((pa.kvql_paged_attention, _Attend((
                 query.data_ptr(), query.stride(1), query.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
                 k_pool.stride(0), k_pool.stride(1), att.data_ptr(), att.stride(0), d, heads, kv, d, self.is_bf16,
                 layer.scaling, int(layer.window or 0), 0.0))))
             self._gemm(att, next(part), o)
-            self.steps.append((self.x.add_, (o,)))
-            self.steps.append((fo.kvql_rms_norm, self._norm(self.x, layer.norm2.weight, layer.eps2)))
+            self._residual(o, layer.post_attention)
+            self._norm(self.x, layer.norm_mlp, self.h)
             gate_up = next(part)
             n = gate_up[0][0][2].shape[0] * 64
             gu, act, m = self._buf(n), self._buf(n // 2), self._buf(hidden)
             self._gemm(self.h, gate_up, gu)
-            self.steps.append((fo.kvql_gated_mul, (gu.data_ptr(), gu.stride(0), act.data_ptr(), n // 2, rows, n // 2,
-                                                   fused_ops.ACTIVATIONS[layer.act], self.is_bf16, threads)))
+            self.steps.append((self.fo.kvql_gated_mul, (gu.data_ptr(), gu.stride(0), act.data_ptr(), n // 2, rows,
+                                                        n // 2, fused_ops.ACTIVATIONS[layer.act], self.is_bf16, threads)))
             self._gemm(act, next(part), m)
-            self.steps.append((self.x.add_, (m,)))
-        self.steps.append((fo.kvql_rms_norm, self._norm(self.x, lean.norm.weight, lean.norm.variance_epsilon)))
+            self._residual(m, layer.post_mlp)
+        self._norm(self.x, lean.norm, self.h)
 
     def _buf(self, n: int) -> torch.Tensor:
         buf = torch.empty(self.rows, n, dtype=self.dtype)
         self.buffers.append(buf)
         return buf
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
-        """`fused_ops.rms_norm(x, weight, eps)`'s arguments, into `self.h`."""
+    def _norm(self, x: torch.Tensor, norm: _Norm, out: torch.Tensor) -> None:
+        """`out = norm(x)` over the rows of `x` (`fused_ops.rms_norm`'s call)."""
         n = x.shape[1]
-        return (x.data_ptr(), x.stride(0), weight.data_ptr(), self.h.data_ptr(), n, x.shape[0], n, eps, 0, self.is_bf16,
-                self.threads)
+        self.steps.append((self.fo.kvql_rms_norm, (x.data_ptr(), x.stride(0), norm.weight.data_ptr(), out.data_ptr(),
+                                                   out.stride(0), x.shape[0], n, norm.eps, int(norm.plus_one),
+                                                   self.is_bf16, self.threads)))
+
+    def _rope(self, x: torch.Tensor, heads: int, d: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.steps.append((self.fo.kvql_rope, (x.data_ptr(), x.stride(0), self.rows, heads, d, cos.data_ptr(),
+                                               sin.data_ptr(), cos.stride(0), self.is_bf16, self.threads)))
+
+    def _residual(self, y: torch.Tensor, norm: _Norm | None) -> None:
+        """x += y, or x += norm(y) (Gemma 3's post norms)."""
+        if norm is not None:
+            normed = self._buf(y.shape[1])
+            self._norm(y, norm, normed)
+            y = normed
+        self.steps.append((self.x.add_, (y,)))
 
     def _gemm(self, x: torch.Tensor, part, out: torch.Tensor) -> None:
         """Steps computing `out = x @ w.T (+ bias)` as `cpu_linear._matmul` does for these rows: gemv per
@@ -244,9 +320,11 @@ class _Program:
     def run(self, ids, positions, write_slots, segs, keep) -> torch.Tensor:
         lean = self.lean
         torch.index_select(lean.embed.weight, 0, ids, out=self.x)
-        cos, sin = lean.rotary(self.x[None], position_ids=positions[None])
-        self.cos.copy_(cos[0])
-        self.sin.copy_(sin[0])
+        if self.scale is not None:
+            self.x.mul_(self.scale)
+        for layer_type, (cos, sin) in lean.rotations(self.x, positions).items():
+            self.rotations[layer_type][0].copy_(cos)
+            self.rotations[layer_type][1].copy_(sin)
         self.slots.copy_(write_slots)
         tail = (segs.count, segs.q_start.data_ptr(), segs.q_len.data_ptr(), segs.key_start.data_ptr(),
                 segs.n_keys.data_ptr(), segs.slots.data_ptr(), segs.max_keys, self.threads)
@@ -256,7 +334,7 @@ class _Program:
                     raise RuntimeError("paged attention failed: out of memory")
             else:
                 fn(*args)
-        return lean.lm_head.forward(self.h.index_select(0, keep)).float()
+        return lean.logits(self.h.index_select(0, keep))
 
 
 def build(hf_model) -> LeanModel | None:
@@ -265,23 +343,29 @@ def build(hf_model) -> LeanModel | None:
     if not (fused_ops.available() and paged_attention.available()):
         return None
     base = getattr(hf_model, "model", None)
-    if base is None or not (_is(hf_model, "causal") and _is(base, "model")):
+    if base is None or any(m._forward_hooks or m._forward_pre_hooks for m in hf_model.modules()) or _global_hooks():
         return None
+    structure = next((name for name, refs in _references().items()
+                      if _is(hf_model, refs["causal"]) and _is(base, refs["model"])), None)
+    if structure is None:
+        return None
+    refs, gemma = _references()[structure], structure == "gemma3"
     embed = base.embed_tokens
-    if type(embed) is not torch.nn.Embedding or embed.max_norm is not None:
-        return None
-    if any(m._forward_hooks or m._forward_pre_hooks for m in hf_model.modules()) or _global_hooks():
+    if not ((_is(embed, refs["embedding"]) if gemma else type(embed) is torch.nn.Embedding)
+            and embed.max_norm is None and not getattr(base.config, "use_bidirectional_attention", False)):
         return None
     layers = list(base.layers[:base.config.num_hidden_layers])
-    if not (layers and _is(base.rotary_emb, "rotary") and _swapped(base.norm, "norm")
-            and fused_layers.kind(base.norm.kvql_original)[1] is False):
+    if not (layers and _is(base.rotary_emb, refs["rotary"]) and _swapped(base.norm, "norm")):
         return None
     for layer in layers:
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not (_is(layer, "layer") and _swapped(layer.self_attn, "attention") and _swapped(layer.mlp, "mlp")
-                and all(_swapped(n, "norm") and fused_layers.kind(n.kvql_original)[1] is False for n in norms)):
+        attn = layer.self_attn
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm] if gemma else []
+        norms += [attn.q_norm, attn.k_norm] if _swapped(attn, "attention_qk_norm") else []
+        if not (_is(layer, refs["layer"]) and _swapped(attn, "attention", "attention_qk_norm")
+                and _swapped(layer.mlp, "mlp") and all(_swapped(n, "norm") for n in norms)):
             return None
-    return LeanModel(hf_model)
+    return LeanModel(hf_model, gemma)
 
 
 def _global_hooks() -> bool:
