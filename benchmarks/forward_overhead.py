@@ -11,6 +11,8 @@ What is measured (SmolLM2-135M, CPU, each dtype in --dtypes; one process, side b
   kvql's side runs its own copy of the model, set up as the engine sets it up (on a CPU: prepacked
   linear weights and, in reduced precision, batch-invariant long reductions: kvql.engine.cpu_linear);
   the plain side the model as loaded.
+- kvql module path: kvql's side again through the model's own forward (transformers' modules), the lean
+  forward (kvql.engine.lean_model) off: what the lean forward saves.
 - prefill: B prompts of C tokens, no cache, in one forward. kvql: `ModelRunner.forward` over B segments
   (tokens flattened to [1, B*C]); plain: `input_ids [B, C]` (causal SDPA, no mask). Both return the
   logits of each prompt's last token only.
@@ -169,6 +171,16 @@ def run_dtype(name: str, args) -> dict:
     # weights, in bf16 long reductions split to be batch-invariant: kvql.engine.cpu_linear), which the
     # plain side must not get
     runner = ModelRunner(engine_model, pool, geometry)
+
+    def module_path(fn):  # the same runner through the model's own forward: the lean forward off (lean_model.py)
+        def run():
+            lean, runner.lean = runner.lean, None
+            try:
+                return fn()
+            finally:
+                runner.lean = lean
+        return run
+
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(100, cfg.vocab_size - 100, (B, C + 1), generator=g)
     empty = torch.empty(0, dtype=torch.long)
@@ -179,6 +191,7 @@ def run_dtype(name: str, args) -> dict:
     prefill = {
         "kvql": lambda: runner.forward(pre_segments),
         "plain": lambda: hf(input_ids=tokens[:, :C], logits_to_keep=1),
+        "kvql module path": module_path(lambda: runner.forward(pre_segments)),
     }
     k = min(B, 4)  # warm-up, and the profiled prefill: the first k prompts
     small = {"kvql": lambda: runner.forward(pre_segments[:k]),
@@ -209,7 +222,8 @@ def run_dtype(name: str, args) -> dict:
         cache.crop(-1)
         return out.logits[:, -1].float()
 
-    decode = {"kvql": lambda: runner.forward(decode_segments), "plain": plain_decode}
+    decode = {"kvql": lambda: runner.forward(decode_segments), "plain": plain_decode,
+              "kvql module path": module_path(lambda: runner.forward(decode_segments))}
     kv_logits = torch.cat(decode["kvql"]())  # kvql's default attention mode for the dtype
     diff = float((kv_logits - plain_decode()).abs().max())
     dec, dec_min = side_by_side(decode, args.repeats)
@@ -280,6 +294,8 @@ def report(r: dict, args) -> None:
         print(f"decode step   kvql {d['kvql'] * 1e3:8.1f} ms   plain {d['plain'] * 1e3:8.1f} ms   "
               f"kvql/plain {d['kvql'] / d['plain']:.2f}  (target <= 1.20; of minima {_min_ratio(r.get('decode_min'))})   "
               f"max |logit diff| {r['decode_max_abs_logit_diff']:.2e}")
+        print(f"  kvql through the model's own forward (lean forward off) {d['kvql module path'] * 1e3:8.1f} ms   "
+              f"lean / module path {d['kvql'] / d['kvql module path']:.2f}")
     if "engine_thread" in r:
         e = r["engine_thread"]
         print("decode step on a second thread (as the engine runs it), this thread's OpenMP pool "
@@ -295,6 +311,8 @@ def report(r: dict, args) -> None:
     if tps:
         print(f"prefill       kvql {tps['kvql']:8.0f} tok/s plain {tps['plain']:8.0f} tok/s "
               f"kvql/plain time {p['kvql'] / p['plain']:.2f}  (target <= 1.10; of minima {_min_ratio(r.get('prefill_min'))})")
+        print(f"  kvql through the model's own forward (lean forward off) {tps['kvql module path']:8.0f} tok/s   "
+              f"lean / module path time {p['kvql'] / p['kvql module path']:.2f}")
     for what in ("decode_parts", "prefill_parts"):
         if what not in r:
             continue

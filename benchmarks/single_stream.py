@@ -12,6 +12,8 @@ What is measured (one process, side by side, each model in --models and dtype in
   Speculative decoding is off (`speculate=False`; --speculate turns it on): this measures one decode step
   per token, what the step costs (benchmarks/speculation.py measures drafts; a repeated prompt is what they
   serve best).
+- kvql module path: the same with the model runner's lean forward off (kvql.engine.lean_model): each step
+  through transformers' modules, what the lean forward saves.
 - transformers: a plain copy of the model as loaded, `generate(max_new_tokens=N, min_new_tokens=N, do_sample=False)`, the
   same subtraction.
 - llama.cpp: `llama-cpp-python` in its own venv (--llama-python; it builds from source, so the benchmark does
@@ -69,12 +71,20 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def kvql_decode(m, ids: list[int], tokens: int) -> float:
-    """Seconds for `tokens - 1` decode steps of one stream (t_N - t_1, cache cleared before each)."""
+def kvql_decode(m, ids: list[int], tokens: int, lean: bool = True) -> float:
+    """Seconds for `tokens - 1` decode steps of one stream (t_N - t_1, cache cleared before each); `lean=False`:
+    the runner's lean forward off meanwhile."""
+    runner = m.engine.runner
+    kept = runner.lean
+
     def run(n):
         m.clear_cache()
         return _timed(lambda: m.generate([ids], max_tokens=n, temperature=0, ignore_eos=True))
-    return run(tokens) - run(1)
+    runner.lean = kept if lean else None
+    try:
+        return run(tokens) - run(1)
+    finally:
+        runner.lean = kept
 
 
 def hf_decode(hf, ids: list[int], tokens: int) -> float:
@@ -130,7 +140,8 @@ def main() -> None:
     args = p.parse_args()
     bw = bandwidth(args.threads)
     print(f"memory read bandwidth: {bw / 1e9:.1f} GB/s ({args.threads} threads)")
-    print(f"{'model':<14} {'dtype':<9} {'weights':>9} {'limit':>9} {'kvql':>14} {'transformers':>14} {'llama.cpp':>14}")
+    print(f"{'model':<14} {'dtype':<9} {'weights':>9} {'limit':>9} {'kvql':>14} {'kvql module path':>16} "
+          f"{'transformers':>14} {'llama.cpp':>14}")
     for spec in args.models.split(","):
         for name in args.dtypes.split(","):
             m = kvql.model(spec, dtype=name, silent=True, speculate=args.speculate)
@@ -139,9 +150,10 @@ def main() -> None:
             ids = m.tokenizer.encode(PROMPT)
             size = weight_bytes(hf)
             limit = bw / size
-            best = {"kvql": float("inf"), "transformers": float("inf")}
+            best = {"kvql": float("inf"), "kvql module path": float("inf"), "transformers": float("inf")}
             for _ in range(args.repeats):
                 best["kvql"] = min(best["kvql"], kvql_decode(m, ids, args.tokens))
+                best["kvql module path"] = min(best["kvql module path"], kvql_decode(m, ids, args.tokens, lean=False))
                 best["transformers"] = min(best["transformers"], hf_decode(hf, ids, args.tokens))
             dtype = str(resolve(name)).removeprefix("torch.")
             m.close()
@@ -149,7 +161,8 @@ def main() -> None:
             gguf = args.gguf_dir / f"{spec}-{'f32' if dtype == 'float32' else 'bf16'}.gguf"
             llama = llama_decode(args.llama_python, gguf, args.tokens, args.threads, args.repeats)
             rate = {k: (args.tokens - 1) / v for k, v in best.items()}
-            cells = " ".join(f"{rate[k]:6.1f} ({rate[k] / limit:4.0%})" for k in ("kvql", "transformers"))
+            cells = " ".join(f"{rate[k]:{w}.1f} ({rate[k] / limit:4.0%})"
+                             for k, w in (("kvql", 6), ("kvql module path", 8), ("transformers", 6)))
             if isinstance(llama, float):
                 r = (args.tokens - 1) / llama
                 cells += f" {r:6.1f} ({r / limit:4.0%})"
