@@ -24,7 +24,9 @@ GEMM, the gated activation, `down_proj` (Gemma 3: its post-feedforward norm), th
 Contract: `forward(ids [T], positions [T], write_slots [T], plan, rows)` on a CPU in float32 or bfloat16 with a
 paged plan (`Plan.paged`), under inference mode: float32 logits `[len(rows), vocab]`, the pool written exactly as
 the model's own forward writes it. `usable(dtype)` says whether a call in that dtype may take it (the swapped
-modules' own condition: weights of that dtype).
+modules' own condition: weights of that dtype). The model's parts are read once, when it is built: weights edited
+in place are followed (the bound programs are built again when a GEMM's packed copy changes), parameters replaced
+by other tensors are not (an engine's model is not converted or reloaded while it runs).
 """
 
 from __future__ import annotations
