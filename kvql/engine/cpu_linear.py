@@ -140,10 +140,13 @@ class Linear(torch.nn.Linear):
                                    self._source())
         return self.kvql_packed
 
+    def current_packs(self) -> _Packed:
+        """The packed slices, packed again first if the weight changed since, or this is a copy (module doc)."""
+        packs = self.kvql_packed
+        return packs if packs.source == self._source() else self.repack()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, packs = self.weight, self.kvql_packed
-        if packs.source != self._source():
-            packs = self.repack()  # the weight changed since it was packed, or this is a copy (module doc)
+        w, packs = self.weight, self.current_packs()
         autograd = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)  # (oneDNN's op has no backward)
         out = _matmul(x, packs.slices, self.kvql_slice, self.in_features, w, plain=autograd)
         return out if self.bias is None else out + self.bias
@@ -158,12 +161,10 @@ def _matmul(x: torch.Tensor, slices: list, step: int, n_in: int, w: torch.Tensor
     rows = x.numel() // n_in
     for a, packed, blocked in slices:
         xs = x if step == n_in else x[..., a:a + step]
-        if packed is None and blocked is not None and rows > 0 and not plain:
+        if blocked is not None and not plain and 0 < rows and (packed is None or rows <= GEMV_ROWS):
             y = gemv.gemv(xs.reshape(rows, step), blocked).view(*x.shape[:-1], -1)
         elif packed is None or plain:
             y = torch.nn.functional.linear(xs, w if step == n_in else w[:, a:a + step])
-        elif blocked is not None and 0 < rows <= GEMV_ROWS:
-            y = gemv.gemv(xs.reshape(rows, step), blocked).view(*x.shape[:-1], -1)
         else:
             y = torch.ops.mkldnn._linear_pointwise(xs, packed, None, "none", [], "")
         out = y if out is None else out + y
@@ -250,10 +251,13 @@ class Stacked:
                                   None if pack else w)
         return self.packed
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def current_packs(self) -> _Packed:
+        """The packed slices, packed again first if a part changed since, or this is a copy."""
         packs = self.packed
-        if packs.source != self._source():
-            packs = self.repack()  # a part changed since, or this is a copy
+        return packs if packs.source == self._source() else self.repack()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        packs = self.current_packs()
         out = _matmul(x, packs.slices, self.step, self.in_features, packs.weight)
         return out if packs.bias is None else out + packs.bias
 

@@ -179,26 +179,16 @@ class LeanModel:
 def _gemm_parts(linear) -> tuple[list, torch.Tensor | None, object] | None:
     """`(slices, bias, packs)` of a `cpu_linear.Linear` or `Stacked` whose every reduction slice has gemv's blocked
     copy (what `_matmul` runs for a few rows), or None."""
-    if isinstance(linear, cpu_linear.Stacked):
-        packs = linear.packed
-        if packs.source != linear._source():
-            packs = linear.repack()
-        bias = packs.bias
-    elif isinstance(linear, cpu_linear.Linear):
-        packs = linear.kvql_packed
-        if packs.source != linear._source():
-            packs = linear.repack()
-        bias = linear.bias
-    else:
+    if not isinstance(linear, (cpu_linear.Linear, cpu_linear.Stacked)):
         return None
+    packs = linear.current_packs()
     if not packs.slices or any(blocked is None for _, _, blocked in packs.slices):
         return None
-    return packs.slices, bias, packs
+    return packs.slices, packs.bias if isinstance(linear, cpu_linear.Stacked) else linear.bias, packs
 
 
 def _current(linear, packs) -> bool:
-    current = linear.packed if isinstance(linear, cpu_linear.Stacked) else linear.kvql_packed
-    return current is packs and packs.source == linear._source()
+    return linear.current_packs() is packs
 
 
 class _Attend:
