@@ -259,7 +259,7 @@ class _Program:
             self._residual(o, layer.post_attention)
             self._norm(self.x, layer.norm_mlp, self.h)
             gate_up = next(part)
-            n = gate_up[0][0][2].shape[0] * 64
+            n = gemv.shape(gate_up[0][0][2])[0]
             gu, act, m = self._buf(n), self._buf(n // 2), self._buf(hidden)
             self._gemm(self.h, gate_up, gu)
             self.steps.append((self.fo.kvql_gated_mul, (gu.data_ptr(), gu.stride(0), act.data_ptr(), n // 2, rows,
@@ -297,10 +297,10 @@ class _Program:
         reduction slice, the slices added in order, then the bias."""
         for i, (a, _, blocked) in enumerate(part[0]):
             target = out if i == 0 else self._buf(out.shape[1])
-            k = blocked.shape[1] * (2 if blocked.dim() == 4 else 1)
+            n, k = gemv.shape(blocked)
             self.steps.append((gemv.LIBRARY.get().kvql_gemv, (
                 x.data_ptr() + a * x.element_size(), x.stride(0), blocked.data_ptr(), target.data_ptr(),
-                target.stride(0), x.shape[0], blocked.shape[0] * 64, k, self.is_bf16, self.threads)))
+                target.stride(0), x.shape[0], n, k, self.is_bf16, self.threads)))
             if i:
                 self.steps.append((out.add_, (target,)))
         if part[1] is not None:

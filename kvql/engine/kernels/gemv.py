@@ -10,7 +10,7 @@ GB/s, a torch sum over as many bytes 36.6 GB/s.
 Contract (CPU, bfloat16 or float32, 1 <= rows <= max_rows(), or any rows where `any_rows(dtype)`; `supports(w)`
 says whether a weight qualifies):
 - `pack(w [n, k])`: the blocked copy the kernel reads (bf16 with AVX512_BF16 `[n / 64, k / 2, 64, 2]`, else
-  `[n / 64, k, 64]`, contiguous). Memory: a third copy of the weight beside the layer's own and oneDNN's packed
+  `[n / 16, k, 16]`, bf16 interleaved within each 16: gemv.c; contiguous). Memory: a third copy of the weight beside the layer's own and oneDNN's packed
   one (where oneDNN packs it).
 - `gemv(x [rows, k], packed) -> [rows, n]`: each output computed alone (whatever the rows beside it, the
   threads). bfloat16: bit for bit oneDNN's prepacked bf16 GEMM's for that row (same instruction, same order
@@ -20,8 +20,9 @@ says whether a weight qualifies):
   FMA, where oneDNN packs no bf16 weight): weights and inputs widened to float32, one fused multiply-add chain
   per output over k in order, rounded once; it takes any number of rows (`any_rows`), so cpu_linear computes
   such a layer with it at every batch size: the same chain per output whatever the batch (batch-invariant by
-  construction). Measured (a 3,072 x 576 weight, 2 threads, AVX2 EPYC): 2.4x torch's plain bf16 kernel at
-  one row, 3.2x at 24 and 300 rows (63 GFLOP/s; oneDNN's float32 GEMM 150). float32: one fused multiply-add chain per output over k in order,
+  construction). Measured (SmolLM2-135M's linear set, random, 2 threads, AVX2 EPYC, one run): one row 31 GB/s,
+  four rows 1.4x one row's time, 24 rows 142 GFLOP/s, 128 rows 155 (oneDNN's float32 GEMM ~150; torch's plain
+  bf16 kernel ~20). float32: one fused multiply-add chain per output over k in order,
   equal to oneDNN's to float32 rounding, not bit for bit (float32 promises no batch invariance: the
   engine's float32 contract, cached == uncached greedy output, is tested through the model).
 Float32 needs the blocked copy: a row-major fp32 kernel without one measured slower than oneDNN's here (4
@@ -78,16 +79,23 @@ def supports(w: torch.Tensor) -> bool:
 def pack(w: torch.Tensor) -> torch.Tensor:
     """The blocked copy of `w` that `gemv` reads (module doc)."""
     n, k = w.shape
-    if w.dtype == torch.float32 or not rounds_as_onednn():
-        return w.detach().reshape(n // 64, 64, k).transpose(1, 2).contiguous()
+    if w.dtype == torch.float32:
+        return w.detach().reshape(n // 16, 16, k).transpose(1, 2).contiguous()
+    if not rounds_as_onednn():
+        # output 16 g + 8 h + i at [g, j, 2 i + h]: gemv.c's widen16 takes 16 at once
+        return w.detach().reshape(n // 16, 2, 8, k).permute(0, 3, 2, 1).reshape(n // 16, k, 16).contiguous()
     return w.detach().reshape(n // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def shape(packed: torch.Tensor) -> tuple[int, int]:
+    """`(n, k)`, the shape of the weight `packed` was made from (`pack`)."""
+    return packed.shape[0] * packed.shape[2], packed.shape[1] * (2 if packed.dim() == 4 else 1)
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """`x [rows, k] @ w.T` as a new `[rows, n]` tensor, from `packed = pack(w)` (module doc)."""
     rows, k = x.shape
-    n = packed.shape[0] * 64
-    k_packed = packed.shape[1] * (2 if packed.dim() == 4 else 1)
+    n, k_packed = shape(packed)
     assert x.dtype == packed.dtype and x.dtype in _FLAGS and x.stride(-1) == 1 and k_packed == k, (
         x.shape, packed.shape)
     out = torch.empty(rows, n, dtype=x.dtype)
