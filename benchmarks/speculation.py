@@ -12,7 +12,8 @@ Workloads, each a list of prompts run one after another (batch 1), greedy, up to
   until at most 4 requests run, so it must cost nothing there.
 Each workload runs with the engine's `speculate` off and on, alternating, on an empty cache each time
 (the few-shot prefix is then shared within a run, as it is for users); wall time of the whole workload, the
-best of --repeats. Outputs are compared token for token; the drafted and accepted token counts are the
+best of --repeats; "decode off/on" is the same ratio over each request's decode (the seconds from its first token
+to its end, summed; the prefill, the same on and off, left out; batched: the wall). Outputs are compared token for token; the drafted and accepted token counts are the
 engine's stats. The ratio is off / on wall time (> 1: speculation helps). Prompts are plain text (the
 chat template of SmolLM2-Instruct where --chat and the tokenizer has one; Gemma 3 270M is a base model).
 The machine is shared and noisy: only ratios inside one run mean much. Usage:
@@ -23,6 +24,7 @@ The machine is shared and noisy: only ratios inside one run mean much. Usage:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 
 import torch
@@ -99,22 +101,40 @@ def encode(tok, text: str, chat: bool) -> list[int]:
     return tok(text)["input_ids"]
 
 
+async def _one(m, prompt: list[int], options: dict) -> tuple[list[int], float]:
+    """One prompt's tokens and the seconds from its first token to its end (its decode)."""
+    first = []
+
+    def on_update(*_):
+        if not first:
+            first.append(time.perf_counter())
+    groups = await m.submit([prompt], on_update, **options)
+    (done,) = await m.collect(groups)
+    return done.token_ids, time.perf_counter() - first[0]
+
+
 def run(m, prompts: list[list[int]], max_tokens: int, stop: tuple, warm: list[list[int]] | None, batched: bool):
-    """Wall seconds of the prompts one after another, or all at once (`batched`), after a cleared cache and
-    `warm` run first, untimed."""
+    """(wall seconds, decode seconds, outputs, stats) of the prompts one after another, or all at once
+    (`batched`: decode seconds = wall), after a cleared cache and `warm` run first, untimed."""
+    options = dict(max_tokens=max_tokens, temperature=0, stop=list(stop))
     m.clear_cache()
     for p in warm or []:
-        m.generate([p], max_tokens=max_tokens, temperature=0, stop=list(stop))
+        m.generate([p], **options)
     before = m.stats()
     t0 = time.perf_counter()
     if batched:
-        out = [c.token_ids for c in m.generate(prompts, max_tokens=max_tokens, temperature=0, stop=list(stop))]
+        out = [c.token_ids for c in m.generate(prompts, **options)]
+        decode = None
     else:
-        out = [m.generate([p], max_tokens=max_tokens, temperature=0, stop=list(stop))[0].token_ids for p in prompts]
+        out, decode = [], 0.0
+        for p in prompts:
+            ids, seconds = asyncio.run(_one(m, p, options))
+            out.append(ids)
+            decode += seconds
     wall = time.perf_counter() - t0
     after = m.stats()
     counts = {k: after[k] - before[k] for k in ("drafted_tokens", "accepted_tokens", "generated_tokens")}
-    return wall, out, counts
+    return wall, wall if decode is None else decode, out, counts
 
 
 def main() -> None:
@@ -128,7 +148,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     print(f"{'model':14} {'dtype':9} {'workload':22} {'tokens':>6} {'off s':>7} {'on s':>7} {'off/on':>7} "
-          f"{'accepted/drafted':>17} {'equal':>5}")
+          f"{'decode off/on':>13} {'accepted/drafted':>17} {'equal':>5}")
     for spec in a.models.split(","):
         for dtype_name in a.dtypes.split(","):
             dtype = resolve(dtype_name, "cpu")
@@ -139,17 +159,18 @@ def main() -> None:
                 for name, prompts in jobs.items():
                     stop = ("\n",) if name.startswith("few-shot") or name == "batched" else ()
                     warm = jobs["few-shot, new inputs"] if name == "few-shot, seen inputs" else None
-                    best, outs, counts = {}, {}, {}
+                    best, decode, outs, counts = {}, {}, {}, {}
                     for _ in range(a.repeats):
                         for on in (False, True):
                             m.engine.speculate = on
-                            wall, out, c = run(m, prompts, a.max_tokens, stop, warm, name == "batched")
+                            wall, dec, out, c = run(m, prompts, a.max_tokens, stop, warm, name == "batched")
                             best[on] = min(best.get(on, wall), wall)
+                            decode[on] = min(decode.get(on, dec), dec)
                             outs[on], counts[on] = out, c
                     c = counts[True]
                     tokens = c["generated_tokens"]
                     print(f"{spec:14} {str(dtype).split('.')[-1]:9} {name:22} {tokens:6d} {best[False]:7.2f} "
-                          f"{best[True]:7.2f} {best[False] / best[True]:6.2f}x "
+                          f"{best[True]:7.2f} {best[False] / best[True]:6.2f}x {decode[False] / decode[True]:12.2f}x "
                           f"{c['accepted_tokens']:>8}/{c['drafted_tokens']:<8} {str(outs[True] == outs[False]):>5}",
                           flush=True)
             finally:

@@ -81,7 +81,7 @@ def test_the_widening_kernel_takes_any_rows_and_a_row_never_depends_on_them(shap
     x = torch.randn(37, shape[1], generator=g).to(torch.bfloat16)
     blocked = gemv.pack(w)
     together = gemv.gemv(x, blocked)
-    for a, b in ((0, 1), (3, 7), (8, 12), (30, 37), (5, 6)):
+    for a, b in ((0, 1), (3, 7), (8, 12), (30, 37), (5, 6), (10, 12), (20, 23)):
         assert torch.equal(gemv.gemv(x[a:b], blocked), together[a:b]), (a, b)
     want = (x.float() @ w.float().T)
     torch.testing.assert_close(together.float(), want, rtol=1e-2, atol=1e-2)
@@ -137,6 +137,8 @@ def test_a_float32_row_does_not_depend_on_the_rows_beside_it():
     x = torch.randn(8, 640)
     blocked = gemv.pack(w)
     together = gemv.gemv(x, blocked)
+    for rows in range(1, 8):  # each row count its own mix of the one-row and two-to-four-row kernels
+        assert torch.equal(gemv.gemv(x[:rows], blocked), together[:rows]), rows
     for i in range(8):
         assert torch.equal(gemv.gemv(x[i:i + 1], blocked)[0], together[i])
 

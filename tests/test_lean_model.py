@@ -1,6 +1,6 @@
 """The lean forward (kvql.engine.lean_model): for every family it takes (Llama's structure, q/k norms or not, and
-Gemma 3's), logits and pool contents equal the model's own forward's bit for bit (decode steps of 1-4 tokens through the bound program, longer chunks through the
-module-level path), in float32 and bfloat16; families it does not take keep the model's forward; hooks and weight
+Gemma 3's), logits and pool contents equal the model's own forward's bit for bit (steps of up to
+`cpu_linear.gemv_rows` tokens through the bound program, longer chunks through the module-level path), in float32 and bfloat16; families it does not take keep the model's forward; hooks and weight
 edits are followed."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _runner(family: str, dtype: torch.dtype, seed: int = 0):
 
 
 def _steps(runner, pool, lean) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """A 23-token prompt, then steps of 1, 2, 3, 4, 9 and 1 tokens (two requests in the 3-token step), past the
+    """A 23-token prompt, then steps of 1, 2, 3, 4, 6, 9 and 1 tokens (two requests in the 3-token step), past the
     tiny window; every step's logits, and the pool's K and V."""
     runner.lean = lean
     pool.k.zero_(), pool.v.zero_()
@@ -42,7 +42,7 @@ def _steps(runner, pool, lean) -> tuple[list[torch.Tensor], torch.Tensor, torch.
     out = runner.forward([Segment(prompt, 0, EMPTY, slots[:23], True, all_logits=True)])
     n, other = 23, 150  # a second request: its own slots from 150
     runner.forward([Segment(prompt[:7], 0, EMPTY, slots[other:other + 7], True)])
-    for t in (1, 2, 3, 4, 9, 1):
+    for t in (1, 2, 3, 4, 6, 9, 1):
         ids = torch.randint(2, VOCAB, (t,), generator=g).tolist()
         segs = [Segment(ids, n, slots[:n], slots[n:n + t], True, all_logits=True)]
         if t == 3:  # two requests in one step: 2 + 1 tokens
@@ -73,6 +73,7 @@ def test_lean_forward_is_the_models_forward_bit_for_bit(family, dtype):
     takes = gemv.available(dtype) and (dtype == torch.float32 or (gemv.rounds_as_onednn() if packs
                                                                   else gemv.any_rows(dtype)))
     assert (lean._programs.get(1) is not None) == takes
+    assert (lean._programs.get(6) is not None) == (takes and cpu_linear.gemv_rows(dtype) >= 6)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gemma2", "phi3", "olmo2", "gpt2"])

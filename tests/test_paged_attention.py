@@ -62,9 +62,10 @@ def test_matches_float64_sdpa_over_gathered_slots(dtype, tol, d):
                                    atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("d", [64, 128, 40, 256])  # specialized, padded, and Gemma 3's (no specialization)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_independent_of_batch_mates_and_of_chunking(dtype):
-    k_pool, v_pool, query, (q_start, q_len, key_start, n_keys), slots = _case(dtype)
+def test_rows_independent_of_batch_mates_and_of_chunking(dtype, d):
+    k_pool, v_pool, query, (q_start, q_len, key_start, n_keys), slots = _case(dtype, d=d)
     out = _run(query, k_pool, v_pool, q_start, q_len, key_start, n_keys, slots)
     for i, (past, n) in enumerate(SPEC):
         q = query[:, q_start[i]:q_start[i] + n]

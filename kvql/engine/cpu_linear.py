@@ -9,7 +9,7 @@ from memory as in a real step): 24 decode rows take 80 -> 45 ms in fp32 and 36 -
 relative in fp32 (another kernel, another rounding; fp32 stays exact in the project's sense: greedy
 output with the cache equals the uncached reference, which runs through the same layers).
 
-**Small batches** (`kernels/gemv.py`): a call of at most GEMV_ROWS rows (a decode step of one stream, or a
+**Small batches** (`kernels/gemv.py`): a call of at most `gemv_rows` rows (a decode step of one stream, or a
 few) reads a third, blocked copy of each weight slice through kvql's own kernel, which streams it near the
 memory bandwidth. In bf16 it rounds bit for bit as oneDNN's prepacked GEMM (checked on each slice's real
 weight when it is packed; a slice where it would not is left to oneDNN, with a warning), so a row's result
@@ -61,9 +61,14 @@ MAX_REDUCTION = 1024
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes oneDNN's prepacked linear may take; `can_pack(dtype)` says whether this CPU's oneDNN does."""
 
-GEMV_ROWS = 4
-"""Calls of at most this many rows (within gemv's own limit) take the small-batch kernel where a layer has
-its blocked copy (module doc)."""
+GEMV_ROWS = 8
+"""Calls of at most this many rows, and at most `gemv.fast_rows` of their dtype, take the small-batch kernel
+where a layer has its blocked copy (module doc): `gemv_rows`."""
+
+
+def gemv_rows(dtype: torch.dtype) -> int:
+    """The most rows a call in `dtype` takes gemv's kernel for where oneDNN holds the layer too."""
+    return min(GEMV_ROWS, gemv.fast_rows(dtype))
 
 
 def can_pack(dtype: torch.dtype | None = None) -> bool:
@@ -156,12 +161,12 @@ def _matmul(x: torch.Tensor, slices: list, step: int, n_in: int, w: torch.Tensor
     """x times the weight given as reduction slices `(start, packed or None, blocked or None)` of `step`
     inputs each, summed in order: a slice with a blocked copy and no packed one takes gemv's kernel at every
     batch size (bf16 where oneDNN packs none); one without either, or all with `plain`, multiplies by `w`'s
-    columns; one with both takes the small-batch kernel for up to GEMV_ROWS rows, oneDNN's above."""
+    columns; one with both takes the small-batch kernel for up to `gemv_rows` rows, oneDNN's above."""
     out = None
     rows = x.numel() // n_in
     for a, packed, blocked in slices:
         xs = x if step == n_in else x[..., a:a + step]
-        if blocked is not None and not plain and 0 < rows and (packed is None or rows <= GEMV_ROWS):
+        if blocked is not None and not plain and 0 < rows and (packed is None or rows <= gemv_rows(x.dtype)):
             y = gemv.gemv(xs.reshape(rows, step), blocked).view(*x.shape[:-1], -1)
         elif packed is None or plain:
             y = torch.nn.functional.linear(xs, w if step == n_in else w[:, a:a + step])
@@ -191,7 +196,7 @@ def _slices(w: torch.Tensor, step: int, pack: bool, own: bool = False) -> list:
 def _blocked(w: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
     """gemv's copy of `w`, if the kernel takes it and (bf16) its rows equal oneDNN's on `packed` bit for bit on
     a random input (else None, with a warning: the layer then runs oneDNN's kernel at every batch size)."""
-    if not (gemv.supports(w) and GEMV_ROWS <= gemv.max_rows()):
+    if not (gemv.supports(w) and gemv_rows(w.dtype) > 0):
         return None
     if w.dtype == torch.bfloat16 and not gemv.rounds_as_onednn():
         return None  # the widening kernel rounds otherwise: oneDNN's at every batch size

@@ -145,7 +145,7 @@ class LeanModel:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, plan,
                 rows: torch.Tensor, pool) -> torch.Tensor:
         t = ids.shape[0]
-        if t <= cpu_linear.GEMV_ROWS:
+        if t <= cpu_linear.gemv_rows(self.dtype):
             threads = torch.get_num_threads()
             program = self._programs.get(t, _UNBUILT)
             if program is _UNBUILT or (program is not None and not program.current(threads)):
@@ -199,7 +199,7 @@ class _Attend:
 
 
 class _Program:
-    """A decode step of `rows` (<= GEMV_ROWS) tokens as the same kernels called directly with their arguments
+    """A decode step of `rows` (<= `cpu_linear.gemv_rows`) tokens as the same kernels called directly with their arguments
     bound once: every GEMM through gemv's blocked copies (as `cpu_linear._matmul` runs a few rows), intermediate
     rows in this program's buffers (the residual stream, norms, q/k/v, attention, MLP rows), so a step makes ~13
     calls per layer instead of ~40 Python calls and allocations. The same operations in the same order as the

@@ -200,6 +200,19 @@ static inline void f32_rows2(const float *x, int64_t ldx, const float *wb, float
 #define F32_ROWS 1
 #endif
 
+/* The most rows a call computes faster than oneDNN's prepacked GEMM (gemv.py: fast_rows): a few rows share each
+   weight load on AVX2 (measured to 8); elsewhere one row after another (measured to 4 by earlier builds). */
+#if defined(F32_ROWS)
+const int kvql_gemv_f32_fast_rows = MAX_ROWS;
+#else
+const int kvql_gemv_f32_fast_rows = 4;
+#endif
+#ifdef GEMV_BF16_FMA
+const int kvql_gemv_bf16_fast_rows = MAX_ROWS;
+#else
+const int kvql_gemv_bf16_fast_rows = 4;
+#endif
+
 /* w blocked (bf16: [n / 64][k / 2][64][2], float32: [n / 64][k][64]); x rows ldx apart, out rows ldo apart.
    Returns 1 (nothing done) when the shape is outside the contract or the CPU lacks the dtype's instructions. */
 int kvql_gemv(const void *x, int64_t ldx, const void *w, void *out, int64_t ldo, int64_t rows, int64_t n,

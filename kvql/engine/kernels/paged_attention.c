@@ -13,7 +13,10 @@
    float32 arithmetic for float32 and bfloat16 storage; bf16 results rounded to nearest even. No
    fast-math. Built with -O2: a first version of this kernel (compiler-vectorized reductions) rounded a
    query differently by its place in a block at -O3 (gcc 12); tests/test_paged_attention.py catches such a
-   build. */
+   build. And with -ffp-contract=off (each product rounded, then added): gcc 12 fused some multiply-adds
+   into FMAs and not others, so on an AVX2 CPU a decode step's output differed from a prompt's at head
+   dims 128 and 256 in the last bit (measured; the same test caught it). The hot loops run on half vectors
+   where a 16-lane vector does not fit a register (simd.h: vhalf), lane for lane the same operations. */
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -26,6 +29,7 @@
 const int kvql_max_group = MAX_GROUP, kvql_max_dim = MAX_DIM; /* the limits, for the Python side to read */
 #define QUERY_BLOCK 16
 #define KEY_TILE 64 /* a multiple of 2 * LANES */
+#define PART 4 /* half vectors per pass of a weighted sum of values (attend_block) */
 
 static inline float load(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -120,15 +124,17 @@ static inline __attribute__((always_inline)) void attend_block(Scratch *w, int64
     for (int64_t t0 = 0; t0 < n; t0 += KEY_TILE)
         for (int64_t r = (t0 < n0 ? 0 : (t0 - n0 + 1) * g); r < rows; r++) {
             int64_t nr = n0 + r / g, end = t0 + KEY_TILE < nr ? t0 + KEY_TILE : nr;
-            const v16 *q = (const v16 *)(w->q + r * dv);
+            const vhalf *q = (const vhalf *)(w->q + r * dv);
             for (int64_t j0 = t0; j0 < end; j0 += LANES) {
                 v16 part[LANES];
                 for (int t = 0; t < LANES; t++) {
-                    const v16 *k = (const v16 *)(w->k + (j0 + t) * dv);
-                    v16 a = q[0] * k[0];
-                    _Pragma("GCC unroll 16")
-                    for (int c = 1; c < nv; c++) a += q[c] * k[c];
-                    part[t] = a;
+                    const vhalf *k = (const vhalf *)(w->k + (j0 + t) * dv);
+                    for (int h = 0; h < NH; h++) {
+                        vhalf a = q[h] * k[h];
+                        _Pragma("GCC unroll 16")
+                        for (int c = 1; c < nv; c++) a += q[c * NH + h] * k[c * NH + h];
+                        ((vhalf *)&part[t])[h] = a;
+                    }
                 }
                 *(v16 *)(w->s + r * kp + j0) = lane_sums(part);
             }
@@ -145,27 +151,29 @@ static inline __attribute__((always_inline)) void attend_block(Scratch *w, int64
         for (int64_t r = (t0 < n0 ? 0 : (t0 - n0 + 1) * g); r < rows; r++) {
             int64_t nr = n0 + r / g, end = t0 + KEY_TILE < nr ? t0 + KEY_TILE : nr, j = t0;
             const float *s = w->s + r * kp;
-            v16 even[MAX_DIM / LANES], odd[MAX_DIM / LANES];
-            v16 *eo = (v16 *)(out + r * dv), *oo = (v16 *)(w->odd + r * dv);
-            _Pragma("GCC unroll 16")
-            for (int c = 0; c < nv; c++) even[c] = eo[c], odd[c] = oo[c];
-            for (; j + 1 < end; j += 2) { /* t0 is even: j is an even key index here */
-                const v16 *v0 = (const v16 *)(w->v + j * dv), *v1 = (const v16 *)(w->v + (j + 1) * dv);
-                float p0 = s[j] * inv[r], p1 = s[j + 1] * inv[r];
-                _Pragma("GCC unroll 16")
-                for (int c = 0; c < nv; c++) {
-                    even[c] += p0 * v0[c];
-                    odd[c] += p1 * v1[c];
+            vhalf *eo = (vhalf *)(out + r * dv), *oo = (vhalf *)(w->odd + r * dv);
+            /* in parts of PART half vectors, each a pass over the tile's keys: a part's accumulators stay in
+               registers; each is its own chain whatever the parts */
+            for (int i0 = 0; i0 < nv * NH; i0 += PART) {
+                int np = i0 + PART <= nv * NH ? PART : nv * NH - i0;
+                vhalf even[PART], odd[PART];
+                for (int i = 0; i < PART; i++)
+                    if (i < np) even[i] = eo[i0 + i], odd[i] = oo[i0 + i];
+                for (j = t0; j + 1 < end; j += 2) { /* t0 is even: j is an even key index here */
+                    const vhalf *v0 = (const vhalf *)(w->v + j * dv) + i0, *v1 = (const vhalf *)(w->v + (j + 1) * dv) + i0;
+                    float p0 = s[j] * inv[r], p1 = s[j + 1] * inv[r];
+                    for (int i = 0; i < PART; i++)
+                        if (i < np) even[i] += p0 * v0[i], odd[i] += p1 * v1[i];
                 }
+                if (j < end) { /* the row's last key, even */
+                    const vhalf *v0 = (const vhalf *)(w->v + j * dv) + i0;
+                    float p0 = s[j] * inv[r];
+                    for (int i = 0; i < PART; i++)
+                        if (i < np) even[i] += p0 * v0[i];
+                }
+                for (int i = 0; i < PART; i++)
+                    if (i < np) eo[i0 + i] = even[i], oo[i0 + i] = odd[i];
             }
-            if (j < end) { /* the row's last key, even */
-                const v16 *v0 = (const v16 *)(w->v + j * dv);
-                float p0 = s[j] * inv[r];
-                _Pragma("GCC unroll 16")
-                for (int c = 0; c < nv; c++) even[c] += p0 * v0[c];
-            }
-            _Pragma("GCC unroll 16")
-            for (int c = 0; c < nv; c++) eo[c] = even[c], oo[c] = odd[c];
         }
     for (int64_t r = 0; r < rows; r++) {
         v16 *eo = (v16 *)(out + r * dv), *oo = (v16 *)(w->odd + r * dv);
@@ -175,45 +183,48 @@ static inline __attribute__((always_inline)) void attend_block(Scratch *w, int64
 }
 
 /* attend_one's weighted sums of values for rows r0 .. r0 + R - 1 (R: 1 or 2, a constant): each value row
-   is loaded once for the R rows; per row the same two chains (even and odd key index) as attend_block's. */
+   is loaded once for the R rows; per row the same two chains (even and odd key index) as attend_block's.
+   Over the head dimension in parts of P = 4 / R half vectors, each a pass over the keys: a part's
+   accumulators stay in registers, and each is its own chain whatever the parts. */
 static inline __attribute__((always_inline)) void values_one(Scratch *w, const char *vh, const int64_t *sl,
                                                             int64_t row_bytes, int nv, int64_t n, int64_t kp,
                                                             int R, int r0, const float *inv, int is_bf16,
                                                             float *out) {
     int dv = nv * LANES;
-    v16 even[2][MAX_DIM / LANES], odd[2][MAX_DIM / LANES];
-    for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 16")
-        for (int c = 0; c < nv; c++) even[r][c] = odd[r][c] = (v16){0};
-    int64_t j = 0;
-    for (; j + 1 < n; j += 2) {
-        const char *v0 = vh + row_bytes * sl[j], *v1 = vh + row_bytes * sl[j + 1];
-        float p0[2], p1[2];
-        for (int r = 0; r < R; r++) {
-            const float *s = w->s + (r0 + r) * kp;
-            p0[r] = s[j] * inv[r0 + r], p1[r] = s[j + 1] * inv[r0 + r];
-        }
-        _Pragma("GCC unroll 16")
-        for (int c = 0; c < nv; c++) {
-            v16 x0 = row_vec(v0, c, is_bf16), x1 = row_vec(v1, c, is_bf16);
+    const int P = 4 / R;
+    for (int i0 = 0; i0 < nv * NH; i0 += P) {
+        int np = i0 + P <= nv * NH ? P : nv * NH - i0;
+        vhalf even[2][4], odd[2][4];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < P; i++) even[r][i] = odd[r][i] = (vhalf){0};
+        int64_t j = 0;
+        for (; j + 1 < n; j += 2) {
+            const char *v0 = vh + row_bytes * sl[j], *v1 = vh + row_bytes * sl[j + 1];
+            float p0[2], p1[2];
             for (int r = 0; r < R; r++) {
-                even[r][c] += p0[r] * x0;
-                odd[r][c] += p1[r] * x1;
+                const float *s = w->s + (r0 + r) * kp;
+                p0[r] = s[j] * inv[r0 + r], p1[r] = s[j + 1] * inv[r0 + r];
+            }
+            for (int i = 0; i < P; i++) {
+                if (i >= np) break;
+                vhalf x0 = row_half(v0, i0 + i, is_bf16), x1 = row_half(v1, i0 + i, is_bf16);
+                for (int r = 0; r < R; r++) {
+                    even[r][i] += p0[r] * x0;
+                    odd[r][i] += p1[r] * x1;
+                }
             }
         }
-    }
-    if (j < n) { /* the last key, even */
-        const char *v0 = vh + row_bytes * sl[j];
-        _Pragma("GCC unroll 16")
-        for (int c = 0; c < nv; c++) {
-            v16 x0 = row_vec(v0, c, is_bf16);
-            for (int r = 0; r < R; r++) even[r][c] += (w->s[(r0 + r) * kp + j] * inv[r0 + r]) * x0;
+        if (j < n) { /* the last key, even */
+            const char *v0 = vh + row_bytes * sl[j];
+            for (int i = 0; i < np; i++) {
+                vhalf x0 = row_half(v0, i0 + i, is_bf16);
+                for (int r = 0; r < R; r++) even[r][i] += (w->s[(r0 + r) * kp + j] * inv[r0 + r]) * x0;
+            }
         }
-    }
-    for (int r = 0; r < R; r++) {
-        v16 *o = (v16 *)(out + (r0 + r) * dv);
-        _Pragma("GCC unroll 16")
-        for (int c = 0; c < nv; c++) o[c] = even[r][c] + odd[r][c];
+        for (int r = 0; r < R; r++) {
+            vhalf *o = (vhalf *)(out + (r0 + r) * dv);
+            for (int i = 0; i < np; i++) o[i0 + i] = even[r][i] + odd[r][i];
+        }
     }
 }
 
@@ -232,7 +243,7 @@ static inline __attribute__((always_inline)) void attend_one(Scratch *w, const c
     for (int64_t j0 = 0; j0 < n; j0 += LANES) {
         v16 part[MAX_GROUP][LANES];
         for (int t = 0; t < LANES; t++) {
-            v16 k[MAX_DIM / LANES];
+            vhalf k[MAX_DIM / LANES * NH];
             const char *kr = kh + row_bytes * sl[j0 + t < n ? j0 + t : n - 1]; /* past n: scores unused */
             if (j0 + t + 64 < n) { /* keys 64 ahead (slots may be scattered), and this key's value row */
                 const char *next = kh + row_bytes * sl[j0 + t + 64];
@@ -240,14 +251,16 @@ static inline __attribute__((always_inline)) void attend_one(Scratch *w, const c
             }
             if (j0 + t < n)
                 for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(vh + row_bytes * sl[j0 + t] + b);
-            _Pragma("GCC unroll 16")
-            for (int c = 0; c < nv; c++) k[c] = row_vec(kr, c, is_bf16);
+            _Pragma("GCC unroll 32")
+            for (int i = 0; i < nv * NH; i++) k[i] = row_half(kr, i, is_bf16);
             for (int r = 0; r < g; r++) {
-                const v16 *q = (const v16 *)(w->q + r * dv);
-                v16 a = q[0] * k[0];
-                _Pragma("GCC unroll 16")
-                for (int c = 1; c < nv; c++) a += q[c] * k[c];
-                part[r][t] = a;
+                const vhalf *q = (const vhalf *)(w->q + r * dv);
+                for (int h = 0; h < NH; h++) {
+                    vhalf a = q[h] * k[h];
+                    _Pragma("GCC unroll 16")
+                    for (int c = 1; c < nv; c++) a += q[c * NH + h] * k[c * NH + h];
+                    ((vhalf *)&part[r][t])[h] = a;
+                }
             }
         }
         for (int r = 0; r < g; r++) *(v16 *)(w->s + r * kp + j0) = lane_sums(part[r]);

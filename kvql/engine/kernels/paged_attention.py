@@ -20,7 +20,8 @@ prompts it runs at SDPA's speed (one 1,000-token prompt, one layer, 2 threads: 1
 kernel 13.0 ms, ~90 GFLOP/s): the softmax uses its own vectorized exp (the C file's `exp16`), which scalar
 `expf` made half as fast.
 
-Availability: the library is built once per machine (kvql.engine.kernels.build; at -O2, see the C file).
+Availability: the library is built once per machine (kvql.engine.kernels.build; at -O2 and with
+-ffp-contract=off, see the C file).
 `available()` is False when there is no compiler, the build fails, or `KVQL_PAGED_ATTENTION=0`; the
 model runner then gathers and calls SDPA as before.
 """
@@ -37,6 +38,7 @@ SIGNATURES = {"kvql_paged_attention": (build.I32, [
     build.I32, build.I32, build.I32, build.I32, build.F32, build.I64, build.F32, build.I64, build.PTR, build.PTR,
     build.PTR, build.PTR, build.PTR, build.I64, build.I32])}
 LIBRARY = build.Library("paged_attention", "KVQL_PAGED_ATTENTION", "gathering K/V instead", SIGNATURES,
+                        flags=["-ffp-contract=off"],
                         limits=("kvql_max_group", "kvql_max_dim"))
 
 

@@ -7,7 +7,7 @@
 
 #include <math.h>
 #include <stdint.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
@@ -19,6 +19,10 @@ typedef float v16 __attribute__((vector_size(4 * LANES), aligned(64)));
 typedef int32_t i16 __attribute__((vector_size(4 * LANES)));
 typedef uint32_t u16v __attribute__((vector_size(4 * LANES)));
 typedef uint16_t h16 __attribute__((vector_size(2 * LANES)));
+/* the same at any address: loads and stores through these are plain unaligned vector moves (a memcpy into an
+   aligned v16 went through the stack on AVX2) */
+typedef float v16u __attribute__((vector_size(4 * LANES), aligned(4), may_alias));
+typedef uint16_t h16u __attribute__((vector_size(2 * LANES), aligned(2), may_alias));
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -37,6 +41,38 @@ static inline uint16_t f32_to_bf16(float f) {
 
 /* r[m] = the sum of the 16 lanes of a[m], for each m by the same tree: lanes (l, l+8), then (l, l+4),
    (l, l+2), (l, l+1). */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* The same tree on 8-lane halves (gcc lowers the 16-lane two-input shuffles below to scalar moves on AVX2):
+   each step adds the same pairs of lanes, so each sum is bit for bit the generic version's. */
+static inline __m256 sums8(const v16 *a) { /* the sums of a[0..7], in order */
+    __m256 t[4], u[2];
+    const float *f = (const float *)a;
+    for (int i = 0; i < 4; i++) {
+        const float *x0 = f + 32 * i, *y0 = x0 + 16;
+        __m256 x = _mm256_add_ps(_mm256_loadu_ps(x0), _mm256_loadu_ps(x0 + 8)); /* (l, l+8) */
+        __m256 y = _mm256_add_ps(_mm256_loadu_ps(y0), _mm256_loadu_ps(y0 + 8));
+        t[i] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31)); /* (l, l+4) */
+    }
+    for (int i = 0; i < 2; i++) /* (l, l+2): t[2i] holds a[4i], a[4i+1]; t[2i+1] a[4i+2], a[4i+3] */
+        u[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xee));
+    /* (l, l+1): lanes then hold the sums of a[0], a[2], a[4], a[6] | a[1], a[3], a[5], a[7] */
+    __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xdd));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static inline v16 lane_sums(const v16 *a) {
+    v16 r;
+    _mm256_storeu_ps((float *)&r, sums8(a)), _mm256_storeu_ps((float *)&r + 8, sums8(a + 8));
+    return r;
+}
+
+static inline float lane_sum(v16 v) {
+    __m256 s = _mm256_add_ps(_mm256_loadu_ps((const float *)&v), _mm256_loadu_ps((const float *)&v + 8));
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#else
 static inline v16 lane_sums(const v16 *a) {
     const i16 l1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
     const i16 l1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
@@ -61,6 +97,7 @@ static inline float lane_sum(v16 v) {
     v16 a[LANES] = {v}; /* the other vectors zero */
     return lane_sums(a)[0];
 }
+#endif
 
 static inline v16 splat(float x) { return (v16){0} + x; }
 
@@ -90,6 +127,27 @@ static inline v16 exp16(v16 x) {
     return p * (v16)bits;
 }
 
+/* Half vectors: the hot loops of the kernels run on `vhalf`, the widest vector the CPU holds in a register (16
+   lanes with AVX512F, else 8: gcc keeps 16-lane values in memory on AVX2 and moves them through general
+   registers), NH of them to a v16, lane for lane the same operations. */
+#ifdef __AVX512F__
+typedef v16 vhalf;
+#define NH 1
+#else
+typedef float vhalf __attribute__((vector_size(4 * LANES / 2)));
+#define NH 2
+#endif
+typedef float vhalfu __attribute__((vector_size(sizeof(vhalf)), aligned(4), may_alias));
+typedef uint16_t hhu __attribute__((vector_size(sizeof(vhalf) / 2), aligned(2), may_alias));
+typedef uint32_t uhv __attribute__((vector_size(sizeof(vhalf))));
+
+/* Half vector i (LANES / NH elements) of a row of float32 or bfloat16 values, as float32 (exact). */
+static inline vhalf row_half(const char *row, int i, int is_bf16) {
+    if (is_bf16)
+        return (vhalf)(__builtin_convertvector(*(const hhu *)(row + sizeof(vhalf) / 2 * i), uhv) << 16);
+    return *(const vhalfu *)(row + sizeof(vhalf) * i);
+}
+
 /* Vector c (16 elements) of a row of float32 or bfloat16 values, as float32. Exact: a bf16's
    bits are the high half of its float32. */
 static inline v16 row_vec(const char *row, int c, int is_bf16) {
@@ -98,14 +156,11 @@ static inline v16 row_vec(const char *row, int c, int is_bf16) {
         __m256i x = _mm256_loadu_si256((const __m256i *)(row + 32 * c));
         return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16);
 #else
-        h16 x;
-        memcpy(&x, row + sizeof x * c, sizeof x);
+        h16 x = *(const h16u *)(row + sizeof x * c);
         return (v16)(__builtin_convertvector(x, u16v) << 16);
 #endif
     }
-    v16 x;
-    memcpy(&x, row + sizeof x * c, sizeof x);
-    return x;
+    return *(const v16u *)(row + sizeof(v16) * c);
 }
 
 /* v rounded to bfloat16, nearest even, as torch rounds (a NaN stays a NaN, its bits may differ). */
@@ -130,10 +185,9 @@ static inline h16 to_bf16(v16 v) {
 /* Stores v as vector c (16 elements) of a float32 or bfloat16 row (to_bf16). */
 static inline void put_vec(char *row, int c, v16 v, int is_bf16) {
     if (is_bf16) {
-        h16 h = to_bf16(v);
-        memcpy(row + sizeof h * c, &h, sizeof h);
+        *(h16u *)(row + sizeof(h16) * c) = to_bf16(v);
     } else
-        memcpy(row + sizeof v * c, &v, sizeof v);
+        *(v16u *)(row + sizeof v * c) = v;
 }
 
 /* v rounded to bfloat16 and back (is_bf16), or v: what a torch op in that dtype stores. */
