@@ -63,12 +63,13 @@ def test_a_model_whose_cached_logits_differ_is_refused(tokenizer, monkeypatch):
     """The load-time check compares logits over KV read back from the pool with the plain forward: an engine
     that ignored a layer's window (here: made to) would be caught there, before any request."""
     import kvql
-    from kvql.engine import admission
+    from kvql.engine import admission, lean_model
     from kvql.engine.kernels import paged_attention
 
     attend = paged_attention.attend
     monkeypatch.setattr(paged_attention, "attend", lambda q, k, v, o, s, scale, window=None, softcap=None:
                         attend(q, k, v, o, s, scale, None, softcap))
+    monkeypatch.setattr(lean_model, "build", lambda hf: None)  # its bound calls would not go through `attend`
     hf = F.build(*F.FAMILIES["mistral"], len(tokenizer), tokenizer.eos_token_id)
     with pytest.raises(admission.UnsupportedModel, match="differ from the model's own forward"):
         kvql.Model(hf, tokenizer, cache_budget=1 << 20)

@@ -17,7 +17,8 @@ request by speculative sampling, which keeps its distribution), so a draft only 
 one forward may yield. Drafts respect cache partitions (`cache_salt`):
 a request is never drafted from another partition's tokens.
 
-Adaptive per request (`Draft`): the draft length grows after a fully accepted draft and shrinks after a
+Adaptive per request (`Draft`): a draft from the tree has the most tokens at once (it is what a request with the
+same context produced); the other sources' length grows after a fully accepted draft and shrinks after a
 rejected first token; a request whose drafts keep failing (a running mean of accepted tokens per draft below
 `PAUSE_BELOW`) stops drafting and tries again after `PAUSE_STEPS` decode steps. Verifying k drafted tokens
 costs a batch-1 forward little while the step is memory-bound (SmolLM2-135M, 2 threads, 300 tokens of
@@ -34,7 +35,9 @@ from .radix_cache import Node
 
 N_MAX, N_MIN = 4, 2
 """Lengths of the suffix n-grams looked up, longest first (one-token matches draft too often wrongly)."""
-FIRST_LENGTH, MAX_LENGTH, MIN_LENGTH = 3, 8, 2
+FIRST_LENGTH, MAX_LENGTH, MIN_LENGTH = 3, 7, 2
+"""Draft lengths (module doc): a verified step of 1 + MAX_LENGTH tokens stays within cpu_linear's small-batch
+kernel (8 rows)."""
 PAUSE_BELOW, PAUSE_STEPS = 0.25, 16
 OUTPUTS_MAX_TOKENS = 1 << 15
 """Earlier outputs kept for drafting, per engine (all partitions together; ~3 index entries of ~200 bytes per
@@ -126,7 +129,8 @@ class Drafter:
         if k <= 0:
             return []
         tokens = req.tokens
-        draft = [] if state.off_tree else continuation(req.node, tokens[req.tree_len:], k)
+        # the tree's continuation is what a request with this very context produced: drafted at full length
+        draft = [] if state.off_tree else continuation(req.node, tokens[req.tree_len:], min(limit, MAX_LENGTH))
         state.off_tree = not draft  # once its context leaves the tree it stays out (a walk per step saved)
         if not draft:
             state.sync(tokens)
