@@ -217,6 +217,30 @@ def _step(n: int, max_reduction: int | None) -> int:
     return math.ceil(n / math.ceil(n / max_reduction)) if max_reduction and n > max_reduction else n
 
 
+def watch(layer: Linear | Stacked) -> list[tuple]:
+    """What `unchanged` checks for `layer` (a `Linear` or `Stacked`): each weight and bias its packed copy is
+    made from, as it is now."""
+    modules = layer.parts if isinstance(layer, Stacked) else [layer]
+    out = []
+    for m in modules:
+        for name in ("weight", "bias"):
+            t = m._parameters.get(name)
+            out.append((m._parameters, name, t, None if t is None else t.data_ptr(),
+                        None if t is None or t.is_inference() else t._version))
+    return out
+
+
+def unchanged(watched: list[tuple]) -> bool:
+    """Whether no tensor in `watched` (from `watch`) was replaced, given new storage or edited in place since: what
+    `current_packs` checks, in a fraction of its time (a decode step checks every layer: 0.57 ms of Python for
+    SmolLM2's)."""
+    for params, name, t, ptr, version in watched:
+        if params.get(name) is not t or (t is not None and (t.data_ptr() != ptr or (
+                version is not None and t._version != version))):
+            return False
+    return True
+
+
 def _version(t: torch.Tensor | None) -> tuple | None:
     # an inference tensor has no version counter; it cannot be edited outside inference mode
     return None if t is None else (t.data_ptr(), None if t.is_inference() else t._version, t.dtype, t.device)

@@ -25,8 +25,8 @@ Contract: `forward(ids [T], positions [T], write_slots [T], plan, rows)` on a CP
 paged plan (`Plan.paged`), under inference mode: float32 logits `[len(rows), vocab]`, the pool written exactly as
 the model's own forward writes it. `usable(dtype)` says whether a call in that dtype may take it (the swapped
 modules' own condition: weights of that dtype). The model's parts are read once, when it is built: weights edited
-in place are followed (the bound programs are built again when a GEMM's packed copy changes), parameters replaced
-by other tensors are not (an engine's model is not converted or reloaded while it runs).
+in place are followed (the bound programs are built again when a GEMM's weight or bias changes:
+`cpu_linear.unchanged`, checked each step), other parameters replaced by other tensors are not (an engine's model is not converted or reloaded while it runs).
 """
 
 from __future__ import annotations
@@ -187,10 +187,6 @@ def _gemm_parts(linear) -> tuple[list, torch.Tensor | None, object] | None:
     return packs.slices, packs.bias if isinstance(linear, cpu_linear.Stacked) else linear.bias, packs
 
 
-def _current(linear, packs) -> bool:
-    return linear.current_packs() is packs
-
-
 class _Attend:
     """A layer's paged attention call: the arguments fixed for the program (`head`); a step adds its segments."""
 
@@ -216,7 +212,8 @@ class _Program:
 
     def __init__(self, lean: LeanModel, rows: int, pool, threads: int, linears: list, parts: list):
         self.lean, self.rows, self.threads = lean, rows, threads
-        self.watch = [(x, p[2]) for x, p in zip(linears, parts)]
+        # what the packed copies were made from (_gemm_parts made them current)
+        self.watch = [entry for x in linears for entry in cpu_linear.watch(x)]
         self.dtype, self.is_bf16 = lean.dtype, fused_ops.DTYPES[lean.dtype]
         self.fo, pa = fused_ops.LIBRARY.get(), paged_attention.LIBRARY.get()
         hidden = lean.embed.weight.shape[1]
@@ -307,7 +304,7 @@ class _Program:
             self.steps.append((out.add_, (part[1],)))
 
     def current(self, threads: int) -> bool:
-        return threads == self.threads and all(_current(x, packs) for x, packs in self.watch)
+        return threads == self.threads and cpu_linear.unchanged(self.watch)
 
     def run(self, ids, positions, write_slots, segs, keep) -> torch.Tensor:
         lean = self.lean
