@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_linear, fused_layers
-from .kernels import fused_ops, gemv, paged_attention
+from .kernels import fused_ops, gemv, paged_attention, step_program
 
 
 def _references() -> dict[str, dict[str, list]]:
@@ -187,26 +187,19 @@ def _gemm_parts(linear) -> tuple[list, torch.Tensor | None, object] | None:
     return packs.slices, packs.bias if isinstance(linear, cpu_linear.Stacked) else linear.bias, packs
 
 
-class _Attend:
-    """A layer's paged attention call: the arguments fixed for the program (`head`); a step adds its segments."""
-
-    def __init__(self, head: tuple):
-        self.head = head
-
-
 class _Program:
     """A decode step of `rows` (<= `cpu_linear.gemv_rows`) tokens as the same kernels called directly with their arguments
     bound once: every GEMM through gemv's blocked copies (as `cpu_linear._matmul` runs a few rows), intermediate
-    rows in this program's buffers (the residual stream, norms, q/k/v, attention, MLP rows), so a step makes ~13
-    calls per layer instead of ~40 Python calls and allocations. The same operations in the same order as the
-    module-level forward: the same results bit for bit. `current(threads)` is False once a weight changed or the
+    rows in this program's buffers (the residual stream, norms, q/k/v, attention, MLP rows), the list run by one C
+    call (`kernels/step_program.py`) instead of ~40 Python calls and allocations per layer. The same operations in
+    the same order as the module-level forward: the same results bit for bit. `current(threads)` is False once a weight changed or the
     thread count did (the program is built again)."""
 
     @classmethod
     def build(cls, lean: LeanModel, rows: int, pool, threads: int) -> _Program | None:
         linears = [x for layer in lean.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)]
         parts = [_gemm_parts(x) for x in linears]
-        if any(p is None for p in parts) or rows > gemv.max_rows():
+        if any(p is None for p in parts) or rows > gemv.max_rows() or not step_program.available():
             return None
         return cls(lean, rows, pool, threads, linears, parts)
 
@@ -217,14 +210,14 @@ class _Program:
         self.dtype, self.is_bf16 = lean.dtype, fused_ops.DTYPES[lean.dtype]
         self.fo, pa = fused_ops.LIBRARY.get(), paged_attention.LIBRARY.get()
         hidden = lean.embed.weight.shape[1]
-        self.buffers = []  # the steps hold raw pointers into these
+        self.buffers = []  # the program holds raw pointers into these
         self.x, self.h = self._buf(hidden), self._buf(hidden)
         self.scale = None if lean.embed_scale is None else lean.embed_scale.to(self.dtype)
         self.slots = torch.empty(rows, dtype=torch.long)
         d0 = lean.layers[0].head_dim
         self.rotations = {t: (self._buf(d0), self._buf(d0)) for t in lean.layer_types}
         part = iter(parts)
-        self.steps = []
+        self.program = step_program.Program()
         for layer in lean.layers:
             d, heads, kv = layer.head_dim, layer.heads, layer.kv_heads
             width = (heads + 2 * kv) * d
@@ -245,13 +238,15 @@ class _Program:
                 self._rope(q, heads, d, cos, sin)
                 self._rope(k, kv, d, cos, sin)
             v = qkv[:, (heads + kv) * d:]
-            for pool_layer, source in ((k_pool, k), (v_pool, v)):
-                self.steps.append((pool_layer.index_copy_, (1, self.slots, source.view(rows, kv, d).transpose(0, 1))))
+            for pool_layer, source in ((k_pool, k), (v_pool, v)):  # the pool's rows of the new tokens
+                self.program.add("write_kv", None, pool_layer.data_ptr(), pool_layer.stride(0), pool_layer.stride(1),
+                                 source.data_ptr(), source.stride(0), self.slots.data_ptr(), rows, kv, d,
+                                 source.element_size())
             query = q.view(rows, heads, d).transpose(0, 1)
-            self.steps.append((pa.kvql_paged_attention, _Attend((
-                query.data_ptr(), query.stride(1), query.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
-                k_pool.stride(0), k_pool.stride(1), att.data_ptr(), att.stride(0), d, heads, kv, d, self.is_bf16,
-                layer.scaling, int(layer.window or 0), 0.0))))
+            self.program.add("attention", pa.kvql_paged_attention,
+                             query.data_ptr(), query.stride(1), query.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+                             k_pool.stride(0), k_pool.stride(1), att.data_ptr(), att.stride(0), d, heads, kv, d,
+                             self.is_bf16, step_program.f32(layer.scaling), int(layer.window or 0), step_program.f32(0.0))
             self._gemm(att, next(part), o)
             self._residual(o, layer.post_attention)
             self._norm(self.x, layer.norm_mlp, self.h)
@@ -259,8 +254,8 @@ class _Program:
             n = gemv.shape(gate_up[0][0][2])[0]
             gu, act, m = self._buf(n), self._buf(n // 2), self._buf(hidden)
             self._gemm(self.h, gate_up, gu)
-            self.steps.append((self.fo.kvql_gated_mul, (gu.data_ptr(), gu.stride(0), act.data_ptr(), n // 2, rows,
-                                                        n // 2, fused_ops.ACTIVATIONS[layer.act], self.is_bf16, threads)))
+            self.program.add("gated_mul", self.fo.kvql_gated_mul, gu.data_ptr(), gu.stride(0), act.data_ptr(), n // 2,
+                             rows, n // 2, fused_ops.ACTIVATIONS[layer.act], self.is_bf16, threads)
             self._gemm(act, next(part), m)
             self._residual(m, layer.post_mlp)
         self._norm(self.x, lean.norm, self.h)
@@ -273,13 +268,13 @@ class _Program:
     def _norm(self, x: torch.Tensor, norm: _Norm, out: torch.Tensor) -> None:
         """`out = norm(x)` over the rows of `x` (`fused_ops.rms_norm`'s call)."""
         n = x.shape[1]
-        self.steps.append((self.fo.kvql_rms_norm, (x.data_ptr(), x.stride(0), norm.weight.data_ptr(), out.data_ptr(),
-                                                   out.stride(0), x.shape[0], n, norm.eps, int(norm.plus_one),
-                                                   self.is_bf16, self.threads)))
+        self.program.add("rms_norm", self.fo.kvql_rms_norm, x.data_ptr(), x.stride(0), norm.weight.data_ptr(),
+                         out.data_ptr(), out.stride(0), x.shape[0], n, step_program.f32(norm.eps), int(norm.plus_one),
+                         self.is_bf16, self.threads)
 
     def _rope(self, x: torch.Tensor, heads: int, d: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.steps.append((self.fo.kvql_rope, (x.data_ptr(), x.stride(0), self.rows, heads, d, cos.data_ptr(),
-                                               sin.data_ptr(), cos.stride(0), self.is_bf16, self.threads)))
+        self.program.add("rope", self.fo.kvql_rope, x.data_ptr(), x.stride(0), self.rows, heads, d, cos.data_ptr(),
+                         sin.data_ptr(), cos.stride(0), self.is_bf16, self.threads)
 
     def _residual(self, y: torch.Tensor, norm: _Norm | None) -> None:
         """x += y, or x += norm(y) (Gemma 3's post norms)."""
@@ -287,7 +282,12 @@ class _Program:
             normed = self._buf(y.shape[1])
             self._norm(y, norm, normed)
             y = normed
-        self.steps.append((self.x.add_, (y,)))
+        self._add(self.x, y)
+
+    def _add(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        """out += y (rows of out's width; a 1-D y is added to every row: a bias)."""
+        self.program.add("add", None, out.data_ptr(), out.stride(0), y.data_ptr(), y.stride(0) if y.dim() == 2 else 0,
+                         out.shape[0], out.shape[1], self.is_bf16)
 
     def _gemm(self, x: torch.Tensor, part, out: torch.Tensor) -> None:
         """Steps computing `out = x @ w.T (+ bias)` as `cpu_linear._matmul` does for these rows: gemv per
@@ -295,13 +295,13 @@ class _Program:
         for i, (a, _, blocked) in enumerate(part[0]):
             target = out if i == 0 else self._buf(out.shape[1])
             n, k = gemv.shape(blocked)
-            self.steps.append((gemv.LIBRARY.get().kvql_gemv, (
-                x.data_ptr() + a * x.element_size(), x.stride(0), blocked.data_ptr(), target.data_ptr(),
-                target.stride(0), x.shape[0], n, k, self.is_bf16, self.threads)))
+            self.program.add("gemv", gemv.LIBRARY.get().kvql_gemv, x.data_ptr() + a * x.element_size(), x.stride(0),
+                             blocked.data_ptr(), target.data_ptr(), target.stride(0), x.shape[0], n, k, self.is_bf16,
+                             self.threads)
             if i:
-                self.steps.append((out.add_, (target,)))
+                self._add(out, target)
         if part[1] is not None:
-            self.steps.append((out.add_, (part[1],)))
+            self._add(out, part[1])
 
     def current(self, threads: int) -> bool:
         return threads == self.threads and cpu_linear.unchanged(self.watch)
@@ -315,14 +315,8 @@ class _Program:
             self.rotations[layer_type][0].copy_(cos)
             self.rotations[layer_type][1].copy_(sin)
         self.slots.copy_(write_slots)
-        tail = (segs.count, segs.q_start.data_ptr(), segs.q_len.data_ptr(), segs.key_start.data_ptr(),
-                segs.n_keys.data_ptr(), segs.slots.data_ptr(), segs.max_keys, self.threads)
-        for fn, args in self.steps:
-            if type(args) is _Attend:
-                if fn(*args.head, *tail):
-                    raise RuntimeError("paged attention failed: out of memory")
-            else:
-                fn(*args)
+        self.program.run((segs.count, segs.q_start.data_ptr(), segs.q_len.data_ptr(), segs.key_start.data_ptr(),
+                          segs.n_keys.data_ptr(), segs.slots.data_ptr(), segs.max_keys, self.threads))
         return lean.logits(self.h.index_select(0, keep))
 
 

@@ -1,0 +1,72 @@
+"""A decode step's kernel calls bound once and run by one C call (step_program.c): the lean forward's bound
+program (kvql.engine.lean_model) lists each call here with its arguments, and a step runs the list.
+
+Why: a SmolLM2-135M decode step makes ~450 kernel calls; through ctypes each costs ~2.5 us of argument
+conversion before the kernel starts, ~1.1 ms of a ~12 ms bf16 step, and the residual adds and K/V writes
+done with torch ops cost 1.5-7 us each besides.
+
+Contract: `Program.add(kind, fn, *args)` appends a call: `fn` a ctypes function of kvql's kernel libraries
+whose signature is the kind's (gemv, rms_norm, rope, gated_mul, attention: their C files), `args` its
+arguments as integers (pointers as addresses; float arguments through `f32`); attention takes 17 and the
+step's 8 segment arguments (`run`'s `tail`). Two kinds are this library's own: `add(dst, dst_stride, src,
+src_stride, rows, n, is_bf16)` (dst += src row by row; src_stride 0 adds one row to every row, a bias) and
+`write_kv(pool, head_stride, slot_stride, src, row_stride, slots, rows, heads, head_dim, elem)` (each row's
+heads to its slot: index_copy_ on the pool's slot dim), with torch's arithmetic (bf16: a float32 add rounded once
+to nearest even). `run(tail)` calls them in order and raises when a kernel reports an error. The arguments are
+raw pointers: the caller keeps every tensor they point into alive and in place.
+
+Availability: built once per machine (kvql.engine.kernels.build); `available()` is False without a compiler or
+with `KVQL_STEP_PROGRAM=0` (the lean forward then runs its layers as module-level calls).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import torch
+
+from . import build
+
+SIGNATURES = {"kvql_step_run": (build.I64, [build.PTR, build.I64, build.PTR])}
+LIBRARY = build.Library("step_program", "KVQL_STEP_PROGRAM", "calling each kernel from Python", SIGNATURES,
+                        flags=["-ffp-contract=off"], limits=("kvql_step_op_words",))
+KINDS = {"gemv": 0, "rms_norm": 1, "rope": 2, "gated_mul": 3, "attention": 4, "add": 5, "write_kv": 6}
+TAIL = 8
+
+
+def available() -> bool:
+    """Whether the runner can run here (built on first call; a failure is warned about once)."""
+    return LIBRARY.available()
+
+
+def f32(x: float) -> int:
+    """A float argument as the runner passes it: its float32 bits."""
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+class Program:
+    """Calls appended with `add`, run in order by `run` (module doc)."""
+
+    def __init__(self):
+        self._ops: list[list[int]] = []
+        self._table: torch.Tensor | None = None
+        self._tail = (ctypes.c_int64 * TAIL)()
+
+    def add(self, kind: str, fn, *args: int) -> None:
+        words = LIBRARY.limits["kvql_step_op_words"]
+        assert len(args) <= words - 2 and self._table is None, (kind, len(args))
+        address = 0 if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+        self._ops.append([KINDS[kind], address, *(int(a) for a in args)] + [0] * (words - 2 - len(args)))
+
+    def run(self, tail: tuple) -> None:
+        """Every call in order; `tail`: the attention calls' 8 step arguments (segment count, the q_start, q_len,
+        key_start, n_keys and slots arrays' addresses, the longest segment's keys, threads)."""
+        if self._table is None:
+            self._table = torch.tensor(self._ops, dtype=torch.int64)
+        self._tail[:] = tail
+        failed = LIBRARY.get().kvql_step_run(self._table.data_ptr(), len(self._ops), self._tail)
+        if failed:
+            kind = next(k for k, v in KINDS.items() if v == self._ops[failed - 1][0])
+            raise RuntimeError(f"step program: its {kind} call (#{failed - 1}) failed"
+                               + (" (out of memory)" if kind == "attention" else ""))
