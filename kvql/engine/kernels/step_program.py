@@ -49,15 +49,16 @@ class Program:
     """Calls appended with `add`, run in order by `run` (module doc)."""
 
     def __init__(self):
+        self._lib = LIBRARY.get()  # raises where the runner is unavailable
+        self._words = LIBRARY.limits["kvql_step_op_words"]
         self._ops: list[list[int]] = []
         self._table: torch.Tensor | None = None
         self._tail = (ctypes.c_int64 * TAIL)()
 
     def add(self, kind: str, fn, *args: int) -> None:
-        words = LIBRARY.limits["kvql_step_op_words"]
-        assert len(args) <= words - 2 and self._table is None, (kind, len(args))
+        assert len(args) <= self._words - 2 and self._table is None, (kind, len(args))
         address = 0 if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
-        self._ops.append([KINDS[kind], address, *(int(a) for a in args)] + [0] * (words - 2 - len(args)))
+        self._ops.append([KINDS[kind], address, *(int(a) for a in args)] + [0] * (self._words - 2 - len(args)))
 
     def run(self, tail: tuple) -> None:
         """Every call in order; `tail`: the attention calls' 8 step arguments (segment count, the q_start, q_len,
@@ -65,7 +66,7 @@ class Program:
         if self._table is None:
             self._table = torch.tensor(self._ops, dtype=torch.int64)
         self._tail[:] = tail
-        failed = LIBRARY.get().kvql_step_run(self._table.data_ptr(), len(self._ops), self._tail)
+        failed = self._lib.kvql_step_run(self._table.data_ptr(), len(self._ops), self._tail)
         if failed:
             kind = next(k for k, v in KINDS.items() if v == self._ops[failed - 1][0])
             raise RuntimeError(f"step program: its {kind} call (#{failed - 1}) failed"
