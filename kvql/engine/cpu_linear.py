@@ -21,7 +21,7 @@ vs default); fp32, SmolLM2's linear set with one row, 2 threads, alternating, 6 
 GB/s, gemv 23.1-28.7 GB/s (a torch sum 31.7).
 Where oneDNN packs no bf16 weight (an AVX2-only CPU), a bf16 layer's blocked copy is computed by gemv's
 widening kernel at every batch size instead of torch's plain kernel (one float32 chain per output, so a row
-never depends on its batch; 2.4-3.2x the plain kernel's speed).
+never depends on its batch; ~3x the plain kernel's speed at one row, ~7x from 24 rows up: gemv.py).
 
 The packed copy is held beside the layer's own weight, which is kept, so the module stays an ordinary
 `nn.Linear` (state dict, `.to()`, the snapshot fingerprint): the linear weights take twice their memory.

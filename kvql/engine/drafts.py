@@ -21,10 +21,10 @@ Adaptive per request (`Draft`): a draft from the tree has the most tokens at onc
 same context produced); the other sources' length grows after a fully accepted draft and shrinks after a
 rejected first token; a request whose drafts keep failing (a running mean of accepted tokens per draft below
 `PAUSE_BELOW`) stops drafting and tries again after `PAUSE_STEPS` decode steps. Verifying k drafted tokens
-costs a batch-1 forward little while the step is memory-bound (SmolLM2-135M, 2 threads, 300 tokens of
-context, one token vs 1 + k: fp32 +7% for k = 1-3, +10% for 5, +21% for 7; bf16 +9% for 1, +20% for 3, +41%
-for 5, +51% for 7: up to 4 rows run cpu_linear's small-batch kernel, more oneDNN's GEMM), so a first draft
-has 3 tokens and longer ones must be earned; the scheduler drafts only for small batches.
+costs a batch-1 forward little while the step is memory-bound (SmolLM2-135M, 2 threads, AVX2, 300 tokens of
+context, 1 + k tokens vs one: fp32 1.08x for k = 1, 1.36x for 3, 1.93x for 7; bf16 1.24x, 1.57x, 2.49x; up to 8
+rows run cpu_linear's small-batch kernel, 9 rows 3.0x / 3.4x), so a first draft from the request's context or
+earlier outputs has 3 tokens and longer ones must be earned; the scheduler drafts only for small batches.
 """
 
 from __future__ import annotations

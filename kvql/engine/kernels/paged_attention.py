@@ -18,7 +18,9 @@ single new token's keys straight from the pool instead of widening them into scr
 layer's decode attention from 441 to ~250 us in bf16, 647 to ~270-500 us in fp32). On long
 prompts it runs at SDPA's speed (one 1,000-token prompt, one layer, 2 threads: 12.6 ms vs SDPA's causal
 kernel 13.0 ms, ~90 GFLOP/s): the softmax uses its own vectorized exp (the C file's `exp16`), which scalar
-`expf` made half as fast.
+`expf` made half as fast. On an AVX2 CPU its hot loops run on 8-lane vectors (the C file's doc): one layer
+(9 heads, 3 KV heads, head dim 64, 300 keys, 2 threads) 105 -> 43 us for a decode step, 696 -> 246 us for 8 new
+tokens, 2.2 -> 0.77 ms for 33, in fp32 and bf16 alike.
 
 Availability: the library is built once per machine (kvql.engine.kernels.build; at -O2 and with
 -ffp-contract=off, see the C file).
