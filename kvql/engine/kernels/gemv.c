@@ -89,7 +89,7 @@ static inline void round8(__m256 a, uint16_t *o) {
     for (int i = 0; i < 8; i++) o[i] = f32_to_bf16(f[i]);
 }
 
-/* Outputs 64 b .. 64 b + 63 for input row xm (widened to float32), from the block wb ([k][64]). */
+/* Outputs 64 b .. 64 b + 63 for input row xm (widened to float32), from the block wb ([4][k][16]: four streams). */
 static inline void bf16_fma_row(const float *xm, const uint16_t *wb, uint16_t *o, int64_t k) {
     /* named accumulators, not an array: GCC keeps an array's elements in memory across the loop */
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, lo, hi;
@@ -105,7 +105,8 @@ static inline void bf16_fma_row(const float *xm, const uint16_t *wb, uint16_t *o
     round8(a4, o + 32), round8(a5, o + 40), round8(a6, o + 48), round8(a7, o + 56);
 }
 
-/* The same outputs for the four rows x, x + k, .. (widened; out rows ldo apart), 16 outputs at a time. */
+/* The same outputs for R (2 to 4) rows x, x + k, .. (widened; out rows ldo apart), 16 outputs at a time: each
+   widened weight used R times. */
 static inline __attribute__((always_inline)) void bf16_fma_rows(const float *x, const uint16_t *wb, uint16_t *o,
                                                                 int64_t ldo, int64_t k, const int R) {
     for (int s = 0; s < 64; s += 16) {
@@ -128,7 +129,7 @@ static inline __attribute__((always_inline)) void bf16_fma_rows(const float *x, 
 #endif
 
 #ifdef __AVX512F__
-/* Outputs 64 b .. 64 b + 63 for input row xm, from the block wb ([k][64]). */
+/* Outputs 64 b .. 64 b + 63 for input row xm, from the block wb ([4][k][16]: four streams). */
 static inline void f32_block(const float *xm, const float *wb, float *o, int64_t k) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t j = 0; j < k; j++) {
@@ -178,7 +179,9 @@ static inline __attribute__((always_inline)) void f32_rows(const float *x, int64
         if (R > 3) _mm256_storeu_ps(q + 3 * ldo, d0), _mm256_storeu_ps(q + 3 * ldo + 8, d1);
     }
 }
-/* Two rows, two sub-blocks at a time (two streams of the weight). */
+
+/* Two rows, two of the four 16-output sub-blocks at a time (two streams of the weight; measured faster than
+   f32_rows' one). */
 static inline void f32_rows2(const float *x, int64_t ldx, const float *wb, float *o, int64_t ldo, int64_t k) {
     for (int s = 0; s < 4; s += 2) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
@@ -213,7 +216,8 @@ const int kvql_gemv_bf16_fast_rows = MAX_ROWS;
 const int kvql_gemv_bf16_fast_rows = 4;
 #endif
 
-/* w blocked (bf16: [n / 64][k / 2][64][2], float32: [n / 64][k][64]); x rows ldx apart, out rows ldo apart.
+/* w blocked (bf16 with AVX512_BF16: [n / 64][k / 2][64][2], else [n / 16][k][16]); x rows ldx apart, out rows ldo
+   apart.
    Returns 1 (nothing done) when the shape is outside the contract or the CPU lacks the dtype's instructions. */
 int kvql_gemv(const void *x, int64_t ldx, const void *w, void *out, int64_t ldo, int64_t rows, int64_t n,
               int64_t k, int is_bf16, int threads) {
