@@ -224,7 +224,7 @@ def watch(layer: Linear | Stacked) -> list[tuple]:
     out = []
     for m in modules:
         for name in ("weight", "bias"):
-            t = m._parameters.get(name)
+            t = m._parameters.get(name)  # the dict itself is watched: Module.__getattr__ costs ~3 us a call
             out.append((m._parameters, name, t, None if t is None else t.data_ptr(),
                         None if t is None or t.is_inference() else t._version))
     return out
@@ -232,8 +232,8 @@ def watch(layer: Linear | Stacked) -> list[tuple]:
 
 def unchanged(watched: list[tuple]) -> bool:
     """Whether no tensor in `watched` (from `watch`) was replaced, given new storage or edited in place since: what
-    `current_packs` checks, in a fraction of its time (a decode step checks every layer: 0.57 ms of Python for
-    SmolLM2's)."""
+    `current_packs` checks, in a fraction of its time (a decode step checks every layer: 0.57 -> 0.07 ms of Python
+    for SmolLM2's)."""
     for params, name, t, ptr, version in watched:
         if params.get(name) is not t or (t is not None and (t.data_ptr() != ptr or (
                 version is not None and t._version != version))):

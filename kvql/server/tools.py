@@ -107,9 +107,9 @@ class ToolCalling:
     def constraint(self) -> dict:
         """The output's constraint, as `Model.generate` options."""
         if self.mode == "named":
-            return {"json_schema": self._parameters(self.named)}  # written with JSON_SPACING, as every json_schema
+            return {"json_schema": self._arguments_schema(self.named)}  # written with JSON_SPACING, as every json_schema
         call = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                           "arguments": self._parameters(f["name"])},
+                                                           "arguments": self._arguments_schema(f["name"])},
                            "required": ["name", "arguments"], "additionalProperties": False}
                           for f in self.functions], "x-guidance": JSON_SPACING}
         calls = 'call ("\\n" call)*' if self.parallel else "call"
@@ -120,7 +120,7 @@ class ToolCalling:
             lark += f"TEXT: /(.|\\n)*/ & ~/{re.escape(OPEN)}(.|\\n)*/\n"
         return {"grammar": lark}
 
-    def _parameters(self, name: str) -> dict:
+    def _arguments_schema(self, name: str) -> dict:
         schema = next(f for f in self.functions if f["name"] == name).get("parameters")
         return _closed(schema) if isinstance(schema, dict) and schema else _ANY_OBJECT
 
