@@ -109,11 +109,12 @@ def _packed(w: torch.Tensor) -> torch.Tensor:
 
 
 class _Packed:
-    """A layer's slices, `(start, packed weight or None)` per reduction slice, the weight they were packed
-    from (`source`), and (`Stacked`) the stacked bias. A copy or a pickle of the model carries none: oneDNN's packed tensors cannot be
-    copied, and the copy packs its own weight at its first call."""
+    """A layer's slices, `(start, packed weight or None)` per reduction slice, the weights and biases they were
+    packed from (`source`: `_watch`'s list, None for none), and (`Stacked`) the stacked bias. A copy or a pickle
+    of the model carries none: oneDNN's packed tensors cannot be copied, and the copy packs its own weight at its
+    first call."""
 
-    def __init__(self, slices: list | None = None, source: tuple | None = None, bias: torch.Tensor | None = None,
+    def __init__(self, slices: list | None = None, source: list | None = None, bias: torch.Tensor | None = None,
                  weight: torch.Tensor | None = None):
         self.slices, self.source, self.bias = slices or [], source, bias
         self.weight = weight  # `Stacked`'s stacked weight where it is not packed (the plain kernel reads it)
@@ -135,20 +136,18 @@ class Linear(torch.nn.Linear):
     kvql_pack: bool
     kvql_packed: _Packed
 
-    def _source(self) -> tuple:
-        return _version(self.weight)
-
     def repack(self) -> _Packed:
         w = self.weight
         pack = self.kvql_pack and _packable(w)
         self.kvql_packed = _Packed(_slices(w, self.kvql_slice, pack, self.kvql_pack and _own_kernel(w)),
-                                   self._source())
+                                   _watch([self]))
         return self.kvql_packed
 
     def current_packs(self) -> _Packed:
-        """The packed slices, packed again first if the weight changed since, or this is a copy (module doc)."""
+        """The packed slices, packed again first if the weight or bias changed since, or this is a copy (module
+        doc)."""
         packs = self.kvql_packed
-        return packs if packs.source == self._source() else self.repack()
+        return packs if unchanged(packs.source) else self.repack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, packs = self.weight, self.current_packs()
@@ -217,33 +216,30 @@ def _step(n: int, max_reduction: int | None) -> int:
     return math.ceil(n / math.ceil(n / max_reduction)) if max_reduction and n > max_reduction else n
 
 
-def watch(layer: Linear | Stacked) -> list[tuple]:
-    """What `unchanged` checks for `layer` (a `Linear` or `Stacked`): each weight and bias its packed copy is
-    made from, as it is now."""
-    modules = layer.parts if isinstance(layer, Stacked) else [layer]
+def _watch(modules: list[torch.nn.Linear]) -> list[tuple]:
+    """What `unchanged` checks: each weight and bias of `modules`, as it is now."""
     out = []
     for m in modules:
         for name in ("weight", "bias"):
             t = m._parameters.get(name)  # the dict itself is watched: Module.__getattr__ costs ~3 us a call
+            # an inference tensor has no version counter; it cannot be edited outside inference mode
             out.append((m._parameters, name, t, None if t is None else t.data_ptr(),
                         None if t is None or t.is_inference() else t._version))
     return out
 
 
-def unchanged(watched: list[tuple]) -> bool:
-    """Whether no tensor in `watched` (from `watch`) was replaced, given new storage or edited in place since: what
-    `current_packs` checks, in a fraction of its time (a decode step checks every layer: 0.57 -> 0.07 ms of Python
-    for SmolLM2's)."""
+def unchanged(watched: list[tuple] | None) -> bool:
+    """Whether no tensor in `watched` (a `_Packed.source`; None: nothing watched, a copy's) was replaced, given new
+    storage or edited in place since. Cheap, as a decode step checks every layer (the tensors' own identity,
+    storage and version counter: 0.07 ms of Python for SmolLM2's, where comparing tuples of each tensor's data
+    pointer, version, dtype and device took 0.57)."""
+    if watched is None:
+        return False
     for params, name, t, ptr, version in watched:
         if params.get(name) is not t or (t is not None and (t.data_ptr() != ptr or (
                 version is not None and t._version != version))):
             return False
     return True
-
-
-def _version(t: torch.Tensor | None) -> tuple | None:
-    # an inference tensor has no version counter; it cannot be edited outside inference mode
-    return None if t is None else (t.data_ptr(), None if t.is_inference() else t._version, t.dtype, t.device)
 
 
 class Stacked:
@@ -262,9 +258,6 @@ class Stacked:
         self.step = _step(self.in_features, max_reduction)
         self.repack()  # now, not at the first call: a fresh server's first requests do not pay it
 
-    def _source(self) -> tuple:
-        return tuple((_version(p.weight), _version(p.bias)) for p in self.parts)
-
     def __getstate__(self) -> dict:
         return {**self.__dict__, "packed": _Packed()}
 
@@ -276,14 +269,14 @@ class Stacked:
                 [b.detach() if b is not None else w.new_zeros(p.out_features) for b, p in zip(biases, self.parts)])
             # one assignment: a thread calling meanwhile sees the old set or the new one, never a mix
             pack = _packable(w)
-            self.packed = _Packed(_slices(w, self.step, pack, _own_kernel(w)), self._source(), bias,
+            self.packed = _Packed(_slices(w, self.step, pack, _own_kernel(w)), _watch(self.parts), bias,
                                   None if pack else w)
         return self.packed
 
     def current_packs(self) -> _Packed:
         """The packed slices, packed again first if a part changed since, or this is a copy."""
         packs = self.packed
-        return packs if packs.source == self._source() else self.repack()
+        return packs if unchanged(packs.source) else self.repack()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         packs = self.current_packs()

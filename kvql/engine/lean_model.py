@@ -201,12 +201,11 @@ class _Program:
         parts = [_gemm_parts(x) for x in linears]
         if any(p is None for p in parts) or rows > gemv.max_rows() or not step_program.available():
             return None
-        return cls(lean, rows, pool, threads, linears, parts)
+        return cls(lean, rows, pool, threads, parts)
 
-    def __init__(self, lean: LeanModel, rows: int, pool, threads: int, linears: list, parts: list):
+    def __init__(self, lean: LeanModel, rows: int, pool, threads: int, parts: list):
         self.lean, self.rows, self.threads = lean, rows, threads
-        # what the packed copies were made from (_gemm_parts made them current)
-        self.watch = [entry for x in linears for entry in cpu_linear.watch(x)]
+        self.sources = [p[2].source for p in parts]  # what the packed copies were made from
         self.dtype, self.is_bf16 = lean.dtype, fused_ops.DTYPES[lean.dtype]
         self.fo, pa = fused_ops.LIBRARY.get(), paged_attention.LIBRARY.get()
         hidden = lean.embed.weight.shape[1]
@@ -304,7 +303,7 @@ class _Program:
             self._add(out, part[1])
 
     def current(self, threads: int) -> bool:
-        return threads == self.threads and cpu_linear.unchanged(self.watch)
+        return threads == self.threads and all(cpu_linear.unchanged(s) for s in self.sources)
 
     def run(self, ids, positions, write_slots, segs, keep) -> torch.Tensor:
         lean = self.lean
@@ -328,11 +327,11 @@ def build(hf_model) -> LeanModel | None:
     base = getattr(hf_model, "model", None)
     if base is None or any(m._forward_hooks or m._forward_pre_hooks for m in hf_model.modules()) or _global_hooks():
         return None
-    structure = next((name for name, refs in _references().items()
-                      if _is(hf_model, refs["causal"]) and _is(base, refs["model"])), None)
+    structure, refs = next(((name, refs) for name, refs in _references().items()
+                            if _is(hf_model, refs["causal"]) and _is(base, refs["model"])), (None, None))
     if structure is None:
         return None
-    refs, gemma = _references()[structure], structure == "gemma3"
+    gemma = structure == "gemma3"
     embed = base.embed_tokens
     if not ((_is(embed, refs["embedding"]) if gemma else type(embed) is torch.nn.Embedding)
             and embed.max_norm is None and not getattr(base.config, "use_bidirectional_attention", False)):
