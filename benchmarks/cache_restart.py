@@ -1,25 +1,27 @@
-"""Cache that survives restarts: snapshot save/load time and size, and first-request latency after a
-restart, warm snapshot vs cold (SmolLM2-135M-Instruct, `kvql.model()`'s default model, CPU).
+"""Cache that survives restarts, in the disk tier's format: write and read-back time and size, and first-request
+latency after a restart, warm (`disk_cache=DIR`) vs cold (SmolLM2-135M-Instruct, `kvql.model()`'s default
+model, CPU).
 
 What is measured, in one run:
-1. Snapshot of ~N tokens (default 100k): one model with a cache budget that holds them is filled with
-   N distinct prompt tokens (prompts of `--prompt-len` random token ids, no shared prefixes, one
-   generated token each); then `save_cache(path)` is timed, the file size read, the cache cleared,
-   and `load_cache(path)` timed (the same work a start with `cache_dir` does: read, verify the
-   checksum, copy the KV into the pool, rebuild the tree). The file was just written, so the load
-   reads it from the page cache, as a restart right after a shutdown would. Integrity is checked,
-   the K/V of a sample prompt must be bitwise the same after the load, and with `--fill prompts` one
-   prompt's greedy output is compared with and without the loaded cache.
-   `--fill synthetic` skips the prefill (minutes on a busy 2-core CPU): the same prompts go into the
-   tree with random K/V written to their slots. Save and load cost depends only on the token count
-   and tree shape, not on the values, so the times are those of a real cache of that shape.
+1. A cache of ~N tokens (default 100k): one model with a memory budget that holds them and a disk tier is
+   filled with N distinct prompt tokens (prompts of `--prompt-len` random token ids, no shared prefixes, one
+   generated token each); then `save_cache()` is timed (what `close` and the idle autosave do: every node only
+   memory holds is written as a tier file), with the time it holds the engine (steps wait that long), and
+   the files' size read. The model is closed and a new one opened on the directory (start: scan the files,
+   rebuild the tree, every node on disk) and every prompt asked again with `max_tokens=1`: each request reads
+   its KV back (checksums verified) instead of computing it; that read-back wall time is printed beside the
+   time the same prompts took to compute (the fill). The files were just written, so they are read from the
+   page cache, as a restart right after a shutdown would. Integrity is checked, and the K/V of a sample
+   prompt (all but its last token, which is computed) must be bitwise the same after the read-back.
+   `--fill synthetic` skips the prefill (minutes on a busy 2-core CPU): the same prompts go into the tree
+   with random K/V written to their slots (no compute time to compare with then).
 2. Restart on the few-shot workload of benchmarks/fewshot_qa.py (its shared ~300-token prefix and its
-   questions, `max_tokens=10`, `stop=["\\n"]`): a model with `cache_dir` answers every question, is
-   closed (which saves the snapshot), then a new model is built on the same weights twice: with the
-   same `cache_dir` (warm: the snapshot is loaded at start) and without (cold). For each, the time to
-   build the model (snapshot load included) and the latency of its first request (the first question)
-   are printed side by side, with the answers (they must be equal). Weights are loaded once: a real
-   restart adds the same model load time to both.
+   questions, `max_tokens=10`, `stop=["\\n"]`): a model with `disk_cache` answers every question, is closed
+   (which writes the pool's nodes to the tier), then a new model is built on the same weights twice: on the
+   same directory (warm: its KV is read back when the first request needs it) and without (cold). For each,
+   the time to build the model (the tier's scan included) and the latency of its first request are printed
+   side by side, with the answers (they must be equal). Weights are loaded once: a real restart adds the
+   same model load time to both.
 
 Usage: python benchmarks/cache_restart.py [--tokens 100000] [--prompt-len 1000] [--fill prompts|synthetic]
        [--questions 24] [--dtype float32] [--threads 2]
@@ -42,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 from kvql.backends.loader import load_hf  # noqa: E402
 from kvql import Model  # noqa: E402
-from kvql.engine import snapshot  # noqa: E402
+from kvql.engine.fingerprint import fingerprint  # noqa: E402
+from kvql.engine.disk_tier import FORMAT  # noqa: E402
 from kvql.engine.kv_pool import KVPool  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("fewshot_qa", ROOT / "benchmarks" / "fewshot_qa.py")
@@ -74,7 +77,7 @@ class HeldTime:
         self.lock.release()
 
 
-def snapshot_numbers(hf, tok, tokens: int, prompt_len: int, directory: Path, synthetic: bool) -> dict:
+def tier_numbers(hf, tok, tokens: int, prompt_len: int, directory: Path, synthetic: bool) -> dict:
     g = torch.Generator().manual_seed(0)
     count = -(-tokens // prompt_len)
     specials = set(tok.all_special_ids)
@@ -83,7 +86,8 @@ def snapshot_numbers(hf, tok, tokens: int, prompt_len: int, directory: Path, syn
         ids = torch.randint(0, len(tok), (prompt_len,), generator=g).tolist()
         prompts.append([t if t not in specials else 1000 for t in ids])
     budget = (count * (prompt_len + 2) + 64) * slot_bytes(hf)
-    m = Model(hf, tok, name=MODEL, cache_budget=budget, max_batch_tokens=2048)
+    m = Model(hf, tok, name=MODEL, cache_budget=budget, max_batch_tokens=2048, disk_cache=directory,
+              cache_save_interval=0)
     t0 = time.perf_counter()
     if synthetic:
         e = m.engine
@@ -101,38 +105,44 @@ def snapshot_numbers(hf, tok, tokens: int, prompt_len: int, directory: Path, syn
     cached = m.engine.tree.total_tokens
     sample = prompts[len(prompts) // 2]
 
-    def sample_kv():
-        slots, _ = m.engine.tree.match_prefix(sample)
-        return m.engine.pool.k[:, :, slots].clone(), m.engine.pool.v[:, :, slots].clone()
+    def sample_kv(model):
+        with model.engine._state:
+            slots, _ = model.engine.tree.match_prefix(sample)
+            return model.engine.pool.k[:, :, slots].clone(), model.engine.pool.v[:, :, slots].clone()
 
-    kv_before = sample_kv()
-    path = directory / "snapshot.safetensors"
+    kv_before = sample_kv(m)
     held = HeldTime(m.engine._state)
+    m.engine._state = held  # counts the time save_cache holds the engine
     t0 = time.perf_counter()
-    saved = snapshot.write(m.engine.tree, m.engine.pool, path, m.engine.fingerprint(), held).commit()
-    save_s = time.perf_counter() - t0  # Engine.save_cache, with the time the engine is held counted
-    held_s = held.seconds
-    m.clear_cache()
-    t0 = time.perf_counter()
-    loaded = m.load_cache(path)
-    load_s = time.perf_counter() - t0
-    m.check_integrity()
-    kv_after = sample_kv()
-    same_kv = all(torch.equal(a, b) for a, b in zip(kv_before, kv_after)) and kv_after[0].shape[2] == len(sample)
-    again = None if synthetic else m.generate(prompts[:1], max_tokens=1)
-    t0 = time.perf_counter()
-    fp = snapshot.fingerprint(hf, tok, m.engine.pool)  # uncached: its cost once per engine
-    fp_s = time.perf_counter() - t0
-    out = {"tokens": cached, "nodes": saved["nodes"], "bytes": saved["bytes"], "save_s": save_s, "load_s": load_s,
-           "save_engine_held_s": held_s,
-           "loaded_tokens": loaded["tokens"], "fingerprint_s": fp_s, "fill_s": fill,
-           "same_kv": same_kv, "fill": "synthetic" if synthetic else "prompts",
-           "same_output": None if synthetic else again[0].token_ids == first[0].token_ids,
-           "cached_after_load": None if synthetic else again[0].cached_tokens, "fingerprint": fp}
+    saved = m.save_cache()
+    save_s = time.perf_counter() - t0
+    m.engine._state = held.lock
+    files = [p for p in m.engine.tree.tier.path.iterdir() if p.name.endswith(".safetensors")]
+    nbytes = sum(p.stat().st_size for p in files)
     m.close()
     del m
     gc.collect()
-    path.unlink()
+    t0 = time.perf_counter()
+    b = Model(hf, tok, name=MODEL, cache_budget=budget, max_batch_tokens=2048, disk_cache=directory,
+              cache_save_interval=0)
+    start_s = time.perf_counter() - t0
+    on_disk = b.stats()["tier_tokens"]
+    t0 = time.perf_counter()
+    again = b.generate(prompts, max_tokens=1)
+    read_s = time.perf_counter() - t0
+    b.check_integrity()
+    kv_after = sample_kv(b)
+    read = len(sample) - 1  # the last prompt token is always computed (its K/V, random before, is recomputed)
+    same_kv = all(torch.equal(x[:, :, :read], y[:, :, :read]) for x, y in zip(kv_before, kv_after))
+    t0 = time.perf_counter()
+    fp = fingerprint(hf, tok, b.engine.pool, FORMAT)  # uncached: its cost once per engine
+    fp_s = time.perf_counter() - t0
+    out = {"tokens": cached, "files": len(files), "bytes": nbytes, "save_s": save_s, "written_tokens": saved["tokens"],
+           "save_engine_held_s": held.seconds, "start_s": start_s, "tokens_on_disk_at_start": on_disk,
+           "read_back_s": read_s, "read_back_tokens": b.stats()["disk_tokens"], "fingerprint_s": fp_s, "fill_s": fill,
+           "same_kv": same_kv, "fill": "synthetic" if synthetic else "prompts",
+           "same_output": None if synthetic else [c.token_ids for c in again] == [c.token_ids for c in first]}
+    b.close()
     return out
 
 
@@ -140,15 +150,15 @@ def restart_numbers(hf, tok, directory: Path, n_questions: int) -> dict:
     prompts = [fewshot.PREFIX + fewshot.qa(q) for q, _ in fewshot.QUESTIONS[:n_questions]]
     opts = dict(max_tokens=10, stop=["\n"])
     budget = 256 * 2**20
-    first = Model(hf, tok, name=MODEL, cache_budget=budget, cache_dir=directory, cache_save_interval=0)
+    first = Model(hf, tok, name=MODEL, cache_budget=budget, disk_cache=directory, cache_save_interval=0)
     answers = first.generate(prompts, **opts)
-    first.close()  # saves the snapshot
-    size = first.cache_dir.path.stat().st_size
+    first.close()  # writes the pool's nodes to the tier
+    size = sum(p.stat().st_size for p in first.engine.tree.tier.path.iterdir())
     rows = {}
     for kind in ("warm", "cold"):
         gc.collect()
         t0 = time.perf_counter()
-        m = Model(hf, tok, name=MODEL, cache_budget=budget, cache_dir=directory if kind == "warm" else None,
+        m = Model(hf, tok, name=MODEL, cache_budget=budget, disk_cache=directory if kind == "warm" else None,
                   cache_save_interval=0)
         start_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -157,7 +167,7 @@ def restart_numbers(hf, tok, directory: Path, n_questions: int) -> dict:
         rows[kind] = {"start_s": start_s, "first_request_s": latency, "cached_tokens": c.cached_tokens,
                       "prompt_tokens": c.prompt_tokens, "answer": c.text, "same_as_before": c.text == answers[0].text}
         m.close()
-    rows["snapshot_bytes"] = size
+    rows["tier_bytes"] = size
     rows["prefix_tokens"] = len(tok(fewshot.PREFIX).input_ids)
     rows["questions"] = n_questions
     return rows
@@ -165,14 +175,14 @@ def restart_numbers(hf, tok, directory: Path, n_questions: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=100_000, help="tokens in the snapshot of part 1")
+    ap.add_argument("--tokens", type=int, default=100_000, help="tokens in the cache of part 1")
     ap.add_argument("--prompt-len", type=int, default=1000)
     ap.add_argument("--fill", choices=("prompts", "synthetic"), default="prompts",
                     help="prompts: prefill them (real KV); synthetic: random KV in their slots (module doc)")
     ap.add_argument("--questions", type=int, default=24, help="few-shot questions answered before the restart")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--skip-snapshot", action="store_true", help="only part 2 (restart latency)")
+    ap.add_argument("--skip-write", action="store_true", help="only part 2 (restart latency)")
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -180,19 +190,21 @@ def main():
     results = {"config": {"model": MODEL, "dtype": args.dtype, "threads": torch.get_num_threads(),
                           "bytes_per_token": slot_bytes(hf)}}
     with tempfile.TemporaryDirectory(dir=ROOT / "benchmarks") as d:  # the checkout's disk, not a tmpfs
-        if not args.skip_snapshot:
-            s = results["snapshot"] = snapshot_numbers(hf, tok, args.tokens, args.prompt_len, Path(d),
-                                                           args.fill == "synthetic")
-            print(f"snapshot of {s['tokens']:,} tokens ({s['nodes']} nodes, {args.dtype}): "
-                  f"{s['bytes'] / 2**30:.2f} GiB on disk | save {s['save_s']:.2f} s "
-                  f"(engine held {s['save_engine_held_s']:.2f} s of it) | load {s['load_s']:.2f} s "
-                  f"({s['bytes'] / 2**30 / s['save_s']:.2f} / {s['bytes'] / 2**30 / s['load_s']:.2f} GiB/s) | "
-                  f"fingerprint {s['fingerprint_s'] * 1000:.0f} ms | "
-                  f"fill: {s['fill']}, {s['fill_s']:.0f} s | K/V bitwise equal after load: {s['same_kv']} | "
-                  f"output after load same: {s['same_output']} (cached {s['cached_after_load']})", flush=True)
+        if not args.skip_write:
+            s = results["tier"] = tier_numbers(hf, tok, args.tokens, args.prompt_len, Path(d) / "write",
+                                               args.fill == "synthetic")
+            gib = s["bytes"] / 2**30
+            compute = f"; computing them took {s['fill_s']:.1f} s" if s["fill"] == "prompts" else ""
+            print(f"disk tier, {s['tokens']:,} tokens ({s['files']} files, {args.dtype}): {gib:.2f} GiB on disk | "
+                  f"save_cache {s['save_s']:.2f} s ({gib / s['save_s']:.2f} GiB/s; engine held "
+                  f"{s['save_engine_held_s']:.2f} s of it) | restart: start {s['start_s']:.2f} s "
+                  f"({s['tokens_on_disk_at_start']:,} tokens on disk), every prompt asked again "
+                  f"{s['read_back_s']:.2f} s ({s['read_back_tokens']:,} tokens read back{compute}) | "
+                  f"fingerprint {s['fingerprint_s'] * 1000:.0f} ms | fill: {s['fill']} | K/V bitwise equal after "
+                  f"read-back: {s['same_kv']} | outputs same: {s['same_output']}", flush=True)
         r = results["restart"] = restart_numbers(hf, tok, Path(d) / "restart", args.questions)
     print(f"restart on the few-shot workload ({r['questions']} questions answered before; prefix "
-          f"{r['prefix_tokens']} tokens; snapshot {r['snapshot_bytes'] / 2**20:.1f} MiB):")
+          f"{r['prefix_tokens']} tokens; disk tier {r['tier_bytes'] / 2**20:.1f} MiB):")
     print(f"  {'':6} {'start (s)':>10} {'first request (s)':>18} {'cached/prompt tokens':>21}  answer")
     for kind in ("warm", "cold"):
         w = r[kind]
@@ -200,6 +212,7 @@ def main():
               f"{w['cached_tokens']:>10}/{w['prompt_tokens']:<10}  {w['answer']!r} (same as before: {w['same_as_before']})")
     print(f"  first request: warm is {r['cold']['first_request_s'] / r['warm']['first_request_s']:.1f}x faster")
     out = ROOT / "benchmarks" / "results" / "cache_restart.json"
+    out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=1, default=str))
     print(f"results: {out.relative_to(ROOT)}")
 

@@ -55,8 +55,7 @@ def load(spec: str, args):
     import kvql
 
     return kvql.model(spec, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", None),
-                      cache_budget=getattr(args, "cache_budget", None), cache_dir=getattr(args, "cache_dir", None),
-                      disk_cache=getattr(args, "disk_cache", None), disk_budget=getattr(args, "disk_budget", None),
+                      cache_budget=getattr(args, "cache_budget", None), disk_cache=getattr(args, "disk_cache", None), disk_budget=getattr(args, "disk_budget", None),
                       speculate=getattr(args, "speculate", True), silent=False)
 
 
@@ -198,9 +197,9 @@ def run(args) -> None:
     else:
         spec = query_model_spec(q, inputs, args.model)
         remote = bool(spec) and spec.startswith(("http://", "https://"))
-        if remote and (args.cache_dir or args.disk_cache):
-            raise UsageError("--cache-dir and --disk-cache are for local models; a server keeps its own cache "
-                             "(kvql serve --cache-dir / --disk-cache)")
+        if remote and args.disk_cache:
+            raise UsageError("--disk-cache (--cache-dir) is for local models; a server keeps its own cache "
+                             "(kvql serve --disk-cache)")
         model = spec if remote or not spec else load(spec, args)
     result = q.run_sync(model=model, **overrides, **inputs)
     traces = list(getattr(q, "last_traces", None) or [])
@@ -367,8 +366,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _model_options(p: argparse.ArgumentParser, model_default: str | None = DEFAULT_MODEL,
-                   model_help: str = MODEL_HELP, cache_dir: bool = False) -> None:
-    """--model, --device, --dtype, --cache-budget (and --cache-dir): the local model a command loads."""
+                   model_help: str = MODEL_HELP, disk_cache: bool = False) -> None:
+    """--model, --device, --dtype, --cache-budget (and --disk-cache): the local model a command loads."""
     from .backends.dtype import DEFAULT, NAMES
 
     p.add_argument("--model", default=model_default, help=model_help)
@@ -378,20 +377,18 @@ def _model_options(p: argparse.ArgumentParser, model_default: str | None = DEFAU
                    help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
                    help=SPECULATE_HELP)
-    if cache_dir:
-        p.add_argument("--cache-dir", type=directory, default=None, metavar="DIR",
-                       help="keep the KV cache in DIR between runs: a snapshot per model and dtype, loaded at start "
-                            "when there is one, saved at exit (a later run of the same prompts is served from it)")
+    if disk_cache:
         disk_options(p)
 
 
 def disk_options(p: argparse.ArgumentParser) -> None:
-    """--disk-cache, --disk-budget: the disk tier behind the memory budget (kvql.engine.disk_tier)."""
-    p.add_argument("--disk-cache", type=directory, default=None, metavar="DIR",
-                   help="a second cache tier in DIR: KV evicted from memory is written there and read back instead "
-                        "of computed again; kept between runs (instead of --cache-dir)")
+    """--disk-cache (also --cache-dir), --disk-budget: the disk tier behind the memory budget, which also keeps
+    the cache between runs (kvql.engine.disk_tier)."""
+    p.add_argument("--disk-cache", "--cache-dir", dest="disk_cache", type=directory, default=None, metavar="DIR",
+                   help="keep the KV cache in DIR: what memory cannot hold is written there and read back instead of "
+                        "computed again, and the next run (same model and dtype) starts from it")
     p.add_argument("--disk-budget", type=size, default=None, metavar="SIZE",
-                   help="bytes the disk tier may hold, e.g. 20GiB (default: 20 GiB, at most half the free space)")
+                   help="bytes the disk cache may hold, e.g. 20GiB (default: 20 GiB, at most half the free space)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -407,7 +404,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=demo)
     p = command("run", "run an LMQL query file")
     p.add_argument("file", help="the query (.lmql)")
-    _model_options(p, None, f"default: the query's own (from ...), else {DEFAULT_MODEL}; {MODEL_HELP}", cache_dir=True)
+    _model_options(p, None, f"default: the query's own (from ...), else {DEFAULT_MODEL}; {MODEL_HELP}", disk_cache=True)
     p.add_argument("--input", action="append", metavar="NAME=VALUE", help="an input of the query (repeatable)")
     p.add_argument("--decoder", metavar="DECODER",
                    help="override the query's decoder: argmax, 'sample(n=3)', 'beam(n=2)', ...")
@@ -437,7 +434,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=bench)
     p = command("generate", "complete prompts")
     p.add_argument("prompt", nargs="+", help="one or more prompts, each completed on its own")
-    _model_options(p, cache_dir=True)
+    _model_options(p, disk_cache=True)
     p.add_argument("--max-tokens", type=at_least(1), default=32, help="tokens generated at most per prompt")
     p.add_argument("--temperature", type=non_negative, default=0.0, help="sampling temperature; 0: greedy")
     p.add_argument("--stop", action="append", type=unescape, metavar="TEXT",

@@ -61,7 +61,7 @@ def banner(m) -> str:
 
 def directory_problem(path) -> str | None:
     """Why kvql could not write files into directory `path` (created at the first write when missing), or
-    None. Checked before a model loads: a bad `--cache-dir` or `--out` is an error at once, not after it."""
+    None. Checked before a model loads: a bad `--disk-cache` or `--out` is an error at once, not after it."""
     p = Path(path).expanduser()
     if p.exists():
         if not p.is_dir():
@@ -78,7 +78,7 @@ def check_options(*, device="cpu", dtype=None, cache_budget=None, cache_dir=None
     """ValueError (one line, naming the option) when a local model's options cannot be used; loads nothing.
     `model()` calls it before anything else, commands before their "loading" line, so that a typo in
     `--cache-budget` is not found after a 13 s load."""
-    from .backends.cache_options import check_tiers
+    from .backends.cache_options import tier_directory
     from .backends.dtype import resolve
     from .backends.loader import check_device
     from .backends.sizes import parse_bytes
@@ -87,17 +87,13 @@ def check_options(*, device="cpu", dtype=None, cache_budget=None, cache_dir=None
         raise ValueError(f"cache_budget {cache_budget!r} is no size > 0 (e.g. '512MB', '2GiB')")
     if not cache_save_interval >= 0:
         raise ValueError(f"cache_save_interval must be >= 0 seconds, got {cache_save_interval!r}")
-    if cache_dir is not None:
-        problem = directory_problem(cache_dir)
-        if problem is not None:
-            raise ValueError(f"cache_dir {str(cache_dir)!r} {problem}")
     if disk_budget is not None and parse_bytes(disk_budget) <= 0:
         raise ValueError(f"disk_budget {disk_budget!r} is no size > 0 (e.g. '20GiB')")
-    check_tiers(cache_dir, disk_cache, disk_budget)
-    if disk_cache is not None:
-        problem = directory_problem(disk_cache)
+    directory = tier_directory(cache_dir, disk_cache, disk_budget)
+    if directory is not None:
+        problem = directory_problem(directory)
         if problem is not None:
-            raise ValueError(f"disk_cache {str(disk_cache)!r} {problem}")
+            raise ValueError(f"{'cache_dir' if disk_cache is None else 'disk_cache'} {str(directory)!r} {problem}")
     resolve(dtype, device)
     check_device(device)
 
@@ -125,13 +121,12 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     `dtype`: `"auto"` (the default, as every `kvql` command's: bfloat16 on CUDA and on CPUs with native
     bf16 matrix units, else float32), `"float32"` (kvql's exact mode: ask for it where exactness matters),
     `"bfloat16"`, `"float16"` or a `torch.dtype` (see `kvql.backends.dtype`). Local models only.
-    `cache_dir`: a directory that keeps the KV cache across restarts (loaded now if its snapshot is this
-    model's, dtype's and tokenizer's; saved on close / exit and every `cache_save_interval` seconds when
-    idle, 0: only on close; see `kvql.engine.cache_dir`). Local models only.
-    `disk_cache`: a directory for a second cache tier behind the memory budget: KV evicted from memory is
-    written there and read back when a request needs it again, instead of being computed again; it holds at
-    most `disk_budget` bytes (default 20 GiB, at most half the disk's free space) and survives restarts
-    (instead of `cache_dir`; see `kvql.engine.disk_tier`). Local models only.
+    `disk_cache` (also spelled `cache_dir`): a directory for a second cache tier behind the memory budget, which
+    also keeps the cache across restarts: KV evicted from memory is written there and read back when a request
+    needs it again, instead of being computed again; what only memory holds is written there on close / exit
+    and every `cache_save_interval` seconds when idle (0: only on close); at start the cache is what the
+    directory holds for this model, dtype and tokenizer. It holds at most `disk_budget` bytes (default 20 GiB,
+    at most half the disk's free space); see `kvql.engine.disk_tier`. Local models only.
     `speculate`: speculative decoding without a draft model (on by default; outputs are the same either way):
     while few requests run, a greedy request verifies tokens drafted from the cache, its own prompt and earlier
     outputs several at a time (see `kvql.engine.drafts`). Local models only.
@@ -144,8 +139,11 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     """
     remote = spec.startswith(("http://", "https://"))
     if not remote:
+        from .backends.cache_options import tier_directory
+
         check_options(device=device, dtype=dtype, cache_budget=cache_budget, cache_dir=cache_dir,
                       cache_save_interval=cache_save_interval, disk_cache=disk_cache, disk_budget=disk_budget)
+        disk_cache, cache_dir = tier_directory(cache_dir, disk_cache, disk_budget), None
     if not silent:
         from .backends.loader import first_load_note
 
@@ -166,7 +164,7 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
         if dtype is not None:
             raise TypeError("dtype= is for local models; a server computes in its own dtype (vLLM, kvql serve: --dtype)")
         if cache_dir is not None:
-            raise TypeError("cache_dir= is for local models; a server keeps its own cache (kvql serve: --cache-dir)")
+            raise TypeError("cache_dir= is for local models; a server keeps its own cache (kvql serve: --disk-cache)")
         if speculate is not True:
             raise TypeError("speculate= is for local models; a server decides (kvql serve: --no-speculate)")
         if disk_cache is not None or disk_budget is not None:
@@ -185,7 +183,7 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     dtype = resolve(dtype, device)
 
     if spec == "random":
-        key = (seed or 0, device, dtype, cache_budget, max_batch_tokens, max_running, name, cache_dir, cache_save_interval,
+        key = (seed or 0, device, dtype, cache_budget, max_batch_tokens, max_running, name, cache_save_interval,
                speculate, disk_cache, disk_budget)
         shared = _random_models.get(key)
         if shared is None or shared.closed:
@@ -193,8 +191,8 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
             shared = _random_models[key] = Model(hf_model, tok, name=name or "random",
                                                  cache_budget=cache_budget or "32MB",
                                                  max_batch_tokens=max_batch_tokens, max_running=max_running,
-                                                 cache_dir=cache_dir, cache_save_interval=cache_save_interval,
-                                                 speculate=speculate, disk_cache=disk_cache, disk_budget=disk_budget)
+                                                 cache_save_interval=cache_save_interval, speculate=speculate,
+                                                 disk_cache=disk_cache, disk_budget=disk_budget)
         return shared
     if seed is not None:
         raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
@@ -203,8 +201,8 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     hf_model, tok = load_hf(spec, device=device, dtype=dtype)
     try:
         return Model(hf_model, tok, name=spec, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
-                     max_running=max_running, cache_dir=cache_dir, cache_save_interval=cache_save_interval,
-                     speculate=speculate, disk_cache=disk_cache, disk_budget=disk_budget)
+                     max_running=max_running, cache_save_interval=cache_save_interval, speculate=speculate,
+                     disk_cache=disk_cache, disk_budget=disk_budget)
     except UnsupportedModel as e:
         raise ModelLoadError(f"model {spec!r}: {e}") from None
 

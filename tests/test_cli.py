@@ -47,7 +47,7 @@ def test_kvql_run_with_a_cache_dir_serves_the_next_run_from_it(tmp_path, llama, 
     assert second == first
     bad = subprocess.run([sys.executable, "-m", "kvql.cli", "run", str(query), "--model", "http://127.0.0.1:9/v1",
                           "--cache-dir", str(tmp_path / "kv")], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--cache-dir and --disk-cache are for local models" in bad.stderr
+    assert bad.returncode == 2 and "--disk-cache (--cache-dir) is for local models" in bad.stderr
 
 
 def test_kvql_generate_names_each_prompt_and_decodes_stop_escapes(monkeypatch, capsys):

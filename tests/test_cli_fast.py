@@ -117,7 +117,7 @@ def bad_arguments(tmp_path) -> dict:
         ("bench", "--repeats", "0"): "argument --repeats: must be at least 1, got 0",
         ("bench", "--out", "a-file"): "argument --out: 'a-file' exists and is not a directory",
         ("bench", "--threads", "-2"): "argument --threads: must be at least 0",
-        ("run", "q.lmql", "--cache-dir", "a-file"): "argument --cache-dir: 'a-file' exists and is not a directory",
+        ("run", "q.lmql", "--cache-dir", "a-file"): "argument --disk-cache/--cache-dir: 'a-file' exists and is not a directory",
         ("serve", "--port", port, "--cache-dir", "a-file/kv"): "cannot be created: a-file is not a directory",
         ("serve", "--port", port, "--cache-save-interval", "-1"): "must be a number >= 0",
         ("serve", "--port", "70000"): "argument --port: must be from 1 to 65535",

@@ -186,10 +186,10 @@ def test_a_prefix_a_running_request_computes_while_it_is_read_back_keeps_the_com
     assert spelled(m, p) == (len(p), len(p))
     # `r` shares 23 tokens with `p` and computes them (no read back may start): 20, then the rest of its 35
     r = p[:23] + [t % 399 + 1 for t in p[23:35]]
-    monkeypatch.setattr(memory, "MAX_LOADS", 0)
+    monkeypatch.setattr(memory, "MIN_LOAD_TOKENS", 10**9)
     (rg,) = m._submit([r], max_tokens=OUT)
     m.engine.step()
-    monkeypatch.setattr(memory, "MAX_LOADS", 4)
+    monkeypatch.setattr(memory, "MIN_LOAD_TOKENS", 16)
     # `p` itself: the rest of its path (from 20) is read back while `r`'s next chunk computes 3 tokens of it
     # (with 8 or more, `p` would wait for `r` instead: in-batch dedup)
     (pg,) = m._submit([p], max_tokens=OUT)
@@ -445,11 +445,18 @@ def test_eviction_stages_no_more_than_the_writer_allows_and_drops_the_rest(tiere
 
 
 # -- options --------------------------------------------------------------------------------------------------
-def test_disk_cache_and_cache_dir_together_are_refused(tmp_path, llama, tokenizer):
-    with pytest.raises(ValueError, match="cache_dir and disk_cache"):
+def test_cache_dir_is_another_name_for_disk_cache_and_both_together_are_refused(tmp_path, llama, tokenizer, prompts):
+    with pytest.raises(ValueError, match="another name"):
         kvql.model("random", disk_cache=tmp_path / "a", cache_dir=tmp_path / "b")
-    with pytest.raises(ValueError, match="cache_dir and disk_cache"):
+    with pytest.raises(ValueError, match="another name"):
         kvql.Model(llama, tokenizer, cache_budget="1MB", disk_cache=tmp_path / "a", cache_dir=tmp_path / "b")
+    m = kvql.Model(llama, tokenizer, cache_budget="1MB", cache_dir=tmp_path / "a", disk_budget="1MB")
+    m.generate([prompts[0]], max_tokens=OUT)
+    m.close()
+    again = kvql.Model(llama, tokenizer, cache_budget="1MB", disk_cache=tmp_path / "a")
+    assert spelled(again, prompts[0]) == (len(prompts[0]), len(prompts[0]))
+    assert again.stats()["tier_budget_bytes"] != 1 << 20  # its own default budget
+    again.close()
 
 
 def test_a_disk_budget_without_disk_cache_is_refused(llama, tokenizer):

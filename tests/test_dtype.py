@@ -29,7 +29,7 @@ def test_the_default_is_auto_bf16_on_cuda():
 
 
 def test_every_command_and_the_python_api_share_one_dtype_default():
-    # kvql run once loaded float32 where kvql serve loaded bfloat16: two models (and two cache snapshots)
+    # kvql run once loaded float32 where kvql serve loaded bfloat16: two models (and two disk cache directories)
     from kvql.cli import parser
 
     commands = parser()._subparsers._group_actions[0].choices

@@ -5,11 +5,13 @@ a model already loaded). Imports nothing heavy."""
 from __future__ import annotations
 
 
-def check_tiers(cache_dir, disk_cache, disk_budget) -> None:
-    """ValueError when `cache_dir` and `disk_cache` are both given (each keeps the cache across restarts) or
-    `disk_budget` is given without `disk_cache` (it is that directory's size)."""
+def tier_directory(cache_dir, disk_cache, disk_budget):
+    """The disk tier's directory: `disk_cache`, or `cache_dir`, its other name (one format keeps the cache across
+    restarts and past the memory budget: kvql.engine.disk_tier); None for none. ValueError when both are given or
+    `disk_budget` is given without either (it is that directory's size)."""
     if disk_cache is not None and cache_dir is not None:
-        raise ValueError("cache_dir and disk_cache both keep the cache across restarts: pass one (disk_cache "
-                         "also keeps what the memory budget cannot hold)")
-    if disk_budget is not None and disk_cache is None:
+        raise ValueError("cache_dir is another name for disk_cache: pass one of them")
+    directory = disk_cache if disk_cache is not None else cache_dir
+    if disk_budget is not None and directory is None:
         raise ValueError("disk_budget is the size of disk_cache: give disk_cache a directory too")
+    return directory

@@ -3,7 +3,7 @@
 - `"auto"` (`DEFAULT`: of `kvql.model()` and of every command, `kvql run | serve | bench | generate |
   demo`, as vLLM's): bfloat16 on CUDA and on a CPU with native bf16 matrix units (AMX-BF16 or AVX-512
   BF16, read from the CPU's feature flags, never guessed from its name), float32 otherwise. One rule, so
-  that the same spec gives the same model (and the same cache-dir snapshot) whichever command loads it.
+  that the same spec gives the same model (and the same disk cache directory) whichever command loads it.
 - `"float32"`: kvql's exact mode. Greedy output with the cache equals the uncached reference token for
   token (the tests prove it); ask for it by name where exactness matters (`dtype="float32"`,
   `--dtype float32`).

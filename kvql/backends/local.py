@@ -15,7 +15,6 @@ from typing import AsyncIterator, Sequence
 import torch
 
 from ..completion import Completion
-from ..engine.cache_dir import CacheDir
 from ..engine.engine import Engine
 from ..engine import healing, masks, model_runner
 from ..engine.grammar import Grammar, warm_up
@@ -23,7 +22,7 @@ from ..engine.kv_pool import KVPool
 from ..engine.request import RequestGroup, SamplingParams
 from . import base
 from .base import Backend, StreamChunk
-from .cache_options import check_tiers
+from .cache_options import tier_directory
 from .options import GenerateOptions
 from .sizes import parse_bytes
 
@@ -66,11 +65,10 @@ class LocalBackend(Backend):
     (every prompt token's log-probability and top k, vLLM's option). A server drives it through `submit`,
     `collect`, `cancel` and `stream`'s hooks.
 
-    `cache_dir`: keep the KV cache across restarts: loaded from there now (when the snapshot is this
-    model's), saved on `close()` / exit and every `cache_save_interval` seconds when idle (0: only on
-    close); see `kvql.engine.cache_dir`. `save_cache(path)` / `load_cache(path)` do it explicitly (the
-    pool's part). `disk_cache`: a second tier in that directory, `disk_budget` bytes (kvql.engine.disk_tier); it
-    keeps the cache across restarts too, so it excludes `cache_dir`, and `disk_budget` needs it (ValueError)."""
+    `disk_cache` (also spelled `cache_dir`): a second cache tier in that directory, `disk_budget` bytes, that keeps
+    the cache across restarts too (kvql.engine.disk_tier): the cache starts as what it holds for this model;
+    what only memory holds is written there on `close()` / exit, every `cache_save_interval` seconds when idle
+    (0: only on close) and on `save_cache()`. `disk_budget` needs it (ValueError)."""
 
     capabilities = frozenset({base.TOKEN_IDS, base.SCORE, base.LOGPROBS, base.MASKED_LOGPROBS, base.MIN_TOKENS,
                               base.STOP_FN, base.SAMPLING, base.CACHE_SALT, base.TOKEN_GRAMMAR, base.HEAL,
@@ -80,7 +78,9 @@ class LocalBackend(Backend):
                  max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True,
                  cache_dir=None, cache_save_interval: float = 300.0, speculate: bool = True,
                  disk_cache=None, disk_budget: int | str | None = None):
-        check_tiers(cache_dir, disk_cache, disk_budget)
+        disk_cache = tier_directory(cache_dir, disk_cache, disk_budget)
+        if not cache_save_interval >= 0:
+            raise ValueError(f"cache_save_interval must be >= 0 seconds, got {cache_save_interval!r}")
         config = hf_model.config
         self.name = name
         self.hf_model = hf_model
@@ -100,11 +100,10 @@ class LocalBackend(Backend):
                              max_running=max_running, background=background, geometry=geometry,
                              speculate=speculate, disk_cache=disk_cache,
                              disk_budget=parse_bytes(disk_budget) if disk_budget is not None
-                             else default_disk_budget(disk_cache))
+                             else default_disk_budget(disk_cache), save_interval=cache_save_interval)
         self.eos_ids = frozenset(self.engine.eos_ids)
         # Grammars are immutable: the runs of a query (a map over many inputs) share one per constraint.
         self._compiled = functools.lru_cache(maxsize=256)(self._compile)
-        self.cache_dir = CacheDir(self.engine, cache_dir, cache_save_interval) if cache_dir is not None else None
 
     def _compile(self, kind: str, value) -> Grammar:
         return getattr(Grammar, _COMPILERS[kind])(self.tokenizer, list(value) if kind == "choices" else value)
@@ -383,20 +382,13 @@ class LocalBackend(Backend):
         """Assert the engine's invariants; `full=False` is the cheap slot count only."""
         self.engine.check_integrity(full)
 
-    def save_cache(self, path) -> dict:
-        """Write the cached tokens and their KV to the file `path` (atomically): `{tokens, nodes, bytes}`."""
-        return self.engine.save_cache(path)
-
-    def load_cache(self, path) -> dict:
-        """Replace the cache with the snapshot at `path` (keeping its most recently used part if the
-        budget is smaller): `{tokens, nodes, dropped}`. Raises `kvql.engine.snapshot.SnapshotError` (the
-        cache is then empty) for another model's, dtype's or tokenizer's snapshot or a damaged file, and
-        RuntimeError while requests are running."""
-        return self.engine.load_cache(path)
+    def save_cache(self) -> dict:
+        """Write what only memory holds to the disk tier now (as `close()` does; `{tokens, tier_bytes}`): a restart
+        then finds the whole cache. ValueError without `disk_cache`."""
+        return self.engine.save_cache()
 
     def close(self) -> None:
-        if self.cache_dir is not None:
-            self.cache_dir.close()  # closes the engine, then saves
+        """Stop the engine (pending requests are cancelled); with a disk tier, write what only memory holds to it."""
         self.engine.close()
 
     @property

@@ -24,7 +24,7 @@ widening kernel at every batch size instead of torch's plain kernel (one float32
 never depends on its batch; ~3x the plain kernel's speed at one row, ~7x from 24 rows up: gemv.py).
 
 The packed copy is held beside the layer's own weight, which is kept, so the module stays an ordinary
-`nn.Linear` (state dict, `.to()`, the snapshot fingerprint): the linear weights take twice their memory.
+`nn.Linear` (state dict, `.to()`, the cache fingerprint): the linear weights take twice their memory.
 The packed copy follows the weight: it is rebuilt when the weight is edited in place (its version
 counter moves) or replaced (`.to()`, `load_state_dict(assign=True)`), so a changed model never runs on
 stale weights. (A weight created in inference mode has no version counter: edits made to it inside

@@ -5,20 +5,31 @@ The radix tree stays the one index (radix_cache.py): a node's KV is in pool slot
 file, or both (a clean copy: evicting the node again writes nothing). This module only moves bytes and
 checks them; which node goes where is the tree's and `Memory`'s decision.
 
-Files: `DIR/<16 hex digits of the fingerprint's SHA-256>/<sequence>-<random>.kv.safetensors`, one per
-spilled node, never rewritten and never reused under another name:
+It is also how the cache survives restarts (one format: `disk_cache=DIR`, also spelled `cache_dir=DIR`): at
+start the tree is rebuilt from the files (every node on disk, read back when a request needs it), and the
+engine writes what only the pool holds to the tier when it closes and, when idle, every `cache_save_interval`
+seconds (persistence.py).
+
+Files: `DIR/<16 hex digits of the fingerprint's SHA-256>/<sequence>-<random>.kv.safetensors` (fingerprint.py:
+one directory per model, dtype, device and tokenizer, so models sharing `DIR` never read each other's KV), one
+per spilled node, never rewritten and never reused under another name:
 
     prefix  I64 [P]   the tokens on the node's tree path before it (from its partition's root)
     tokens  I64 [N]   the node's own tokens
     k, v    [layers, kv_heads, N, head_dim] (the pool's dtype)
-    metadata: kvql_format (FORMAT), fingerprint (the directory's digest), salt (JSON: the cache partition),
+    metadata: kvql_format (FORMAT), fingerprint (its full digest), salt (JSON: the cache partition),
               sha256 (of prefix, tokens, k and v bytes, in that order)
 
 A file thus says by itself which KV it holds (the tokens it follows, its own tokens, its partition), so a
 restart rebuilds the tree from the files alone (`scan`) and a file read back is checked against the tree
 path it is read for: sha256, fingerprint, salt, prefix and tokens must all agree, else the read fails and
 the tokens are computed again (a damaged, truncated, missing or misplaced file is a miss, never a wrong
-answer).
+answer). A file's modification time orders the LRU across restarts: a read back touches it, and `order`
+(at a save) sets every file's in the tree's LRU order.
+
+One process at a time uses a directory: it holds an exclusive lock on `DIR/<digest>/lock` (flock) while the tier
+is open; another process opening it gets `TierBusy` (the engine then runs without a tier, saying so). Temporary
+files of writes that never finished are therefore a dead process's, and `scan` removes them.
 
 Contract:
 - `spill(items)` (engine thread, between steps): copies the K/V of each `(prefix, tokens, salt, slots)`
@@ -34,12 +45,14 @@ Contract:
   for the writer counts at an upper bound of its size (`file_bytes`), replaced by its size once written (0 if
   the write failed), so `bytes` is never below what the files take and equals it once `flush()` returned;
   `over_budget()` when it exceeds `budget`.
-- `close()`: writes what is queued, then stops the threads.
+- `order(files)`: the files' modification times are set in the order given (least recently used first).
+- `close()`: writes what is queued, then stops the threads and lets go of the directory.
 - The pool must be in CPU memory (ValueError otherwise): reads back are copied into it through numpy views.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import json
@@ -47,6 +60,7 @@ import logging
 import os
 import queue
 import secrets
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,10 +70,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .fingerprint import digest as fingerprint_digest
+
 FORMAT = "kvql-kv-tier-1"
 SUFFIX = ".kv.safetensors"
 MAX_STAGED = 512 * 2**20
 """Bytes of spilled KV that may wait for the writer thread; past that, eviction drops (as without a tier)."""
+MAX_HEADER = 1 << 20
+"""Bytes a file's safetensors header may have (`scan` removes a file with more: one holds 4 tensors and a salt)."""
 HEADER_BYTES = 1024
 """Bound of a file's safetensors header (8-byte length, tensor entries, metadata) besides its salt (`file_bytes`)."""
 
@@ -67,13 +85,12 @@ log = logging.getLogger("kvql.cache")
 
 
 def tier_dir(directory, fingerprint: dict[str, str]) -> Path:
-    """Where the tier of the model with `fingerprint` lives under `directory` (one per model, dtype, device,
-    tokenizer: two models never read each other's KV)."""
-    return Path(directory).expanduser() / fingerprint_digest(fingerprint)
+    """Where the tier of the model with `fingerprint` lives under `directory` (module doc)."""
+    return Path(directory).expanduser() / fingerprint_digest(fingerprint)[:16]
 
 
-def fingerprint_digest(fingerprint: dict[str, str]) -> str:
-    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+class TierBusy(RuntimeError):
+    """Another process has this tier's directory open (module doc)."""
 
 
 class TierFile:
@@ -123,8 +140,14 @@ class DiskTier:
         if pool.k.device.type != "cpu":  # the reader copies rows through numpy views of the pool
             raise ValueError(f"disk_cache needs the KV pool in CPU memory, not on {pool.k.device.type}")
         self.digest = fingerprint_digest(fingerprint)
-        self.path = Path(directory).expanduser() / self.digest
+        self.path = tier_dir(directory, fingerprint)
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise TierBusy(f"{self.path} is in use by another kvql model (this process or another)") from None
         self.pool, self.budget = pool, budget
         self.bytes = 0  # the live files' sizes (module doc)
         self.staged_bytes = 0
@@ -186,6 +209,12 @@ class DiskTier:
         if file.refs == 0:
             self._writes.put(("delete", file, None))
 
+    def order(self, files: list[TierFile]) -> None:
+        """Set the files' modification times in this order (module doc), after the writes queued before."""
+        now = time.time_ns() - len(files)
+        for i, file in enumerate(files):
+            self._writes.put(("touch", file, now + i))
+
     def over_budget(self) -> bool:
         return self.bytes > self.budget
 
@@ -199,6 +228,9 @@ class DiskTier:
             try:
                 if op == "write":
                     size = self._write(file, salt)
+                elif op == "touch":
+                    if file.refs > 0:
+                        os.utime(file.path, ns=(salt, salt))
                 else:
                     file.path.unlink(missing_ok=True)
             except Exception as e:  # noqa: BLE001 -- a failed write is a file that is not there: a miss later
@@ -274,8 +306,9 @@ class DiskTier:
             if json.loads(meta.get("salt", "null")) != salt:
                 raise ValueError("another cache partition")
             want_k = (self.pool.k.shape[0], self.pool.k.shape[1], t.numel(), self.pool.k.shape[3])
-            if k.dtype != self.pool.k.dtype or tuple(k.shape) != want_k or tuple(v.shape) != want_k:
-                raise ValueError(f"K/V of shape {tuple(k.shape)} {k.dtype}, not {want_k} {self.pool.k.dtype}")
+            if {k.dtype, v.dtype} != {self.pool.k.dtype} or tuple(k.shape) != want_k or tuple(v.shape) != want_k:
+                raise ValueError(f"K/V of shapes {tuple(k.shape)} {tuple(v.shape)} and dtypes {k.dtype} {v.dtype}, "
+                                 f"not {want_k} {self.pool.k.dtype}")
             os.utime(extent.file.path)  # its access time orders the LRU at the next start (`scan`)
         own = t.tolist()
         if p.tolist() + own[:extent.offset] != prefix or own[extent.offset:extent.offset + extent.length] != tokens:
@@ -283,10 +316,11 @@ class DiskTier:
         return k, v
 
     # -- start and stop --------------------------------------------------------------------------------
-    def scan(self) -> list[tuple[int, Path, int, object, list[int], list[int]]]:
-        """Every readable file of this tier as (mtime_ns, path, bytes, salt, prefix, tokens), shortest prefix
-        first, then least recently read first; temporary files of writes that never finished are removed. Contents are
-        checked only when read back (`read`)."""
+    def scan(self, vocab_size: int) -> list[tuple[int, Path, int, object, list[int], list[int]]]:
+        """Every usable file of this tier as (mtime_ns, path, bytes, salt, prefix, tokens), shortest prefix first,
+        then least recently used first. Removed (one log line each): temporary files of writes that never
+        finished, and files that are not this tier's (another format or fingerprint, a header over MAX_HEADER,
+        token ids outside `[0, vocab_size)`); what is not a regular file is left alone. The KV is checked only when read back (`read`)."""
         found = []
         for path in self.path.iterdir():
             if path.name.startswith(".") and path.name.endswith(".tmp"):
@@ -294,19 +328,37 @@ class DiskTier:
                 continue
             if not path.name.endswith(SUFFIX):
                 continue
+            if not stat.S_ISREG(path.lstat().st_mode):  # a FIFO would block the open, a link point anywhere
+                log.warning("kvql disk tier: %s ignored (not a regular file)", path.name)
+                continue
             try:
-                with safe_open(str(path), framework="pt") as f:
-                    meta = f.metadata() or {}
-                    if meta.get("kvql_format") != FORMAT or meta.get("fingerprint") != self.digest:
-                        raise ValueError("another format or model")
-                    prefix, tokens = f.get_tensor("prefix").tolist(), f.get_tensor("tokens").tolist()
-                    salt = json.loads(meta["salt"])
-                found.append((path.stat().st_mtime_ns, path, path.stat().st_size, salt, prefix, tokens))
+                found.append(self._scan_one(path, vocab_size))
             except Exception as e:  # noqa: BLE001 -- an unreadable file is deleted: it can serve nothing
                 log.warning("kvql disk tier: %s removed (%s)", path.name, e)
                 path.unlink(missing_ok=True)
         found.sort(key=lambda f: (len(f[4]), f[0]))
         return found
+
+    def _scan_one(self, path: Path, vocab_size: int):
+        st = path.lstat()
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+        if n > MAX_HEADER or n + 8 > st.st_size:
+            raise ValueError(f"a {n:,}-byte header in a {st.st_size:,}-byte file")
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("kvql_format") != FORMAT or meta.get("fingerprint") != self.digest:
+                raise ValueError("another format or model")
+            prefix, tokens = f.get_tensor("prefix"), f.get_tensor("tokens")
+            salt = json.loads(meta["salt"])
+        if prefix.dtype != torch.long or tokens.dtype != torch.long or prefix.dim() != 1 or tokens.dim() != 1:
+            raise ValueError("token lists of another type or shape")
+        both = torch.cat([prefix, tokens])
+        if not tokens.numel() or not bool(((both >= 0) & (both < vocab_size)).all()):
+            raise ValueError(f"no tokens, or token ids outside the vocabulary [0, {vocab_size})")
+        if not isinstance(salt, (str, type(None))):
+            raise ValueError("a cache partition that is not a string")
+        return st.st_mtime_ns, path, st.st_size, salt, prefix.tolist(), tokens.tolist()
 
     def release_unused(self, file: TierFile) -> None:
         """A file `scan` found that the tree cannot use (no file holds its prefix, or others hold all its
@@ -327,3 +379,4 @@ class DiskTier:
         self._reads.put(None)
         for t in self._threads:
             t.join()
+        os.close(self._lock_fd)  # lets go of the directory's lock

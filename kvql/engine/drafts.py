@@ -5,7 +5,7 @@ from what the engine has already seen.
 these sources that has any:
 1. the radix tree: when the request's whole context (prompt and output so far) is a path of the tree, the
    tokens that followed it there (an earlier or a finished request with the same context: a query run
-   again, after a restart from a snapshot too); once its context leaves the tree, it is not looked in again;
+   again, after a restart from the disk tier too); once its context leaves the tree, it is not looked in again;
 2. its own context (prompt lookup, as vLLM's `ngram` method and transformers' `prompt_lookup_num_tokens`):
    the tokens that followed the latest earlier occurrence of its last 4, 3 or 2 tokens (extraction, copying
    from a document, a few-shot format);

@@ -2,8 +2,8 @@
 
 Requests are submitted from any thread; one engine thread runs `step()` while there is work, so
 calls from many threads or asyncio tasks are batched together. All engine state is touched only
-with `_state` held (the engine thread during a step; `stats()`, `clear_cache()`, `save_cache()`,
-`load_cache()` and `check_integrity()` between steps).
+with `_state` held (the engine thread during a step; `stats()`, `clear_cache()`, `save_cache()` and
+`check_integrity()` between steps).
 
 Invariants (`check_integrity` asserts them between steps; tests call it):
 1. a node's slots are never freed while a request locks the node or a descendant: a running
@@ -39,16 +39,17 @@ token that differs, so outputs are those without it (greedy: token for token; un
 distribution; seeded requests are not drafted). `stats()` counts `drafted_tokens` and `accepted_tokens`.
 
 Disk tier (`disk_cache`, disk_tier.py; radix_cache.py and memory.py say how the tree and the scheduler use
-it): KV evicted from the pool is written to files and read back instead of computed again; at start the
-tree is rebuilt from the tier's files (every node on disk, read back when a request needs it), and `close`
-writes what is only in the pool there too, so the next start finds the whole cache. `stats()`: `disk_tokens`
-(prompt tokens served from the cache that were read back from disk for the request), `tier_*`.
+it; persistence.py how it is opened and saved): KV evicted from the pool is written to files and read back
+instead of computed again; at start the tree is rebuilt from the tier's files (every node on disk, read back
+when a request needs it), and `save_cache` (when idle every `save_interval` seconds, and at `close`) writes
+what is only in the pool there too, so the next start finds the whole cache. `stats()`: `disk_tokens` (prompt
+tokens served from the cache that were read back from disk for the request), `tier_*`.
 
 OpenMP workers (openmp.py): with more OpenMP threads alive than CPUs, GNU libgomp's workers sleep
 between parallel regions, and every region of a forward then pays a wake-up (a batch-24 decode step of
 SmolLM2 bf16 on 2 cores: 55 -> 43.5 ms). So the engine thread releases its pool when it goes idle, and
 a thread that loads the model, submits work or runs an entry point that computes on its own thread
-(`clear_cache`, `save_cache`, `load_cache`, `check_integrity`, `close`) releases its own afterwards.
+(`clear_cache`, `save_cache`, `check_integrity`, `close`) releases its own afterwards.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ import weakref
 
 import torch
 
-from .disk_tier import DiskTier, Extent
 from .drafts import Drafter
 from .kv_pool import KVPool
 from .memory import Memory
@@ -87,10 +87,11 @@ def _close_all() -> None:
 class Engine(Persistence):
     def __init__(self, hf_model, tokenizer, *, num_slots: int, max_batch_tokens: int = 1024,
                  max_running: int = 64, background: bool = True, geometry: admission.Geometry | None = None,
-                 speculate: bool = True, disk_cache=None, disk_budget: int = 0):
+                 speculate: bool = True, disk_cache=None, disk_budget: int = 0, save_interval: float = 300.0):
         """`geometry`: `model_runner.read_geometry(hf_model)` when the caller has it already (it probes the
         model); a model the engine cannot run raises `admission.UnsupportedModel`, saying why. `disk_cache`:
-        a directory for the disk tier (module doc), holding at most `disk_budget` bytes."""
+        a directory for the disk tier (module doc), holding at most `disk_budget` bytes, written to every
+        `save_interval` seconds when idle (0: at `close` only)."""
         config = hf_model.config
         self.tokenizer = tokenizer
         self.device = next(hf_model.parameters()).device
@@ -118,32 +119,13 @@ class Engine(Persistence):
         self._cancels: list[RequestGroup] = []
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._fingerprint: dict[str, str] | None = None  # of model, dtype, tokenizer: snapshot.py
+        self._fingerprint: dict[str, str] | None = None  # fingerprint.py
+        self._autosave = None
+        self.saves = 0  # `save_cache` calls done (autosaves and the one at `close` included)
         if disk_cache is not None:
-            self.tree.tier = DiskTier(disk_cache, self.fingerprint(), self.pool, disk_budget)
-            self._rebuild_from_tier()
+            self._open_tier(disk_cache, disk_budget, save_interval)
         _engines.add(self)
         self._release_caller_openmp()  # this thread loaded the model (and packed its weights)
-
-    def _rebuild_from_tier(self) -> None:
-        """Every file of the tier whose prefix the others spell becomes a node on disk (radix_cache.attach_disk);
-        least recently read first in the LRU order; files no node can use are deleted."""
-        tier, used = self.tree.tier, []
-        for mtime, path, nbytes, salt, prefix, tokens in tier.scan():
-            file = tier.adopt(path, nbytes)
-
-            def extent(offset, length, file=file):
-                file.refs += 1
-                return Extent(file, offset, length)
-
-            node = self.tree.attach_disk(prefix, tokens, salt, extent)
-            if node is None:
-                tier.release_unused(file)
-            else:
-                used.append((mtime, node))
-        for _, node in sorted(used, key=lambda u: u[0]):
-            self.tree.touch(node)
-        self.tree.reclaim_disk()
 
     def _cancel_later(self, group: RequestGroup) -> None:
         with self._wake:
@@ -231,17 +213,13 @@ class Engine(Persistence):
             self._wake.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        if self._autosave is not None:
+            self._autosave.stop()  # before taking the engine: a save it runs takes it too
         with self._state:
             self._take_inbox()
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.outputs.fail(req.group, concurrent.futures.CancelledError(), keep=True)
-            tier = self.tree.tier
-            if tier is not None and not tier.closed:
-                for load, *_ in self.memory.loads:
-                    load.done.wait()
-                self.memory.install_loads()
-                self.tree.write_back()  # the next start finds what only the pool held
-                tier.close()
+            self._close_tier()
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)

@@ -47,7 +47,7 @@ _NEXT = {
 MIN_LOAD_TOKENS = 16
 """Fewer tokens on disk than this are computed, not read back (a read makes the request wait a step)."""
 MAX_LOADS = 4
-"""Reads back in flight at most: each holds its slots from its start."""
+"""Reads back in flight at most: each holds its slots from its start; a request with more to read waits."""
 
 
 class Memory:
@@ -81,8 +81,10 @@ class Memory:
         slots, node = self.tree.match_prefix(tokens, req.salt)
         path, busy = self.tree.disk_path(node, tokens, slots.numel())
         n = sum(len(x.key) for x in path)
-        if busy or n < MIN_LOAD_TOKENS or len(self.loads) >= MAX_LOADS:
+        if busy or n < MIN_LOAD_TOKENS:
             return busy
+        if len(self.loads) >= MAX_LOADS:
+            return True  # wait for a read to finish: reading back is far cheaper than computing
         for x in path:
             x.loading = True  # before allocating: what the allocation evicts must not drop them
         self.tree.lock(node)

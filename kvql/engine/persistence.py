@@ -1,41 +1,105 @@
-"""Persistence of an engine's cache (`Persistence`, mixed into `kvql.engine.engine.Engine`): its radix tree and
-KV written to a snapshot file and read back (`kvql.engine.snapshot` holds the format and its checks), and
-the fingerprint a snapshot must carry to be loaded here. Uses the engine's state lock, tree, pool and
-scheduler."""
+"""Persistence of an engine's cache (`Persistence`, mixed into `kvql.engine.engine.Engine`): the disk tier
+opened at start and the tree rebuilt from its files, the pool's nodes written to it (`save_cache`: when idle
+every `save_interval` seconds, autosave.py, and at `close`), the fingerprint that names its directory. One format:
+the tier's files (disk_tier.py) are both the second cache tier and what a restart starts from.
+
+Never fails a start over a cache: a directory another process holds (disk_tier.TierBusy) is one WARNING line
+(logger `kvql.cache`) and the engine runs with its memory budget alone; unusable files are misses (disk_tier.py).
+Uses the engine's state lock, tree, pool, runner and tokenizer."""
 
 from __future__ import annotations
 
-from . import openmp, snapshot
+import logging
+from pathlib import Path
+
+from . import openmp
+from .autosave import Autosave
+from .disk_tier import FORMAT, DiskTier, Extent, TierBusy
+from .fingerprint import fingerprint
+
+log = logging.getLogger("kvql.cache")
+LEGACY = "kv-cache-*.safetensors"
+"""The single-file snapshots that `cache_dir` kept before it became the disk tier (no longer read)."""
 
 
 class Persistence:
     def fingerprint(self) -> dict[str, str]:
-        """What a snapshot must have been saved with to be loaded here (snapshot.fingerprint); computed
-        once: weights changed under a live engine would make its cache stale anyway."""
+        """What the KV in a tier directory must have been computed with to be used here (fingerprint.py);
+        computed once: weights changed under a live engine would make its cache stale anyway."""
         if self._fingerprint is None:
-            self._fingerprint = snapshot.fingerprint(self.runner.model, self.tokenizer, self.pool)
+            self._fingerprint = fingerprint(self.runner.model, self.tokenizer, self.pool, FORMAT)
         return self._fingerprint
 
-    @openmp.releases_caller
-    def save_cache(self, path) -> dict:
-        """Write the radix tree and its KV to `path` (snapshot.save). Steps run between the layers'
-        gathers (snapshot.write); if they evict meanwhile, the save starts again holding the engine."""
-        fp = self.fingerprint()
+    def _open_tier(self, directory, budget: int, save_interval: float) -> None:
+        """The disk tier at `directory` (module doc), the tree rebuilt from its files, the autosave started."""
+        legacy = sorted(p.name for p in Path(directory).expanduser().glob(LEGACY))
+        if legacy:
+            log.warning("%s holds %d cache snapshot(s) of an earlier kvql (%s), which this one does not read: the "
+                        "cache is kept in %s/<model digest>/ now; delete them", directory, len(legacy),
+                        ", ".join(legacy), directory)
         try:
-            pending = snapshot.write(self.tree, self.pool, path, fp, self._state)
-        except snapshot.CacheChanged:
-            with self._state:
-                pending = snapshot.write(self.tree, self.pool, path, fp, self._state)
-        return pending.commit()
+            tier = DiskTier(directory, self.fingerprint(), self.pool, budget)
+        except TierBusy as e:
+            log.warning("disk cache not used: %s; this model keeps its cache in memory only", e)
+            return
+        self.tree.tier = tier
+        self._rebuild_from_tier()
+        if save_interval > 0:
+            self._autosave = Autosave(self, save_interval)
+
+    def _rebuild_from_tier(self) -> None:
+        """Every file of the tier whose prefix the others spell becomes a node on disk (radix_cache.attach_disk);
+        least recently used first in the LRU order; files no node can use are deleted."""
+        tier, used = self.tree.tier, []
+        vocab = int(self.runner.model.config.get_text_config().vocab_size)
+        for mtime, path, nbytes, salt, prefix, tokens in tier.scan(vocab):
+            file = tier.adopt(path, nbytes)
+
+            def extent(offset, length, file=file):
+                file.refs += 1
+                return Extent(file, offset, length)
+
+            node = self.tree.attach_disk(prefix, tokens, salt, extent)
+            if node is None:
+                tier.release_unused(file)
+            else:
+                used.append((mtime, node))
+        for _, node in sorted(used, key=lambda u: u[0]):
+            self.tree.touch(node)
+        self.tree.reclaim_disk()
 
     @openmp.releases_caller
-    def load_cache(self, path) -> dict:
-        """Replace the cached tokens with the snapshot at `path` (snapshot.load), within the pool's
-        budget. Needs no request running (RuntimeError). SnapshotError if the snapshot is another
-        model's or damaged: the cache is then left empty."""
+    def save_cache(self) -> dict:
+        """Write every node that only the pool holds to the disk tier (a clean copy: evicting it later writes
+        nothing) and give the files the tree's LRU order; `{"tokens": written, "tier_bytes": ...}` once the files
+        are on disk. Steps run between batches of at most disk_tier.MAX_STAGED bytes: holding the engine only
+        while a batch is copied out of the pool. ValueError without a disk tier."""
+        tier = self.tree.tier
+        if tier is None or tier.closed:
+            raise ValueError("save_cache needs an open disk tier: kvql.model(..., disk_cache=DIR)")
+        written = 0
         with self._state:
-            if self.scheduler.running:
-                raise RuntimeError(f"load_cache needs an idle engine; {len(self.scheduler.running)} requests are running")
-            self.tree.reset()
-            return snapshot.load(self.tree, self.pool, path, self.fingerprint(),
-                                 int(self.runner.model.config.get_text_config().vocab_size))
+            todo = self.tree.unwritten()
+        while todo:
+            with self._state:
+                n, todo = self.tree.write_back(todo)
+            written += n
+            tier.flush()
+        with self._state:
+            self.tree.reclaim_disk()
+            self.tree.order_files()
+        tier.flush()
+        self.saves += 1
+        return {"tokens": written, "tier_bytes": tier.bytes}
+
+    def _close_tier(self) -> None:
+        """At `close` (holding the engine, its autosave stopped): finish reads in flight, write the pool's nodes,
+        let go of the tier."""
+        tier = self.tree.tier
+        if tier is None or tier.closed:
+            return
+        for load, *_ in self.memory.loads:
+            load.done.wait()
+        self.memory.install_loads()
+        self.save_cache()  # the next start finds what only the pool held
+        tier.close()

@@ -175,26 +175,16 @@ class RadixCache:
             node = child
         return pos if handed is None else handed
 
-    def add_child(self, parent: Node | None, key: list[int], slots: torch.Tensor, salt: str | None = None) -> Node:
-        """Attach a new unlocked node under `parent` (None: the root of `salt`) and give the tree
-        `slots`, one per token of `key`; no child of `parent` may start with `key[0]`. For rebuilding a
-        saved tree (snapshot.py); `insert` is the way in for computed requests."""
-        parent = self._root(salt) if parent is None else parent
-        assert key and len(key) == slots.numel() and key[0] not in parent.children, "not a new edge"
-        node = parent.children[key[0]] = Node(list(key), slots, parent)
-        self.total_tokens += len(key)
-        return node
-
     def add_disk_child(self, parent: Node, key: list[int], extent) -> Node:
         """Attach a new node on disk under `parent` (a node or a root), its KV at `extent`: for rebuilding
-        the tree from the tier's files at start (memory.py); `parent` must be on disk too, or a root."""
+        the tree from the tier's files at start (persistence.py); `parent` must be on disk too, or a root."""
         assert key and key[0] not in parent.children and (parent.parent is None or parent.slots is None)
         node = parent.children[key[0]] = Node(list(key), None, parent, extent)
         self.disk_tokens += len(key)
         return node
 
     def attach_disk(self, prefix: list[int], tokens: list[int], salt, extent) -> Node | None:
-        """Rebuilding from the tier's files at start (memory.py): add the part of `tokens` after `prefix` that
+        """Rebuilding from the tier's files at start (persistence.py): add the part of `tokens` after `prefix` that
         the tree does not spell yet, as a node on disk at `extent(offset, length)` (rows of the file's
         `tokens`); None if the tree does not spell `prefix` (the file's KV follows tokens no file holds) or
         already spells all of `tokens`."""
@@ -362,23 +352,38 @@ class RadixCache:
         self._drop_empty_roots()
         return freed
 
-    def write_back(self) -> int:
-        """Give every node in the pool that has no copy on disk one (the engine closing: the tier then holds
-        the whole tree for the next start); nothing is freed. Returns the tokens written."""
-        todo = [x for x in self.nodes() if x.parent is not None and x.slots is not None and x.extent is None]
-        written = 0
-        while todo:
-            batch, n = [], 0
-            while todo and (not batch or self.tier.room(n + len(todo[-1].key))):
-                batch.append(todo.pop())
-                n += len(batch[-1].key)
-            written += n
-            extents = self.tier.spill([(self._prefix(x), x.key, self._salt(x), x.slots) for x in batch])
-            for x, extent in zip(batch, extents):
-                x.extent = extent
-            self.tier.flush()
-        self.reclaim_disk()
-        return written
+    def unwritten(self) -> list[Node]:
+        """The nodes in the pool that have no copy on disk (`write_back` gives them one)."""
+        return [x for x in self.nodes() if x.parent is not None and x.slots is not None and x.extent is None]
+
+    def write_back(self, todo: list[Node]) -> tuple[int, list[Node]]:
+        """Stage clean copies of the nodes of `todo` (from `unwritten`) that still need one, as many as the tier's
+        writer takes now (one at least); nothing is freed. Returns the tokens staged and the nodes left to do."""
+        todo = [x for x in todo if x.slots is not None and x.extent is None and self._reachable(x)]
+        batch, n = [], 0
+        while todo and (not batch or self.tier.room(n + len(todo[-1].key))):
+            batch.append(todo.pop())
+            n += len(batch[-1].key)
+        extents = self.tier.spill([(self._prefix(x), x.key, self._salt(x), x.slots) for x in batch])
+        for x, extent in zip(batch, extents):
+            x.extent = extent
+        return n, todo
+
+    def order_files(self) -> None:
+        """Give the tier's files the tree's LRU order (disk_tier.DiskTier.order): a restart keeps it."""
+        files = {}
+        for x in sorted((x for x in self.nodes() if x.extent is not None), key=lambda x: x.last_access):
+            files.pop(x.extent.file, None)
+            files[x.extent.file] = None  # a file's place: its most recently used node's
+        self.tier.order(list(files))
+
+    def _reachable(self, node: Node) -> bool:
+        """Still in the tree (not dropped since it was listed)."""
+        while node.parent is not None:
+            if node.parent.children.get(node.key[0]) is not node:
+                return False
+            node = node.parent
+        return any(root is node for root in self.roots.values())
 
     def _prefix(self, node: Node) -> list[int]:
         """The tokens on the path from the root to `node`, without `node`'s own."""

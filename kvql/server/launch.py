@@ -7,8 +7,8 @@ thread of their own, so a slow reader of stderr never stalls the server.
 
 SIGINT/SIGTERM: stop accepting, let in-flight requests finish for `--shutdown-timeout` seconds, then
 cancel them (a second signal cancels them at once): a non-streaming one is answered 503, a stream ends
-with an error event and `[DONE]`; the engine stops (with `--cache-dir`, its cache is saved there
-then: kvql.engine.cache_dir) and the process exits 0.
+with an error event and `[DONE]`; the engine stops (with `--disk-cache`, what only memory holds is written
+there then: kvql.engine.persistence) and the process exits 0.
 """
 
 from __future__ import annotations
@@ -69,12 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True, help=SPECULATE_HELP)
     p.add_argument("--cache-budget", type=size, default=None, metavar="SIZE",
                    help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
-    p.add_argument("--cache-dir", type=directory, default=None, metavar="DIR",
-                   help="keep the KV cache across restarts: a snapshot per model and dtype in DIR, loaded at start "
-                        "when there is one, saved there on shutdown and every --cache-save-interval seconds when idle")
-    p.add_argument("--cache-save-interval", type=non_negative, default=300.0, metavar="SECONDS",
-                   help="with --cache-dir: seconds between saves while idle (0: only on shutdown)")
     disk_options(p)
+    p.add_argument("--cache-save-interval", type=non_negative, default=300.0, metavar="SECONDS",
+                   help="with --disk-cache: seconds between writes of what only memory holds while idle (0: only on "
+                        "shutdown)")
     p.add_argument("--max-body-bytes", type=at_least(1), default=1 << 20, metavar="BYTES",
                    help="a request body over this is answered 413")
     p.add_argument("--max-tokens-cap", type=at_least(1), default=4096, metavar="TOKENS",
@@ -112,14 +110,14 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     from . import connections
     from .app import create_app
 
-    check_options(device=args.device, dtype=args.dtype, cache_budget=args.cache_budget, cache_dir=args.cache_dir,
+    check_options(device=args.device, dtype=args.dtype, cache_budget=args.cache_budget,
                   cache_save_interval=args.cache_save_interval, disk_cache=args.disk_cache,
                   disk_budget=args.disk_budget)  # the device, before the "loading" line
     dtype = resolve(args.dtype, args.device)
     print(f"kvql serve: loading {args.model} on {args.device} ({name(dtype)}) ...",
           flush=True)
     m = kvql.model(args.model, device=args.device, dtype=dtype, cache_budget=args.cache_budget,
-                   cache_dir=args.cache_dir, cache_save_interval=args.cache_save_interval, speculate=args.speculate,
+                   cache_save_interval=args.cache_save_interval, speculate=args.speculate,
                    disk_cache=args.disk_cache, disk_budget=args.disk_budget)
     if args.max_model_len is not None:
         if args.max_model_len > m.context_length:
