@@ -128,7 +128,8 @@ def test_float32_rows_equal_onednn_to_float32_rounding(shape):
         # an fp32 dot product of k terms: error bound ~ k * eps * sum |x w|
         bound = shape[1] * 2**-24 * (x.double().abs() @ w.double().abs().T)
         assert ((got.double() - exact).abs() <= bound).all(), rows
-        assert torch.allclose(got, _onednn(x, w), rtol=1e-5, atol=1e-6), rows
+        # oneDNN sums in its own order (it differs between CPUs): both within the bound, so within twice it
+        assert ((got.double() - _onednn(x, w).double()).abs() <= 2 * bound).all(), rows
 
 
 @needs_f32_kernel

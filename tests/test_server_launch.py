@@ -53,23 +53,31 @@ def test_port_in_use_fails_at_once_before_loading(long_model_dir):
 
 def run_until_signal(model_dir, sig, *options, body, after: float = 1.0):
     """Start a server, send `body` (a long request) from a thread, signal the server `after` seconds into
-    it; -> (exit code, seconds from signal to exit, the client's status or events, stdout, stderr)."""
+    it (a streamed body: `after` seconds after its first event); -> (exit code, seconds from signal to exit,
+    the client's status, body and the number of events it had when the signal came, stdout, stderr)."""
     port = free_port()
     proc = subprocess.Popen([*SERVE, "--model", str(model_dir), "--port", str(port), "--cache-budget", "64MB",
                              *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_healthy(proc, port), proc.stderr.read()[-2000:]
-        got = {}
+        got, lines, started = {}, [], threading.Event()
 
         def client():
             with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
                 got["status"] = r.status_code
-                got["body"] = r.read().decode()
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+            got["body"] = "\n".join(lines)
+            started.set()
 
         t = threading.Thread(target=client)
         t.start()
+        if body.get("stream"):
+            assert started.wait(timeout=60)
         time.sleep(after)
         assert t.is_alive(), got  # the request is still running when the signal comes
+        got["at_signal"] = len(lines)
         proc.send_signal(sig)
         signalled = time.monotonic()
         code = proc.wait(timeout=60)
@@ -104,10 +112,17 @@ def test_signal_with_a_long_stream_ends_it_with_an_error_event_and_exits_0(long_
 
 
 def test_a_request_that_fits_in_the_shutdown_timeout_finishes(long_model_dir):
-    body = {"prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True, "temperature": 0}
-    code, _, got, _, err = run_until_signal(long_model_dir, signal.SIGTERM, body=body, after=0.3)
+    # streamed, so that the signal comes while it runs on however fast a machine (signalled at its first event)
+    body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    code, _, got, _, err = run_until_signal(long_model_dir, signal.SIGTERM, "--max-tokens-cap", "2000",
+                                            body=body, after=0.0)
     assert code == 0 and "Traceback" not in err, err
-    assert got["status"] == 200 and json.loads(got["body"])["usage"]["completion_tokens"] == 600
+    events = [line[len("data: "):] for line in got["body"].splitlines() if line.startswith("data: ")]
+    assert got["status"] == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 2000
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+    assert got["at_signal"] < len(got["body"].splitlines())  # events came after the signal: it was running
 
 
 def test_banner_flags_and_access_log(long_model_dir, tmp_path):

@@ -27,9 +27,10 @@ the tokens are computed again (a damaged, truncated, missing or misplaced file i
 answer). A file's modification time orders the LRU across restarts: a read back touches it, and `order`
 (at a save) sets every file's in the tree's LRU order.
 
-One process at a time uses a directory: it holds an exclusive lock on `DIR/<digest>/lock` (flock) while the tier
-is open; another process opening it gets `TierBusy` (the engine then runs without a tier, saying so). Temporary
-files of writes that never finished are therefore a dead process's, and `scan` removes them.
+One model at a time uses a directory: its tier holds an exclusive lock on `DIR/<digest>/lock` (flock, let go by
+`close` or the process's end) while it is open; another opening it, in this process or another, gets `TierBusy`
+(the engine then runs without a tier, saying so). Temporary files of writes that never finished are therefore
+a closed or dead tier's, and `scan` removes them.
 
 Contract:
 - `spill(items)` (engine thread, between steps): copies the K/V of each `(prefix, tokens, salt, slots)`
@@ -90,7 +91,7 @@ def tier_dir(directory, fingerprint: dict[str, str]) -> Path:
 
 
 class TierBusy(RuntimeError):
-    """Another process has this tier's directory open (module doc)."""
+    """Another model has this tier's directory open (module doc)."""
 
 
 class TierFile:
