@@ -60,7 +60,7 @@ import threading
 import traceback
 import weakref
 
-import torch
+import torch  # noqa: F401 -- before the atexit registration below, so that ours runs before torch's
 
 from .drafts import Drafter
 from .kv_pool import KVPool
