@@ -1,10 +1,8 @@
 """Integration: the embedded Gemma 3 270M (sliding windows of 512 tokens on 5 of every 6 layers, one KV head of
 256 dims), kvql vs plain transformers `generate` (fp32, greedy) on prompts of 600-1,500 tokens: past the
-window, cold, warm and through `kvql serve`."""
+window, cold, warm and through the server (its app, in this process)."""
 
 from __future__ import annotations
-
-import subprocess
 
 import openai
 import pytest
@@ -12,8 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import kvql
-from conftest import free_port, start_server
+from conftest import serving
 from kvql.backends.loader import resolve
+from kvql.server.app import create_app
 
 pytestmark = pytest.mark.gemma3
 
@@ -78,19 +77,14 @@ def test_greedy_past_the_window_equals_transformers_cold_and_warm(gemma, prompts
     gemma.check_integrity()
 
 
-def test_through_kvql_serve_equals_transformers(prompts, reference):
-    port = free_port()
-    proc = start_server("gemma3-270m", port, budget="256MB")
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+def test_through_kvql_serve_equals_transformers(gemma, prompts, reference):
+    """The server's app in this process, over the module's model (a `kvql serve` process would load the model
+    a second time, ~25 s; the command itself: test_server_process.py). Last here: shutting the app down
+    closes the model."""
+    gemma.clear_cache()
+    with serving(create_app(gemma)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         for p, want in zip(prompts, reference):
-            r = client.completions.create(model="gemma3-270m", prompt=p, max_tokens=10, temperature=0,
+            r = client.completions.create(model=gemma.name, prompt=p, max_tokens=10, temperature=0,
                                           extra_body={"return_token_ids": True})
-            got = r.choices[0].model_extra.get("token_ids")
-            assert got == want
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            assert r.choices[0].model_extra.get("token_ids") == want

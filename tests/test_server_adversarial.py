@@ -286,9 +286,13 @@ def test_killed_non_streaming_client_stops_its_generation(served):
     assert "kvql_running_requests 0" in metrics and "kvql_locked_nodes 0" in metrics
 
 
-def test_client_that_times_out_cancels_its_request(served):
+def test_client_that_times_out_cancels_its_request(served, monkeypatch):
     url, model = served
     assert wait_idle(model)
+    # every step at least 5 ms: the request outlasts the client's 0.1 s by seconds whatever the machine's load
+    # (alone it takes ~0.6 s, which a loaded machine's late timeout and disconnect poll could both exceed)
+    forward = model.engine.runner.forward
+    monkeypatch.setattr(model.engine.runner, "forward", lambda segments: (time.sleep(0.005), forward(segments))[1])
     before = model.stats()["generated_tokens"]
 
     async def impatient():

@@ -7,7 +7,10 @@ through), and nothing else in the model carries state from one token to the next
 families of transformers 5.x are written that way (Llama, Qwen, Gemma, Phi, OLMo, Granite, Cohere,
 StarCoder2, GPT-2, GPT-NeoX, GPT-J, GLM, their MoE variants); recurrent and hybrid models (Mamba, Jamba,
 LFM2, Qwen3-Next, RecurrentGemma: a recurrent state is not a prefix of token-granular KV), encoder-decoder
-models and models whose attention bypasses the interface (Falcon in transformers 5.24) are not.
+models and models whose attention bypasses the interface (Falcon: in transformers 5.24 it cannot set its
+attention implementation, in 5.25 its layers do not pass the forward's keyword arguments on) are not. Where
+the config declares recurrent layers (`layer_types` naming a kind that transformers' own cache serves with
+a recurrent state), the model is refused before its weights load (`check_config`).
 
 `probe(model)` runs one forward of a few tokens with a recording cache and records, per layer, what the
 attention function receives: query heads, KV heads, head dim, the layer's sliding window and logit
@@ -86,6 +89,9 @@ class ProbeCache:
         self.probe.updates.append((layer_idx, tuple(key_states.shape), tuple(value_states.shape)))
         return key_states, value_states
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # no past: a probe forward is all new tokens
+
 
 def record(probe: Probe, query, key, value, kwargs) -> None:
     """Called by the engine's attention function when its plan is a `Probe`."""
@@ -100,6 +106,23 @@ def check_config(config) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel(f"{config.model_type!r} is an encoder-decoder model; kvql's engine runs "
                                f"decoder-only language models")
+    stateful = sorted(set(recurrent_layer_types(config)))
+    if stateful:
+        raise UnsupportedModel(f"{config.model_type!r}: its config declares layers of type {', '.join(stateful)}, "
+                               f"whose cache in transformers is a recurrent (or convolutional) state, which is not "
+                               f"a prefix of token-granular KV")
+
+
+def recurrent_layer_types(config) -> list[str]:
+    """The entries of the config's `layer_types` that transformers' own cache serves with a recurrent state
+    (a cache layer class of its `LinearAttentionCacheLayerMixin` kind: Mamba, Jamba, LFM2, Qwen3-Next, ...)."""
+    from transformers import cache_utils
+
+    mapping = getattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING", {})
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    declared = getattr(config.get_text_config(), "layer_types", None) or []
+    return [t for t in declared if mixin is not None and isinstance(t, str)
+            and isinstance(mapping.get(t), type) and issubclass(mapping[t], mixin)]
 
 
 def probe(hf_model, forward) -> Geometry:
@@ -135,7 +158,8 @@ def probe(hf_model, forward) -> Geometry:
     if len(p.calls) != len(p.updates):
         raise UnsupportedModel(f"{name!r}: {len(p.updates)} layers write K/V but the registered attention "
                                f"function was called {len(p.calls)} times: its attention does not pass the "
-                               f"forward's keyword arguments through to the attention interface")
+                               f"forward's keyword arguments through to the function registered with "
+                               f"transformers' AttentionInterface")
     n_layers = getattr(config.get_text_config(), "num_hidden_layers", None)
     if n_layers is not None and len(p.updates) < n_layers:
         raise UnsupportedModel(f"{name!r}: only {len(p.updates)} of its {n_layers} layers are attention layers "

@@ -63,6 +63,23 @@ def _references():
     }
 
 
+def _hub_function(x):
+    """The function behind `x` where `x` is the module object that transformers' `use_kernel_forward_from_hub`
+    binds a function's name to when the `kernels` package is installed (transformers 5.25 requires it;
+    `apply_rotary_pos_emb` of each family is one): unless a model was kernelized (`_kernelized`), its
+    forward calls that function. Else `x`."""
+    if not isinstance(x, torch.nn.Module) or "forward" in x.__dict__ or type(x).__name__ != "Func":
+        return x
+    wrapped = inspect.getclosurevars(type(x).forward).nonlocals.get("func")
+    return wrapped if isinstance(wrapped, types.FunctionType) else x
+
+
+def _kernelized(module: torch.nn.Module) -> bool:
+    """Whether `kernels.kernelize` put a hub kernel in place of one of the module's functions (with
+    `use_kernelized_func`, each instance holds its own wrappers in `_kernel_funcs`): its own forward runs."""
+    return any("forward" in getattr(w, "__dict__", {}) for w in module.__dict__.get("_kernel_funcs", {}).values())
+
+
 def same_function(f, g, _seen=None) -> bool:
     """Whether functions `f` and `g` compute the same thing as far as their code shows: equal bytecode,
     constants and names (after unwrapping decorators), and each global name they use bound to the same
@@ -80,7 +97,7 @@ def same_function(f, g, _seen=None) -> bool:
         return True
     seen.add((a, b))
     for name in a.co_names:
-        x, y = f.__globals__.get(name, _MISSING), g.__globals__.get(name, _MISSING)
+        x, y = _hub_function(f.__globals__.get(name, _MISSING)), _hub_function(g.__globals__.get(name, _MISSING))
         if x is y:
             continue
         if not (isinstance(x, types.FunctionType) and isinstance(y, types.FunctionType)
@@ -214,7 +231,7 @@ def prepare(model: torch.nn.Module, max_reduction: int | None = None) -> int:
             stacked = module.__dict__.get(attr)
             if stacked is not None and stacked.max_reduction != max_reduction:
                 setattr(module, attr, cpu_linear.Stacked(stacked.parts, max_reduction))
-        if hasattr(type(module), "kvql_original"):
+        if hasattr(type(module), "kvql_original") or _kernelized(module):
             continue
         what = kind(type(module))[0]
         if what == "norm" and module.weight.shape[0] % 16 == 0:

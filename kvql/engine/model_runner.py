@@ -154,6 +154,12 @@ class PoolCache:
         v.index_copy_(1, self.write_slots, value_states[0])
         return k[None], v[None]
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """0. A batch's rows have no one past length; the engine passes position_ids and its own mask, so a
+        forward has no use for it (some, Falcon's, ask all the same). A model whose output depends on it
+        fails `verify`, whose second forward runs over cached tokens."""
+        return 0
+
 
 def read_geometry(hf_model) -> admission.Geometry:
     """The attention layers of `hf_model` as the engine runs them (admission.probe), or UnsupportedModel.
