@@ -173,6 +173,22 @@ def test_a_subclass_whose_helper_method_differs_keeps_its_own_forward():
     assert fused_layers.kind(Gemma3RMSNorm) == ("norm", True) and fused_layers.kind(Other) == (None, None)
 
 
+def test_a_kernelized_attention_keeps_its_own_forward(tokenizer):
+    """With the `kernels` package (transformers 5.25 requires it), a family's `apply_rotary_pos_emb` is a module
+    object; unkernelized, the fused attention still applies (the swapped Gemma test above counts it); where
+    `kernelize` put a hub kernel in a module's own wrapper (an instance forward), that module is left alone."""
+    pytest.importorskip("kernels")
+    import types
+
+    hf = tiny_model(tokenizer)
+    kernelized = hf.model.layers[0].self_attn
+    wrapper = next(iter(kernelized._kernel_funcs.values()))
+    wrapper.forward = types.MethodType(lambda self, q, k, cos, sin, unsqueeze_dim=1: (q, k), wrapper)
+    fused_layers.prepare(hf)
+    assert type(kernelized) is modeling_llama.LlamaAttention
+    assert hasattr(type(hf.model.layers[1].self_attn), "kvql_original")
+
+
 def test_stacked_gemm_follows_edits_and_replacements_of_its_parts(tokenizer):
     hf = tiny_model(tokenizer, "qwen2", seed=6)
     twin = tiny_model(tokenizer, "qwen2", seed=6)  # never swapped: what the edited model must compute

@@ -61,28 +61,33 @@ def test_size_strings_are_parsed():
 
 HUB_CODE = """
 import sys, kvql
-try:
-    m = kvql.model(sys.argv[1], cache_budget="1MB")
-except kvql.ModelLoadError as e:
-    print("ERROR", e)
-else:
-    print("LOADED", m.generate([[3, 4, 5, 6]], max_tokens=6)[0].token_ids)
+for spec in sys.argv[1:]:
+    try:
+        m = kvql.model(spec, cache_budget="1MB")
+    except kvql.ModelLoadError as e:
+        print("ERROR", e)
+    else:
+        print("LOADED", m.generate([[3, 4, 5, 6]], max_tokens=6)[0].token_ids)
+        m.close()
 """
 
 
-def run_hub(spec: str, hub_cache, offline: bool = True) -> str:
+def run_hub(*specs: str, hub_cache, offline: bool = True) -> list[str]:
+    """Each spec loaded in turn by one fresh process (the Hub's settings are read at import): a line each."""
     env = {**os.environ, "HF_HUB_CACHE": str(hub_cache)}
     env.pop("HF_HUB_OFFLINE", None)
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
-    out = subprocess.run([sys.executable, "-c", HUB_CODE, spec], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", HUB_CODE, *specs], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr
-    return out.stdout.strip().splitlines()[-1]
+    lines = [x for x in out.stdout.splitlines() if x.startswith(("LOADED", "ERROR"))]
+    assert len(lines) == len(specs), out.stdout
+    return lines
 
 
 def test_a_hub_id_missing_offline_says_it_is_not_in_the_cache_and_how_to_get_it(tmp_path):
-    line = run_hub("kvql-test-org/no-such-model", tmp_path / "hub")
+    [line] = run_hub("kvql-test-org/no-such-model", hub_cache=tmp_path / "hub")
     assert line.startswith("ERROR model 'kvql-test-org/no-such-model' is no local directory and not in the local "
                            "Hugging Face cache")
     assert str(tmp_path / "hub") in line and "HF_HUB_OFFLINE is set" in line
@@ -98,10 +103,9 @@ def test_hub_ids_load_from_the_local_hugging_face_cache(tmp_path, llama, tokeniz
     tokenizer.save_pretrained(repo / "snapshots" / revision)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
-    direct = run_hub(str(repo / "snapshots" / revision), tmp_path / "hub")
-    assert direct.startswith("LOADED")
-    assert run_hub("kvql-test-org/tiny", tmp_path / "hub") == direct
-    assert run_hub("local:kvql-test-org/tiny", tmp_path / "hub", offline=False) == direct  # cached: no network
+    direct, by_id = run_hub(str(repo / "snapshots" / revision), "kvql-test-org/tiny", hub_cache=tmp_path / "hub")
+    assert direct.startswith("LOADED") and by_id == direct
+    assert run_hub("local:kvql-test-org/tiny", hub_cache=tmp_path / "hub", offline=False) == [direct]  # no network
 
 
 def test_a_spec_that_is_no_hub_id_says_what_was_tried():
