@@ -77,7 +77,7 @@ def test_greedy_past_the_window_equals_transformers_cold_and_warm(gemma, prompts
     gemma.check_integrity()
 
 
-def test_through_kvql_serve_equals_transformers(gemma, prompts, reference):
+def test_through_the_server_equals_transformers(gemma, prompts, reference):
     """The server's app in this process, over the module's model (a `kvql serve` process would load the model
     a second time, ~25 s; the command itself: test_server_process.py). Last here: shutting the app down
     closes the model."""

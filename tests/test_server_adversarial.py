@@ -292,7 +292,12 @@ def test_client_that_times_out_cancels_its_request(served, monkeypatch):
     # every step at least 5 ms: the request outlasts the client's 0.1 s by seconds whatever the machine's load
     # (alone it takes ~0.6 s, which a loaded machine's late timeout and disconnect poll could both exceed)
     forward = model.engine.runner.forward
-    monkeypatch.setattr(model.engine.runner, "forward", lambda segments: (time.sleep(0.005), forward(segments))[1])
+
+    def slowed(segments):
+        time.sleep(0.005)
+        return forward(segments)
+
+    monkeypatch.setattr(model.engine.runner, "forward", slowed)
     before = model.stats()["generated_tokens"]
 
     async def impatient():
