@@ -4,6 +4,8 @@ token per step, with `check_integrity` after every step."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,12 +17,14 @@ from kvql.engine.request import SamplingParams
 from kvql.engine.scheduler import SPECULATE_MAX_RUNNING
 
 
-def run(m, jobs, speculate: bool):
+def run(m, jobs, speculate: bool, clear: bool = True):
     """Submit `jobs` [(prompt ids, SamplingParams kw)] with speculation `speculate`, stepping until idle and
-    checking integrity after every step; -> (completions per job, steps, stats)."""
+    checking integrity after every step; -> (completions per job, steps, stats). `clear`: from an empty cache
+    (else a job run again is drafted from the tree at full length, and so ends inside a verify step)."""
     engine = m.engine
     engine.speculate = speculate
-    m.clear_cache()
+    if clear:
+        m.clear_cache()
     before = engine.stats()
     groups = [engine.submit(p, SamplingParams(**{"max_tokens": 24, **kw})) for p, kw in jobs]
     steps = 0
@@ -31,6 +35,12 @@ def run(m, jobs, speculate: bool):
     after = engine.stats()
     stats = {k: after[k] - before[k] for k in ("drafted_tokens", "accepted_tokens", "generated_tokens")}
     return [g.future.result() if g.future.exception() is None else g.future.exception() for g in groups], steps, stats
+
+
+def answers(results):
+    """Completions per job with what depends on the cache (cached and disk tokens) left out."""
+    return [[dataclasses.replace(c, cached_tokens=0, disk_tokens=0) for c in r] if isinstance(r, list) else r
+            for r in results]
 
 
 def looping_prompts(tokenizer, count: int, seed: int = 4) -> list[list[int]]:
@@ -262,3 +272,147 @@ def test_unseeded_sampled_requests_are_drafted_and_seeded_ones_are_not(engine_mo
     assert stats["accepted_tokens"] > 0 and all(len(c[0].token_ids) > 0 for c in outputs)
     _, _, seeded = run(engine_model, [(p, {**kw, "seed": 5}) for p, kw in jobs], True)
     assert seeded["drafted_tokens"] == 0
+
+
+# -- several samples, preemption and the HTTP server with drafts -----------------------------------------------------
+GREEDY_OPTIONS = {"greedy": {}, "logprobs": {"logprobs": 2}, "penalties": {
+    "repetition_penalty": 1.1, "presence_penalty": 0.1, "frequency_penalty": 0.05}, "ignore_eos": {"ignore_eos": True}}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("option", GREEDY_OPTIONS)
+def test_n_greedy_samples_equal_speculation_off(engine_model, tokenizer, option, n):
+    """Samples end inside a verify step (a stop, max_tokens): each of the group's samples is exact."""
+    prompts = looping_prompts(tokenizer, 2)
+    text = engine_model.generate([prompts[0]], max_tokens=24)[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2] or "a"
+    jobs = [(prompts[0], {"max_tokens": 40, "n": n, **GREEDY_OPTIONS[option]}),
+            (prompts[1], {"max_tokens": 40, "n": n, "stop": (stop,), **GREEDY_OPTIONS[option]}),
+            (prompts[0], {"max_tokens": 9, "n": n, **GREEDY_OPTIONS[option]})]
+    drafted = 0
+    for job in jobs:  # one group at a time: n samples are few enough to draft (SPECULATE_MAX_RUNNING)
+        off, _, _ = run(engine_model, [job], False)
+        on, _, stats = run(engine_model, [job], True)
+        again, _, _ = run(engine_model, [job], True, clear=False)  # drafted from the tree: ends in a verify step
+        assert isinstance(on[0], list) and len(on[0]) == n, on
+        assert on == off and answers(again) == answers(off)
+        assert all(s.token_ids == on[0][0].token_ids for s in on[0])  # greedy samples agree
+        drafted += stats["drafted_tokens"]
+    assert drafted > 0
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 0.05}, {"temperature": 0.05, "top_k": 5, "top_p": 0.9},
+                                {"temperature": 0.7, "top_k": 8, "seed": 3}], ids=["unseeded", "filtered", "seeded"])
+def test_n_sampled_samples_finish_with_drafts_and_seeded_ones_equal_speculation_off(engine_model, tokenizer, kw):
+    jobs = [(p, {"max_tokens": 40, "n": 2, **kw}) for p in looping_prompts(tokenizer, 2)]
+    on, _, stats = run(engine_model, jobs, True)
+    again, _, _ = run(engine_model, jobs, True, clear=False)  # drafted from the tree: ends in a verify step
+    assert all(isinstance(c, list) and len(c) == 2 for c in on + again), (on, again)
+    assert all(0 < len(s.token_ids) <= 40 and s.finish_reason in ("stop", "length") for c in on + again for s in c)
+    if "seed" in kw:  # same seed, same samples: never drafted
+        assert stats["drafted_tokens"] == 0 and on == run(engine_model, jobs, False)[0]
+    else:
+        assert stats["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_preemption_with_drafts_equals_speculation_off(make_model, tokenizer, n):
+    """A pool short enough to preempt, prompts that draft: outputs as without drafts, integrity after every step."""
+    m = make_model(cache_tokens=200, background=False, max_batch_tokens=16)
+    jobs = [(p, {"max_tokens": 48, "n": n}) for p in looping_prompts(tokenizer, 4)]
+    preemptions = []
+    runs = []
+    for speculate, clear in ((False, True), (True, True), (True, False)):
+        before = m.engine.stats()["preemptions"]
+        outputs, _, stats = run(m, jobs, speculate, clear)
+        preemptions.append(m.engine.stats()["preemptions"] - before)
+        runs.append((outputs, stats["drafted_tokens"]))
+    (off, _), (on, drafted), (again, _) = runs
+    assert all(isinstance(c, list) and len(c) == n for c in on + again), (on, again)
+    assert on == off and answers(again) == answers(off) and drafted > 0 and min(preemptions) > 0
+
+
+def test_generate_and_stream_n_samples_with_drafts(tokenizer, make_model):
+    """The Python API, background engine thread: `generate` and `stream` of n = 2 greedy samples with drafts."""
+    import asyncio
+
+    m = make_model()
+    prompt = looping_prompts(tokenizer, 1)[0]
+    m.engine.speculate = True
+    on = m.generate([prompt], max_tokens=30, n=2)  # the samples of each prompt in turn
+    drafted = m.stats()["drafted_tokens"]
+
+    async def streamed():
+        texts = {}
+        async for chunk in m.stream(prompt, max_tokens=30, n=2):
+            texts[chunk.sample] = texts.get(chunk.sample, "") + chunk.text
+        return texts
+
+    texts = asyncio.run(streamed())
+    m.engine.speculate = False
+    m.clear_cache()
+    off = m.generate([prompt], max_tokens=30, n=2)
+    assert drafted > 0 and [c.token_ids for c in on] == [c.token_ids for c in off]
+    assert texts == {0: off[0].text, 1: off[1].text}
+
+
+def test_http_n_samples_with_drafts_plain_and_streamed(served, tokenizer):
+    """`n` = 2 and `best_of` = 2 over HTTP, greedy, on a prompt that drafts: 200 and the texts of speculation off."""
+    import json
+
+    import httpx
+
+    url, model = served
+    prompt = looping_prompts(tokenizer, 1, seed=5)[0]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0, "n": 2}
+
+    def texts(**extra):
+        r = httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=120)
+        assert r.status_code == 200, r.text
+        return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    def streamed():
+        got = ["", ""]
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    for c in event["choices"]:
+                        got[c["index"]] += c["text"]
+        return got
+
+    try:
+        model.engine.speculate = True
+        before = model.stats()["drafted_tokens"]
+        on = [texts(), texts(best_of=2), streamed()]
+        drafted = model.stats()["drafted_tokens"] - before
+        model.engine.speculate = False
+        model.clear_cache()
+        off = texts()
+    finally:
+        model.engine.speculate = True
+    assert drafted > 0 and on == [off, off, off] and off[0] == off[1]
+
+
+@pytest.mark.parametrize("decoder", ["argmax", "beam(n=2)", "sample(n=2, temperature=0.7)"])
+def test_query_decoders_with_several_samples_equal_speculation_off(make_model, decoder):
+    """A query run again is drafted from the tree (its holes end inside verify steps); seeded, so the sampled
+    decoder's runs compare too."""
+    import kvql
+
+    m = make_model()
+    query = f'{decoder}\n"Story: once upon a time [A] and so [B]" where len(TOKENS(A)) < 20 and len(TOKENS(B)) < 12'
+
+    def values(speculate):
+        m.engine.speculate = speculate
+        m.clear_cache()
+        before = m.stats()["drafted_tokens"]
+        got = [kvql.run_sync(query, model=m, seed=3) for _ in range(2)]
+        runs = [[r.prompt for r in g] if isinstance(g, list) else [g.prompt] for g in got]
+        return runs, m.stats()["drafted_tokens"] - before
+
+    (on, drafted), (off, _) = values(True), values(False)
+    assert on == off and on[0] == on[1]
+    assert (drafted > 0) == (decoder == "argmax")  # beam asks one token per request; seeded samples are not drafted

@@ -112,7 +112,10 @@ class Outputs:
         requests by speculative sampling, `sampler.sample`'s `draft`), keep each drafted token the sample
         equals (its KV is valid), and stop at the first that differs: that sample is the step's last token.
         So greedy outputs are those of one decode step per token, and sampled ones have their distribution.
-        The rejected drafted tokens' slots are freed."""
+        The rejected drafted tokens' slots are freed. Any append may end the request (a stop, `max_tokens`, a
+        forced end): `scheduler.finish` then releases its memory and drops `req.draft`, so the drafting state
+        this step reports to is taken first and nothing below touches the request's memory once it ended."""
+        state = req.draft
         draft = seg.token_ids[-seg.drafted:]
         req.vocab_size = logits.shape[-1]
         req.drafted_tokens += seg.drafted  # now: an append below may finish the request (its completion made)
@@ -134,7 +137,7 @@ class Outputs:
             if not hit or req.num_tokens != length or req.state is not State.RUNNING:
                 break
         self.accepted_tokens += accepted
-        req.draft.record(seg.drafted, accepted)
+        state.record(seg.drafted, accepted)
         if req.state is State.RUNNING:
             self.scheduler.discard(req)
 
