@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import copy
 import json
+from typing import Literal
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel
 
 import kvql
 from kvql.server.app import create_app
@@ -319,3 +321,77 @@ def test_a_tool_schema_that_cannot_be_compiled_fails_its_own_request_only(server
     good = post(server, {"messages": USER, "tools": TOOLS, "tool_choice": "required", "temperature": 0})
     assert good.status_code == 200 and good.json()["choices"][0]["message"]["tool_calls"]
     server[1].check_integrity()
+
+
+# -- tool schemas with local references (issue 40) ------------------------------------------------
+class City(BaseModel):
+    name: Literal["Paris", "Rome", "Oslo"]
+
+
+class Trip(BaseModel):
+    """A trip to a city."""
+    city: City
+    via: City | None
+
+
+class Node(BaseModel):
+    """A tree of small numbers."""
+    n: Literal[1, 2, 3]
+    child: Node | None
+
+
+def function(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+# each resolves its references against its own parameters: "#/$defs/City" (as the openai client writes a nested
+# Pydantic model), "#/properties/v", a recursive "#", and recursion through "$defs" (a Pydantic tree)
+REFERRING = [
+    openai.pydantic_function_tool(Trip),
+    function("same_as_v", {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                            "w": {"$ref": "#/properties/v"}}, "required": ["v", "w"]}),
+    function("tree", {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}, "child": {"$ref": "#"}},
+                      "required": ["n"]}),
+    openai.pydantic_function_tool(Node),
+]
+
+
+@pytest.mark.parametrize("tool", REFERRING, ids=lambda t: t["function"]["name"])
+def test_a_tool_schemas_references_resolve_against_its_own_parameters(server, tool):
+    name, schema = tool["function"]["name"], tool["function"]["parameters"]
+    for tool_choice in ("required", "auto", {"type": "function", "function": {"name": name}}):
+        for seed in range(2):
+            r = post(server, {"messages": USER, "tools": [tool, TIME], "tool_choice": tool_choice, "temperature": 1.0,
+                              "seed": seed, "max_tokens": 120})
+            assert r.status_code == 200, (tool_choice, r.text)
+            for call in r.json()["choices"][0]["message"].get("tool_calls") or ():
+                called = call["function"]
+                own = schema if called["name"] == name else SCHEMAS[called["name"]]
+                jsonschema.validate(json.loads(called["arguments"]), own)  # under the tool's own schema
+
+
+def test_a_recursive_tool_schema_admits_its_own_calls_and_no_others(make_model):
+    tok = make_model().tokenizer
+    tree = next(t["function"] for t in REFERRING if t["function"]["name"] == "tree")
+    grammar = ToolCalling((tree, TIME["function"]), "required").constraint()["grammar"]
+
+    def admits(arguments: str) -> bool:
+        mask = kvql.engine.grammar.Grammar.lark(tok, grammar).mask_fn()
+        try:
+            mask(tok.encode(f'<tool_call>\n{{"name": "tree", "arguments": {arguments}}}\n</tool_call>'))
+        except ValueError:
+            return False
+        return True
+
+    assert admits('{"n": 1, "child": {"n": 2, "child": {"n": 3}}}')
+    assert not admits('{"n": 1, "child": {"name": "tree", "arguments": {"n": 2}}}')  # "#" is not the call
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto", {"type": "function", "function": {"name": "plan_trip"}}])
+def test_a_tool_schema_that_does_not_compile_is_a_400_leading_with_the_reason_and_naming_the_tool(server, tool_choice):
+    broken = function("plan_trip", {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}})  # no $defs
+    r = post(server, {"messages": USER, "tools": [TIME, broken], "tool_choice": tool_choice, "max_tokens": 30})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "Pointer '/$defs/City' does not exist" in message[:100], message  # llguidance's reason, before any grammar
+    assert "plan_trip" in message[:200] or isinstance(tool_choice, dict), message  # (a named tool_choice names it)

@@ -38,6 +38,7 @@ with a ValueError, and this process never runs the grammar that caused it.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -177,17 +178,44 @@ def _plain_error(error: str, generated: int) -> str:
     return error.rstrip()
 
 
+_POSITION = re.compile(r"(?:at )?(\d+)\((\d+)\): ")  # llguidance's "at 3(9): " (line, column in the Lark text)
+_LISTING = re.compile(r"\n +\d+ \| ")  # the start of the grammar's lines it appends after the reason
+SHOWN = 200  # characters of a constraint (or of a grammar's line) an error message quotes
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= SHOWN else text[:SHOWN] + "..."
+
+
+def _compile_error(what: str, shown: str, error: str, lark: str | None) -> str:
+    """The message of a constraint that does not compile: `invalid <what>: <llguidance's reason>` first,
+    then where: the line of the Lark grammar `lark` that llguidance points at, else the constraint, each
+    cut to `SHOWN` characters. (llguidance appends the grammar's lines, in full, after its reason: a grammar
+    of many lines, or one long line, would bury it; the text of a schema can be as long.)"""
+    error = _plain_error(error, 0)
+    listing = _LISTING.search(error)
+    reason = error[:listing.start()] if listing else error
+    at = _POSITION.match(reason)
+    reason = reason[at.end():] if at else reason
+    lines = lark.split("\n") if lark is not None and at else []
+    line = int(at[1]) if at else 0
+    where = (f"line {line} of the grammar: {_cut(lines[line - 1])}" if 0 < line <= len(lines) else _cut(shown))
+    return f"invalid {what}: {reason} ({where})"
+
+
 class Grammar:
     """A compiled constraint for one tokenizer; immutable and shareable between requests.
 
     Build it with `regex`, `regex_all`, `choices`, `json_schema` or `lark`; they raise ValueError,
-    naming what was given and what is wrong, when the constraint is invalid. `vocab_size` is the
+    saying what is wrong first, then what was given (cut short), when the constraint is invalid. `vocab_size` is the
     length of the masks.
     """
 
-    def __init__(self, tokenizer, build, what: str):
+    def __init__(self, tokenizer, build, what: str, shown: str, lark: str | None = None):
         """`build()` returns llguidance's grammar text. It is compiled in the sandbox process first,
-        then here, on a big stack; a text compiled before for this tokenizer is not compiled again."""
+        then here, on a big stack; a text compiled before for this tokenizer is not compiled again.
+        An error is `_compile_error(what, shown, ..., lark)`: `what` the kind of constraint, `shown` the
+        constraint as a message quotes it, `lark` the Lark source of a Lark grammar."""
         state = _state(tokenizer)
         self._ll = state.ll
         text = _on_big_stack(build)
@@ -202,7 +230,7 @@ class Grammar:
             state.store(text, found)
         self._initial, error = found
         if error is not None:
-            raise ValueError(f"invalid {what}: {_plain_error(error, 0)}")
+            raise ValueError(_compile_error(what, shown, error, lark))
         self.vocab_size: int = self._ll.vocab_size
 
     @classmethod
@@ -211,7 +239,7 @@ class Grammar:
         if not isinstance(pattern, str):
             raise TypeError(f"a regex must be a string, got {type(pattern).__name__}")
         _check_size(pattern, "the regex")
-        return cls(tokenizer, lambda: llguidance.LLMatcher.grammar_from_regex(pattern), f"regex {pattern!r}")
+        return cls(tokenizer, lambda: llguidance.LLMatcher.grammar_from_regex(pattern), "regex", repr(pattern))
 
     @classmethod
     def regex_all(cls, tokenizer, patterns: list[str]) -> Grammar:
@@ -223,7 +251,7 @@ class Grammar:
         def build():
             terms = " & ".join(f"/{llguidance.regex_to_lark(p, '')}/" for p in patterns)
             return llguidance.LLMatcher.grammar_from_lark(f"start: MATCH\nMATCH: {terms}")
-        return cls(tokenizer, build, f"regexes {list(patterns)!r}")
+        return cls(tokenizer, build, "regexes", repr(list(patterns)))
 
     @classmethod
     def choices(cls, tokenizer, options: list[str]) -> Grammar:
@@ -231,7 +259,7 @@ class Grammar:
         check_choices(tokenizer, options)
         lark = "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
         _check_size(lark, "the choices")
-        return cls(tokenizer, lambda: llguidance.LLMatcher.grammar_from_lark(lark), f"choices {list(options)!r}")
+        return cls(tokenizer, lambda: llguidance.LLMatcher.grammar_from_lark(lark), "choices", repr(list(options)))
 
     @classmethod
     def json_schema(cls, tokenizer, schema: dict | str) -> Grammar:
@@ -246,8 +274,7 @@ class Grammar:
             try:
                 schema = json.loads(schema)
             except (json.JSONDecodeError, RecursionError) as e:
-                shown = schema if len(schema) < 500 else schema[:500] + "..."
-                raise ValueError(f"invalid JSON schema {shown}: not JSON ({e})") from None
+                raise ValueError(f"invalid JSON schema: not JSON ({e}) ({_cut(schema)})") from None
         if not isinstance(schema, (dict, bool)):
             raise TypeError(f"a JSON schema is an object (dict) or its JSON text, got {type(schema).__name__}")
         depth = _json_depth(schema)
@@ -256,13 +283,12 @@ class Grammar:
                              f"{MAX_DEPTH} deep")
         text = json.dumps(schema)
         _check_size(text, "the JSON schema")
-        what = f"JSON schema {text if len(text) < 500 else text[:500] + '...'}"
         def build():
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_SPACING)
             except ValueError as e:
-                raise ValueError(f"invalid {what}: {e}") from None
-        return cls(tokenizer, build, what)
+                raise ValueError(_compile_error("JSON schema", text, str(e), None)) from None
+        return cls(tokenizer, build, "JSON schema", text)
 
     @classmethod
     def lark(cls, tokenizer, grammar: str) -> Grammar:
@@ -271,8 +297,8 @@ class Grammar:
         if not isinstance(grammar, str):
             raise TypeError(f"a Lark grammar must be a string, got {type(grammar).__name__}")
         _check_size(grammar, "the Lark grammar")
-        what = f"Lark grammar {grammar!r}" if len(grammar) < 500 else f"Lark grammar {grammar[:500]!r}..."
-        return cls(tokenizer, lambda: llguidance.LLMatcher.grammar_from_lark(grammar), what)
+        return cls(tokenizer, lambda: llguidance.LLMatcher.grammar_from_lark(grammar), "Lark grammar", repr(grammar),
+                   grammar)
 
     def mask_fn(self) -> Callable[[list[int]], torch.Tensor]:
         """A new kvql `MaskFn`: generated ids so far -> bool tensor `[vocab_size]` of allowed next tokens.

@@ -14,7 +14,9 @@ returns names one of the request's tools and carries arguments valid under that 
     under "required";
   - `"none"`: as if no tools were sent (nothing offered, nothing read back).
   An object schema that declares `properties` and says nothing of `additionalProperties` is held closed
-  (false), as OpenAI's strict mode requires: a call carries the arguments its function declares.
+  (false), as OpenAI's strict mode requires: a call carries the arguments its function declares. Under every
+  tool_choice a tool's parameters are compiled as a schema of their own: its local references (`#`,
+  `#/$defs/City`, `#/properties/v`) resolve against them, recursion included.
 - The answer carries OpenAI's `tool_calls` (`{"id", "type": "function", "function": {"name", "arguments"}}`,
   arguments as JSON text) and `content: null`; `finish_reason` is `"tool_calls"`, or `"stop"` for a named
   function (as OpenAI answers a forced call), or `"length"` when the token cap cut the output (then the calls
@@ -108,14 +110,18 @@ class ToolCalling:
         """The output's constraint, as `Model.generate` options."""
         if self.mode == "named":
             return {"json_schema": self._arguments_schema(self.named)}  # written with JSON_SPACING, as every json_schema
-        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                           "arguments": self._arguments_schema(f["name"])},
-                           "required": ["name", "arguments"], "additionalProperties": False}
-                          for f in self.functions], "x-guidance": JSON_SPACING}
+        # Each tool's arguments are their own `%json` sub-grammar, compiled as the tool's own schema: its local
+        # references ("#", "#/$defs/City") resolve against its parameters, as under a named tool_choice. (Inside
+        # one schema of every call they resolved against that schema: refused, or recursing into a call.) Each
+        # tool's rule is one line whose start holds its name: a compile error quotes that line, so it names the tool.
+        tools = [f"tool_{i}: {json.dumps(_call_head(f['name']))} %json "
+                 f"{json.dumps({**self._arguments_schema(f['name']), 'x-guidance': JSON_SPACING})} \"}}\""
+                 for i, f in enumerate(self.functions)]
         calls = 'call ("\\n" call)*' if self.parallel else "call"
         start = "calls" if self.mode == "required" else "calls | TEXT"
         lark = (f"start: {start}\ncalls: {calls}\n"
-                f"call: {json.dumps(OPEN + chr(10))} %json {json.dumps(call)} {json.dumps(chr(10) + CLOSE)}\n")
+                f"call: {json.dumps(OPEN + chr(10))} ({' | '.join(f'tool_{i}' for i in range(len(tools)))}) "
+                f"{json.dumps(chr(10) + CLOSE)}\n" + "".join(t + "\n" for t in tools))
         if self.mode == "auto":
             lark += f"TEXT: /(.|\\n)*/ & ~/{re.escape(OPEN)}(.|\\n)*/\n"
         return {"grammar": lark}
@@ -161,6 +167,11 @@ def _closed(schema):
     if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def _call_head(name: str) -> str:
+    """A call's text up to its arguments, written as `json.dumps` writes `{"name": name, "arguments": ...}`."""
+    return '{"name": ' + json.dumps(name) + ', "arguments": '
 
 
 def _parsed(text: str) -> dict | None:
