@@ -51,10 +51,11 @@ def test_port_in_use_fails_at_once_before_loading(long_model_dir):
     assert "loading" not in out.stdout  # the model was never loaded
 
 
-def run_until_signal(model_dir, sig, *options, body, after: float = 1.0):
+def run_until_signal(model_dir, sig, *options, body, after: float = 1.0, exit_within: float = 60.0):
     """Start a server, send `body` (a long request) from a thread, signal the server `after` seconds into
     it (a streamed body: `after` seconds after its first event); -> (exit code, seconds from signal to exit,
-    the client's status, body and the number of events it had when the signal came, stdout, stderr)."""
+    the client's status, body and the number of events it had when the signal came, stdout, stderr).
+    `exit_within`: seconds the server has to exit after the signal (a bound that only catches a hang)."""
     port = free_port()
     proc = subprocess.Popen([*SERVE, "--model", str(model_dir), "--port", str(port), "--cache-budget", "64MB",
                              *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -80,7 +81,7 @@ def run_until_signal(model_dir, sig, *options, body, after: float = 1.0):
         got["at_signal"] = len(lines)
         proc.send_signal(sig)
         signalled = time.monotonic()
-        code = proc.wait(timeout=60)
+        code = proc.wait(timeout=exit_within)
         elapsed = time.monotonic() - signalled
         t.join(timeout=30)
         return code, elapsed, got, proc.stdout.read(), proc.stderr.read()
@@ -112,11 +113,12 @@ def test_signal_with_a_long_stream_ends_it_with_an_error_event_and_exits_0(long_
 
 
 def test_a_request_that_fits_in_the_shutdown_timeout_finishes(long_model_dir):
-    # streamed, so that the signal comes while it runs on however fast a machine (signalled at its first event)
+    # streamed, so that the signal comes while it runs on however fast a machine (signalled at its first event);
+    # a shutdown timeout of an hour, so that it fits however slow the machine (CI's may be loaded)
     body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     code, _, got, _, err = run_until_signal(long_model_dir, signal.SIGTERM, "--max-tokens-cap", "2000",
-                                            body=body, after=0.0)
+                                            "--shutdown-timeout", "3600", body=body, after=0.0, exit_within=3600)
     assert code == 0 and "Traceback" not in err, err
     events = [line[len("data: "):] for line in got["body"].splitlines() if line.startswith("data: ")]
     assert got["status"] == 200 and events[-1] == "[DONE]"
