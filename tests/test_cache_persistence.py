@@ -6,12 +6,17 @@ every node on disk until a request reads it back; what only memory holds is writ
 from __future__ import annotations
 
 import copy
+import errno
 import logging
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -20,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+import kvql
 from conftest import free_port, random_prompts, reference_greedy, save_model, start_server, tiny_model
 from kvql.engine.disk_tier import SUFFIX
 from kvql.engine.memory import MIN_LOAD_TOKENS
@@ -204,6 +210,106 @@ def test_a_second_model_on_a_directory_in_use_runs_from_memory_and_harms_nothing
     c = make_model(disk_cache=tmp_path, cache_save_interval=0)  # free again
     assert warm(c.generate(prompts[:2], max_tokens=4))
     c.check_integrity()
+
+
+# -- a start never fails over the cache -----------------------------------------------------------------------
+def test_a_full_disk_starts_the_model_memory_only_with_one_warning(make_model, llama, tokenizer, tmp_path, caplog,
+                                                                   monkeypatch):
+    prompts = random_prompts(seed=16, count=3, vocab=len(tokenizer))
+    a = make_model(disk_cache=tmp_path, cache_save_interval=0)
+    a.generate(prompts, max_tokens=4)
+    a.close()
+    files = {p: p.read_bytes() for p in tier_files(a)}
+    caplog.set_level(logging.INFO, logger="kvql.cache")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**9, used=10**9, free=0))
+    b = make_model(disk_cache=tmp_path, cache_save_interval=0)  # no disk_budget: half the free space, none
+    (line,) = cache_warnings(caplog)
+    assert str(tmp_path) in line and "no free space" in line and "memory only" in line
+    assert b.engine.tree.tier is None
+    assert [c.token_ids for c in b.generate(prompts, max_tokens=4)] == expected(llama, tokenizer, prompts, 4)
+    b.close()
+    assert {p: p.read_bytes() for p in tier_files(a)} == files  # the cache it found is kept for a later start
+    with pytest.raises(ValueError, match="disk_budget"):  # a budget given is the caller's: 0 is an error
+        make_model(disk_cache=tmp_path, disk_budget=0)
+
+
+def read_only(directory: Path, monkeypatch) -> None:
+    """Make `directory` read-only: its mode, and where that does not stop writes (root: a process with
+    CAP_DAC_OVERRIDE) a read-only file system's answer to opening a file in it for writing (errno 30)."""
+    directory.chmod(0o500)
+    try:
+        (directory / "probe").touch()
+    except PermissionError:
+        return  # the mode is enough
+    (directory / "probe").unlink()
+    real_open = os.open
+
+    def open_read_only(path, flags, *args, **kw):
+        if Path(path).parent == directory and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", open_read_only)
+
+
+@pytest.mark.parametrize("case", ["read-only", "a file in its place"])
+def test_a_tier_directory_that_cannot_be_written_starts_the_model_memory_only_with_one_warning(
+        make_model, llama, tokenizer, tmp_path, caplog, monkeypatch, case):
+    prompts = random_prompts(seed=17, count=3, vocab=len(tokenizer))
+    a = make_model(disk_cache=tmp_path, cache_save_interval=0)  # DIR stays writable: only the model's directory
+    a.generate(prompts, max_tokens=4)
+    a.close()
+    directory = a.engine.tree.tier.path
+    if case == "read-only":
+        before = sorted(p.name for p in directory.iterdir())
+        read_only(directory, monkeypatch)
+    else:
+        shutil.rmtree(directory)
+        directory.write_bytes(b"not a directory")
+    caplog.set_level(logging.INFO, logger="kvql.cache")
+    try:
+        b = make_model(disk_cache=tmp_path, cache_save_interval=0)
+        (line,) = cache_warnings(caplog)
+        assert str(directory) in line and "memory only" in line
+        assert b.engine.tree.tier is None
+        assert [c.token_ids for c in b.generate(prompts, max_tokens=4)] == expected(llama, tokenizer, prompts, 4)
+        b.close()
+        if case == "read-only":
+            assert sorted(p.name for p in directory.iterdir()) == before  # nothing removed, nothing written
+        else:
+            assert directory.read_bytes() == b"not a directory"
+    finally:
+        if directory.is_dir():
+            directory.chmod(0o700)  # (for tmp_path's removal)
+
+
+def test_a_cache_location_that_cannot_be_written_starts_kvql_model_memory_only_with_one_warning(
+        llama, tokenizer, tmp_path, caplog, monkeypatch):
+    """`kvql.model(DIR, disk_cache=...)` with a location kvql cannot write (checked before the load, as commands
+    do): not an error, one warning. (Root writes through a mode; the location answers as a read-only one.)"""
+    model_dir = save_model(tmp_path / "model", llama, tokenizer)
+    location = tmp_path / "cache"
+    location.mkdir(mode=0o500)
+    real_access, real_mkdir = os.access, Path.mkdir
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == location and mode & os.W_OK
+                        else real_access(p, mode, **kw))
+
+    def mkdir(self, *args, **kw):
+        if self.parent == location:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_mkdir(self, *args, **kw)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    caplog.set_level(logging.INFO, logger="kvql.cache")
+    prompts = random_prompts(seed=18, count=2, vocab=len(tokenizer))
+    m = kvql.model(str(model_dir), dtype="float32", disk_cache=location)
+    try:
+        (line,) = cache_warnings(caplog)
+        assert str(location) in line and "memory only" in line and m.engine.tree.tier is None
+        assert [c.token_ids for c in m.generate(prompts, max_tokens=4)] == expected(llama, tokenizer, prompts, 4)
+    finally:
+        m.close()
+        location.chmod(0o700)
 
 
 def test_snapshots_of_an_earlier_kvql_are_named_once_and_left_alone(make_model, tmp_path, caplog):

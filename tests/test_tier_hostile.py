@@ -1,13 +1,25 @@
-"""Disk tier files made by an unlucky or malicious user: crafted with a valid checksum, a FIFO or a directory
-under a file's name, a header too large to parse. The start never blocks or fails; a file that is not the
-tier's is removed with one warning line (or, not being a regular file, left alone); a file whose KV does not
-fit is a miss when read back; the other files still serve, answers stay exact and `check_integrity()` clean."""
+"""Disk tier files that are not what the tier wrote (disk_tier's module doc says what the directory is trusted for).
+
+- Accidents are misses, answers stay exact: another model's file with its fingerprint field edited, tokens
+  reordered by a tool that recomputed a checksum of the tensors (as the previous format's), a file of the
+  previous format.
+- No file freezes or crashes the process, at start or mid-run: a FIFO, or a link to one, under a file's name; a
+  file rewritten in place while it is read; links are never followed (reading or touching).
+- Files crafted with kvql's own checksum recomputed (`craft`: what only a writer of the directory, which the tier
+  trusts, can do): one that is not the tier's layout is removed at start with one warning line (or, not being a
+  regular file, left alone); one whose KV does not fit is a miss when read back; a header too large is refused.
+
+The other files still serve, answers stay exact and `check_integrity()` clean."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -16,20 +28,41 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import random_prompts, reference_greedy
+from conftest import random_prompts, reference_greedy, tiny_model
 from kvql.engine import disk_tier
 from kvql.engine.disk_tier import SUFFIX
 
 
 def craft(path: Path, meta: dict | None = None, **tensors) -> None:
     """Rewrite tier file `path` with some tensors (any dtype or shape) or metadata replaced, its sha256
-    recomputed as the writer computes it: the file is valid but for what was changed."""
-    with safe_open(str(path), framework="pt") as f:
-        old_meta = f.metadata()
-        data = {k: f.get_tensor(k) for k in ("prefix", "tokens", "k", "v")}
+    recomputed as kvql's writer computes it (for the salt it then claims, if that is JSON): the file is valid
+    but for what was changed. Only a writer who knows the format does this (the directory trusts its writers)."""
+    old_meta, data = metadata_of(path), tensors_of(path)
     data.update({k: t.contiguous() for k, t in tensors.items()})
-    meta = {**old_meta, "sha256": disk_tier._hash(*data.values()), **(meta or {})}
-    save_file(data, str(path), metadata=meta)
+    meta = {**old_meta, **(meta or {})}
+    try:
+        salt = json.loads(meta["salt"])
+    except ValueError:
+        salt = None
+    save_file(data, str(path), metadata={**meta, "sha256": disk_tier._hash(old_meta["fingerprint"], salt, data)})
+
+
+def tensors_hash(data: dict) -> str:
+    """A checksum of the tensors' bytes alone (what kvql-kv-tier-1 carried, and a tool editing a file may redo)."""
+    h = hashlib.sha256()
+    for t in data.values():
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def tensors_of(path: Path) -> dict:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in ("prefix", "tokens", "k", "v")}
+
+
+def metadata_of(path: Path) -> dict:
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()
 
 
 @pytest.fixture
@@ -80,14 +113,9 @@ CRAFTED = {
 CRAFTED_META = {
     "salt not JSON": {"salt": "[nul"},
     "salt a JSON object": {"salt": json.dumps({"a": 1})},
-    "another format": {"kvql_format": "kvql-kv-tier-0"},
+    "the previous format": {"kvql_format": "kvql-kv-tier-1"},
     "another model's digest": {"fingerprint": "0" * 64},
 }
-
-
-def tensors_of(path: Path) -> dict:
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in ("prefix", "tokens", "k", "v")}
 
 
 @pytest.mark.parametrize("case", list(CRAFTED) + list(CRAFTED_META))
@@ -177,3 +205,143 @@ def test_token_ids_from_a_file_are_checked_before_they_can_become_drafts(make_mo
     m, warnings = restart(make_model, tmp_path, caplog)
     assert len(warnings) == 1 and "vocabulary" in warnings[0]
     assert all(max(x.key) < len(tokenizer) for x in m.engine.tree.nodes() if x.key)
+
+
+# -- accidents: a miss, never a wrong token -----------------------------------------------------------------------
+@torch.inference_mode()
+def reference_logprobs(hf_model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Uncached greedy tokens and their log-probabilities."""
+    ids, out, logprobs = list(prompt), [], []
+    for _ in range(n):
+        lp = torch.log_softmax(hf_model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+        out.append(int(lp.argmax()))
+        logprobs.append(float(lp[out[-1]]))
+        ids.append(out[-1])
+    return out, logprobs
+
+
+def assert_exact(m, hf_model, prompt: list[int]) -> int:
+    """Four greedy tokens of `prompt` and their log-probabilities are the reference's; how many tokens were read
+    back from disk for it."""
+    before = m.stats()["disk_tokens"]
+    (c,) = m.generate([prompt], max_tokens=4, logprobs=1)
+    want, logprobs = reference_logprobs(hf_model, prompt, 4)
+    assert c.token_ids == want and [e.logprob for e in c.logprobs] == pytest.approx(logprobs, abs=1e-4)
+    return m.stats()["disk_tokens"] - before
+
+
+def test_tokens_reordered_with_a_checksum_of_the_tensors_recomputed_are_a_miss(make_model, llama, tmp_path, caplog,
+                                                                              written):
+    prompts, files = written
+    data = tensors_of(files[0])
+    g = torch.Generator().manual_seed(0)
+    rest = data["tokens"][1:]  # (its first token kept: the file stays on its own path)
+    data["tokens"] = torch.cat([data["tokens"][:1], rest[torch.randperm(rest.numel(), generator=g)]])
+    save_file(data, str(files[0]), metadata={**metadata_of(files[0]), "sha256": tensors_hash(data)})
+    m, _ = restart(make_model, tmp_path, caplog)
+    assert assert_exact(m, llama, data["tokens"].tolist() + [5]) == 0  # the KV of other tokens: not read back
+    assert m.stats()["tier_failed_reads"] == 1
+    m.check_integrity()
+
+
+def test_another_models_file_with_its_fingerprint_field_edited_is_a_miss(make_model, llama, tokenizer, tmp_path,
+                                                                          caplog, written):
+    prompts, files = written
+    other = make_model(tiny_model(tokenizer, seed=1), disk_cache=tmp_path, cache_save_interval=0)  # its own directory
+    other.generate([prompts[0]], max_tokens=1)
+    other.close()
+    (theirs,) = other.engine.tree.tier.path.glob(f"*{SUFFIX}")
+    meta = {**metadata_of(theirs), "fingerprint": metadata_of(files[0])["fingerprint"]}  # its sha256 left as written
+    files[0].unlink()
+    save_file(tensors_of(theirs), str(files[0]), metadata=meta)
+    m, warnings = restart(make_model, tmp_path, caplog)
+    assert warnings == []  # its header says it is this model's: it is found, and fails when read back
+    assert assert_exact(m, llama, prompts[0]) == 0 and m.stats()["tier_failed_reads"] == 1
+    assert answers_exactly(m, llama, tokenizer, prompts[1:]) == [len(p) - 1 for p in prompts[1:]]
+
+
+# -- files swapped or changed mid-run: never a freeze, never a crash ----------------------------------------------
+def in_thread(fn):
+    """`fn()` on another thread, which must end within 120 s (a bound no slow machine reaches: only a freeze)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "frozen"
+    assert out, "it raised (see the thread's traceback above)"
+    return out[0]
+
+
+def unblocker(fifo: Path, after: float = 60) -> subprocess.Popen:
+    """A process that opens `fifo` for writing after `after` seconds, which frees a reader blocked opening it
+    (holding the GIL, it freezes the whole process): code that blocks there fails a test instead of hanging it."""
+    code = "import sys, time; time.sleep(float(sys.argv[1])); open(sys.argv[2], 'wb').close()"
+    return subprocess.Popen([sys.executable, "-c", code, str(after), str(fifo)])
+
+
+@pytest.mark.parametrize("swap", ["a FIFO", "a link to a FIFO"])
+def test_a_file_swapped_for_a_fifo_mid_run_is_a_miss_and_freezes_nothing(make_model, llama, tokenizer, tmp_path,
+                                                                         caplog, written, swap):
+    prompts, files = written
+    m, _ = restart(make_model, tmp_path, caplog)
+    fifo = files[0] if swap == "a FIFO" else tmp_path / "elsewhere.fifo"
+    files[0].unlink()
+    os.mkfifo(fifo)
+    if fifo != files[0]:
+        files[0].symlink_to(fifo)
+    helper = unblocker(fifo)
+    try:
+        read = in_thread(lambda: answers_exactly(m, llama, tokenizer, prompts))
+    finally:
+        helper.kill()
+        helper.wait()
+    assert read == [0] + [len(p) - 1 for p in prompts[1:]] and m.stats()["tier_failed_reads"] == 1
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert files[0].name in line and "not a regular file" in line  # refused, not read until the helper wrote
+    m.check_integrity(full=False)  # what /health asks
+    in_thread(m.close)
+    assert fifo.exists() == (swap == "a link to a FIFO")  # the tier deleted its name; nothing outside it
+
+
+@pytest.mark.parametrize("change", ["truncated", "rewritten"])
+def test_a_file_changed_in_place_while_it_is_read_is_a_miss_not_a_crash(make_model, llama, tokenizer, tmp_path,
+                                                                        caplog, written, monkeypatch, change):
+    # `cp other file` truncates the file, then writes it: a reader that mapped it dies of SIGBUS. Here the file
+    # changes once the reader has the status of its descriptor (so the size it knows is stale), before it reads.
+    prompts, files = written
+    m, _ = restart(make_model, tmp_path, caplog)
+    target, changed, fstat = os.path.realpath(files[0]), [], os.fstat
+
+    def fstat_then_change(fd):
+        st = fstat(fd)
+        try:
+            ours = isinstance(fd, int) and not changed and os.readlink(f"/proc/self/fd/{fd}") == target
+        except OSError:  # a descriptor closed meanwhile
+            ours = False
+        if ours:
+            changed.append(fd)
+            data = bytearray(files[0].read_bytes())
+            data[-1] ^= 0xFF  # a byte of K or V
+            with open(target, "r+b") as f:
+                f.truncate(len(data) // 2) if change == "truncated" else f.write(data)
+        return st
+
+    monkeypatch.setattr(os, "fstat", fstat_then_change)
+    read = answers_exactly(m, llama, tokenizer, prompts)
+    assert changed, "the reader did not read through a descriptor it checked"
+    assert read == [0] + [len(p) - 1 for p in prompts[1:]] and m.stats()["tier_failed_reads"] == 1
+
+
+def test_a_file_swapped_for_a_link_mid_run_is_neither_read_nor_touched_through_it(make_model, llama, tokenizer,
+                                                                                  tmp_path, caplog, written):
+    prompts, files = written
+    m, _ = restart(make_model, tmp_path, caplog)
+    outside = tmp_path / "outside" / files[0].name  # the very file, valid, moved out of the tier's directory
+    outside.parent.mkdir()
+    shutil.move(files[0], outside)
+    files[0].symlink_to(outside)
+    os.utime(outside, ns=(10**18, 10**18))
+    m.save_cache()  # sets every file's modification time in the LRU order
+    assert outside.stat().st_mtime_ns == 10**18
+    assert answers_exactly(m, llama, tokenizer, prompts) == [0] + [len(p) - 1 for p in prompts[1:]]
+    assert m.stats()["tier_failed_reads"] == 1 and outside.stat().st_mtime_ns == 10**18

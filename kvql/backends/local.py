@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from .cache_options import tier_directory
 from .options import GenerateOptions
 from .sizes import parse_bytes
 
+log = logging.getLogger("kvql.cache")
+
 LOCAL_OPTIONS = ("mask", "prompt_logprobs", "logit_bias")  # beyond the contract's (GenerateOptions)
 
 def default_budget(device: torch.device) -> int:
@@ -43,13 +46,17 @@ def default_budget(device: torch.device) -> int:
 
 
 def default_disk_budget(directory) -> int:
-    """20 GiB, at most half the free space of the disk that holds `directory` (0 when there is none)."""
+    """20 GiB, at most half the free space of the disk that holds `directory` (0 when there is none, or the
+    disk cannot tell)."""
     if directory is None:
         return 0
     path = Path(directory).expanduser()
     while not path.exists():
         path = path.parent
-    return min(20 * 2**30, shutil.disk_usage(path).free // 2)
+    try:
+        return min(20 * 2**30, shutil.disk_usage(path).free // 2)
+    except OSError:
+        return 0
 
 
 _COMPILERS = {"regex": "regex", "choices": "choices", "json_schema": "json_schema", "grammar": "lark"}
@@ -68,7 +75,9 @@ class LocalBackend(Backend):
     `disk_cache` (also spelled `cache_dir`): a second cache tier in that directory, `disk_budget` bytes, that keeps
     the cache across restarts too (kvql.engine.disk_tier): the cache starts as what it holds for this model;
     what only memory holds is written there on `close()` / exit, every `cache_save_interval` seconds when idle
-    (0: only on close) and on `save_cache()`. `disk_budget` needs it (ValueError)."""
+    (0: only on close) and on `save_cache()`. `disk_budget` needs it (ValueError). A start never fails over the
+    tier: without a `disk_budget`, a disk with no free space leaves the model memory-only (one WARNING line, logger
+    `kvql.cache`, naming the directory), and so does a directory that cannot be used (kvql.engine.persistence)."""
 
     capabilities = frozenset({base.TOKEN_IDS, base.SCORE, base.LOGPROBS, base.MASKED_LOGPROBS, base.MIN_TOKENS,
                               base.STOP_FN, base.SAMPLING, base.CACHE_SALT, base.TOKEN_GRAMMAR, base.HEAL,
@@ -91,6 +100,11 @@ class LocalBackend(Backend):
         self.context_length = int(getattr(text, "max_position_embeddings", None) or 2048)
         self.vocab_size = int(text.vocab_size)
         budget = parse_bytes(cache_budget) if cache_budget is not None else default_budget(self.device)
+        disk_bytes = parse_bytes(disk_budget) if disk_budget is not None else default_disk_budget(disk_cache)
+        if disk_cache is not None and disk_budget is None and disk_bytes <= 0:  # a given 0 is the caller's error
+            log.warning("disk cache not used: no free space on the disk of %s (the default disk_budget is half of "
+                        "it); this model keeps its cache in memory only", disk_cache)
+            disk_cache = None
         geometry = model_runner.read_geometry(hf_model)  # UnsupportedModel (a ValueError) says why not
         slot_bytes = KVPool.slot_bytes(num_layers=len(geometry.layers), kv_heads=geometry.kv_heads,
                                        head_dim=geometry.head_dim, dtype=hf_model.dtype)
@@ -98,9 +112,8 @@ class LocalBackend(Backend):
             raise ValueError(f"cache_budget {budget} bytes holds no token ({slot_bytes} bytes per token)")
         self.engine = Engine(hf_model, tokenizer, num_slots=budget // slot_bytes, max_batch_tokens=max_batch_tokens,
                              max_running=max_running, background=background, geometry=geometry,
-                             speculate=speculate, disk_cache=disk_cache,
-                             disk_budget=parse_bytes(disk_budget) if disk_budget is not None
-                             else default_disk_budget(disk_cache), save_interval=cache_save_interval)
+                             speculate=speculate, disk_cache=disk_cache, disk_budget=disk_bytes,
+                             save_interval=cache_save_interval)
         self.eos_ids = frozenset(self.engine.eos_ids)
         # Grammars are immutable: the runs of a query (a map over many inputs) share one per constraint.
         self._compiled = functools.lru_cache(maxsize=256)(self._compile)

@@ -18,18 +18,33 @@ per spilled node, never rewritten and never reused under another name:
     tokens  I64 [N]   the node's own tokens
     k, v    [layers, kv_heads, N, head_dim] (the pool's dtype)
     metadata: kvql_format (FORMAT), fingerprint (its full digest), salt (JSON: the cache partition),
-              sha256 (of prefix, tokens, k and v bytes, in that order)
+              sha256 (`_hash`: of everything above, keyed by the fingerprint's digest)
 
 A file thus says by itself which KV it holds (the tokens it follows, its own tokens, its partition), so a
 restart rebuilds the tree from the files alone (`scan`) and a file read back is checked against the tree
-path it is read for: sha256, fingerprint, salt, prefix and tokens must all agree, else the read fails and
-the tokens are computed again (a damaged, truncated, missing or misplaced file is a miss, never a wrong
-answer). A file's modification time orders the LRU across restarts: a read back touches it, and `order`
-(at a save) sets every file's in the tree's LRU order.
+path it is read for: its sha256 must be the one this model would write for the file's tokens under the
+partition the tree reads it for, with the file's dtypes and shapes; prefix and tokens must be the tree's
+path there, K/V the pool's dtype and geometry; else the read fails and the tokens are computed again. A
+file's modification time orders the LRU across restarts: a read back touches it, and `order` (at a save)
+sets every file's in the tree's LRU order.
+
+What the directory is trusted for: whoever can write to it can change answers (the hash is no secret: a file
+crafted with it recomputed is used), as with the model's own files; kvql creates it private (0700). What the
+checks make sure is that an accident is a miss, never a wrong token: a file of another model, dtype, device,
+tokenizer or format (hashed under another digest: editing its fingerprint field does not make it this model's),
+of another partition, a damaged or partial copy, tokens reordered by a tool that recomputed a checksum of its
+own; files of an earlier FORMAT live in another directory (the format is part of the fingerprint) and one
+moved here is removed at start. And that no file, hostile or not, crashes or freezes the process: files are
+opened without following links and without blocking, used only when the descriptor is a regular file's
+(`_open`: a FIFO under a file's name is a miss, not a reader blocked in `open`), and copied into memory
+(`_read`: never mapped, as a file rewritten under a mapping kills the process with SIGBUS; one rewritten under
+a read gives bytes that fail the checks). Reads run on the reader thread, which holds no lock the engine waits
+on; touching a file never follows a link.
 
 One model at a time uses a directory: its tier holds an exclusive lock on `DIR/<digest>/lock` (flock, let go by
-`close` or the process's end) while it is open; another opening it, in this process or another, gets `TierBusy`
-(the engine then runs without a tier, saying so). Temporary files of writes that never finished are therefore
+`close` or the process's end) while it is open; another opening it, in this process or another, gets `TierBusy`;
+a directory that cannot be created, read and written gets `TierUnavailable` (the engine then runs without a
+tier, saying so: persistence.py). Temporary files of writes that never finished are therefore
 a closed or dead tier's, and `scan` removes them.
 
 Contract:
@@ -53,11 +68,13 @@ Contract:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import queue
 import secrets
@@ -68,12 +85,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .fingerprint import digest as fingerprint_digest
 
-FORMAT = "kvql-kv-tier-1"
+FORMAT = "kvql-kv-tier-2"
+"""2: the sha256 covers the header too, keyed by the fingerprint (`_hash`); 1 hashed the tensors' bytes only."""
 SUFFIX = ".kv.safetensors"
 MAX_STAGED = 512 * 2**20
 """Bytes of spilled KV that may wait for the writer thread; past that, eviction drops (as without a tier)."""
@@ -81,6 +98,10 @@ MAX_HEADER = 1 << 20
 """Bytes a file's safetensors header may have (`scan` removes a file with more: one holds 4 tensors and a salt)."""
 HEADER_BYTES = 1024
 """Bound of a file's safetensors header (8-byte length, tensor entries, metadata) besides its salt (`file_bytes`)."""
+NAMES = ("prefix", "tokens", "k", "v")
+"""The tensors of a tier file (module doc), in the order `_hash` covers them."""
+_DTYPES = {"I64": torch.int64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+"""The safetensors dtypes a tier file may hold: token ids, and K/V in a pool's dtype."""
 
 log = logging.getLogger("kvql.cache")
 
@@ -90,8 +111,16 @@ def tier_dir(directory, fingerprint: dict[str, str]) -> Path:
     return Path(directory).expanduser() / fingerprint_digest(fingerprint)[:16]
 
 
-class TierBusy(RuntimeError):
+class TierUnavailable(RuntimeError):
+    """The tier's directory cannot be used: it cannot be created, read or written (module doc)."""
+
+
+class TierBusy(TierUnavailable):
     """Another model has this tier's directory open (module doc)."""
+
+
+class NotAFile(ValueError):
+    """What is under a tier file's name is not a regular file: a symbolic link, a FIFO, a directory..."""
 
 
 class TierFile:
@@ -122,11 +151,84 @@ class Load:
     ok: list[bool] = field(default_factory=list)
 
 
-def _hash(*arrays: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    for a in arrays:
-        h.update(a.contiguous().reshape(-1).view(torch.uint8).numpy())
+def _hash(digest: str, salt, tensors: dict[str, torch.Tensor]) -> str:
+    """A file's sha256: over one JSON document (self-delimiting) of FORMAT, the fingerprint's `digest`, the `salt`
+    and each of NAMES' dtype and shape, then their bytes in that order. The reader computes it with its own
+    digest and the salt the tree reads the file for, so a file of another model or partition fails it whatever
+    its header says. It proves no authorship: anyone who knows the digest (no secret) can compute it."""
+    header = [FORMAT, digest, salt] + [[n, str(tensors[n].dtype), list(tensors[n].shape)] for n in NAMES]
+    h = hashlib.sha256(json.dumps(header).encode())
+    for n in NAMES:
+        h.update(tensors[n].contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+def _open(path: Path) -> tuple[int, os.stat_result]:
+    """A descriptor of `path` opened for reading, and its status: never through a symbolic link (O_NOFOLLOW),
+    never blocking (O_NONBLOCK: a FIFO's open returns at once), NotAFile unless it is a regular file (checked on
+    the descriptor itself: nothing can be swapped in between)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # a link (ELOOP), a socket (ENXIO)...
+            raise NotAFile("not a regular file") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotAFile("not a regular file")
+    return fd, st
+
+
+def _read_into(fd: int, buf) -> None:
+    """Fill the writable buffer `buf` with the next bytes of `fd`; ValueError if the file ends first (it changed
+    under the read)."""
+    view, got = memoryview(buf).cast("B"), 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise ValueError(f"the file ended {len(view) - got:,} bytes early (changed while it was read)")
+        got += n
+
+
+def _read(path: Path, names=NAMES, max_bytes: int | None = None) -> tuple[dict, dict, os.stat_result]:
+    """(metadata, {name: tensor} for `names`, status) of the tier file at `path`, opened by `_open` and copied into
+    memory (module doc: never mapped). Only the bytes up to the last of `names` are read. ValueError (NotAFile one
+    of them) or OSError unless it is a safetensors file of at most `max_bytes` holding `names` in `_DTYPES`."""
+    fd, st = _open(path)
+    try:
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise ValueError(f"{st.st_size:,} bytes, more than the {max_bytes:,} written")
+        raw = bytearray(8)
+        _read_into(fd, raw)
+        n = int.from_bytes(raw, "little")
+        if n > MAX_HEADER or n + 8 > st.st_size:
+            raise ValueError(f"a {n:,}-byte header in a {st.st_size:,}-byte file")
+        raw = bytearray(n)
+        _read_into(fd, raw)
+        header = json.loads(raw)
+        spans = {name: _span(header, name, st.st_size - 8 - n) for name in names}
+        ends = {name: begin + math.prod(shape) * dtype.itemsize for name, (dtype, shape, begin) in spans.items()}
+        data = torch.empty(max(ends.values()), dtype=torch.uint8)  # (not zeroed first, as a bytearray would be)
+        _read_into(fd, data.numpy())
+    finally:
+        os.close(fd)
+    tensors = {name: data[begin:ends[name]].view(dtype).reshape(shape) for name, (dtype, shape, begin) in spans.items()}
+    return header.get("__metadata__") or {}, tensors, st
+
+
+def _span(header: dict, name: str, size: int) -> tuple[torch.dtype, list[int], int]:
+    """(dtype, shape, offset) of tensor `name` in a safetensors header whose data has `size` bytes; ValueError
+    unless its dtype is in `_DTYPES` and its bytes lie within the data, aligned to its elements."""
+    entry = header.get(name)
+    dtype = _DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+    if dtype is None:
+        raise ValueError(f"no tensor {name!r} of a dtype a tier file holds")
+    shape, (begin, end) = [int(d) for d in entry["shape"]], entry["data_offsets"]
+    if (min(shape, default=0) < 0 or not 0 <= begin <= end <= size or begin % dtype.itemsize
+            or end - begin != math.prod(shape) * dtype.itemsize):
+        raise ValueError(f"tensor {name!r} of shape {shape} at bytes [{begin}, {end}) of {size}")
+    return dtype, shape, begin
 
 
 def _as_numpy(t: torch.Tensor):
@@ -142,12 +244,19 @@ class DiskTier:
             raise ValueError(f"disk_cache needs the KV pool in CPU memory, not on {pool.k.device.type}")
         self.digest = fingerprint_digest(fingerprint)
         self.path = tier_dir(directory, fingerprint)
-        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:  # a full or read-only disk, a file in the directory's place: a tier that cannot be (module doc)
+            self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):  # its lock file may exist already
+                raise OSError("not readable and writable by this process (read-only?)")
+            self._lock_fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise TierUnavailable(f"{self.path} cannot be used: {e.strerror or e}") from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
             os.close(self._lock_fd)
+            if e.errno != errno.EWOULDBLOCK:  # a file system without locks
+                raise TierUnavailable(f"{self.path} cannot be locked: {e.strerror or e}") from None
             raise TierBusy(f"{self.path} is in use by another kvql model (this process or another)") from None
         self.pool, self.budget = pool, budget
         self.bytes = 0  # the live files' sizes (module doc)
@@ -230,8 +339,8 @@ class DiskTier:
                 if op == "write":
                     size = self._write(file, salt)
                 elif op == "touch":
-                    if file.refs > 0:
-                        os.utime(file.path, ns=(salt, salt))
+                    if file.refs > 0:  # not through a link: only this directory's files are the tier's
+                        os.utime(file.path, ns=(salt, salt), follow_symlinks=False)
                 else:
                     file.path.unlink(missing_ok=True)
             except Exception as e:  # noqa: BLE001 -- a failed write is a file that is not there: a miss later
@@ -251,11 +360,11 @@ class DiskTier:
         """Write `file` from its staging copy (temporary name, then rename); its size (0: released before)."""
         if file.refs == 0:  # released before it was written
             return 0
-        prefix, tokens, k, v = file.staging
+        tensors = dict(zip(NAMES, file.staging))
         meta = {"kvql_format": FORMAT, "fingerprint": self.digest, "salt": json.dumps(salt),
-                "sha256": _hash(prefix, tokens, k, v)}
+                "sha256": _hash(self.digest, salt, tensors)}
         tmp = file.path.with_name(f".{file.path.name}.tmp")
-        save_file({"prefix": prefix, "tokens": tokens, "k": k, "v": v}, str(tmp), metadata=meta)
+        save_file(tensors, str(tmp), metadata=meta)
         size = tmp.stat().st_size
         os.replace(tmp, file.path)
         return size
@@ -296,21 +405,16 @@ class DiskTier:
             staged = extent.file.staging
         if staged is not None:
             p, t, k, v = staged
-        else:
-            with safe_open(str(extent.file.path), framework="pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("kvql_format") != FORMAT or meta.get("fingerprint") != self.digest:
-                    raise ValueError("another format or model")
-                p, t, k, v = (f.get_tensor(name) for name in ("prefix", "tokens", "k", "v"))
-            if _hash(p, t, k, v) != meta.get("sha256"):
-                raise ValueError("checksum mismatch")
-            if json.loads(meta.get("salt", "null")) != salt:
-                raise ValueError("another cache partition")
+        else:  # at most the bytes it was written with: a file grown since is not read into memory
+            meta, tensors, _ = _read(extent.file.path, max_bytes=extent.file.bytes)
+            if meta.get("sha256") != _hash(self.digest, salt, tensors):
+                raise ValueError("checksum mismatch: not this model's file, or not of this cache partition, or damaged")
+            p, t, k, v = (tensors[name] for name in NAMES)
             want_k = (self.pool.k.shape[0], self.pool.k.shape[1], t.numel(), self.pool.k.shape[3])
             if {k.dtype, v.dtype} != {self.pool.k.dtype} or tuple(k.shape) != want_k or tuple(v.shape) != want_k:
                 raise ValueError(f"K/V of shapes {tuple(k.shape)} {tuple(v.shape)} and dtypes {k.dtype} {v.dtype}, "
                                  f"not {want_k} {self.pool.k.dtype}")
-            os.utime(extent.file.path)  # its access time orders the LRU at the next start (`scan`)
+            os.utime(extent.file.path, follow_symlinks=False)  # its mtime orders the LRU at the next start (`scan`)
         own = t.tolist()
         if p.tolist() + own[:extent.offset] != prefix or own[extent.offset:extent.offset + extent.length] != tokens:
             raise ValueError("its tokens are not the ones the tree expects there")
@@ -321,19 +425,22 @@ class DiskTier:
         """Every usable file of this tier as (mtime_ns, path, bytes, salt, prefix, tokens), shortest prefix first,
         then least recently used first. Removed (one log line each): temporary files of writes that never
         finished, and files that are not this tier's (another format or fingerprint, a header over MAX_HEADER,
-        token ids outside `[0, vocab_size)`); what is not a regular file is left alone. The KV is checked only when read back (`read`)."""
+        token ids outside `[0, vocab_size)`); what is not a regular file is left alone (one log line). Files are
+        opened as `read` opens them (`_open`); the KV is checked only when read back (`read`)."""
         found = []
         for path in self.path.iterdir():
             if path.name.startswith(".") and path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:  # a directory of that name: not the writer's
+                    pass
                 continue
             if not path.name.endswith(SUFFIX):
                 continue
-            if not stat.S_ISREG(path.lstat().st_mode):  # a FIFO would block the open, a link point anywhere
-                log.warning("kvql disk tier: %s ignored (not a regular file)", path.name)
-                continue
             try:
                 found.append(self._scan_one(path, vocab_size))
+            except NotAFile as e:  # a FIFO, a link, a directory: not a file the tier wrote; left alone
+                log.warning("kvql disk tier: %s ignored (%s)", path.name, e)
             except Exception as e:  # noqa: BLE001 -- an unreadable file is deleted: it can serve nothing
                 log.warning("kvql disk tier: %s removed (%s)", path.name, e)
                 path.unlink(missing_ok=True)
@@ -341,17 +448,11 @@ class DiskTier:
         return found
 
     def _scan_one(self, path: Path, vocab_size: int):
-        st = path.lstat()
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-        if n > MAX_HEADER or n + 8 > st.st_size:
-            raise ValueError(f"a {n:,}-byte header in a {st.st_size:,}-byte file")
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("kvql_format") != FORMAT or meta.get("fingerprint") != self.digest:
-                raise ValueError("another format or model")
-            prefix, tokens = f.get_tensor("prefix"), f.get_tensor("tokens")
-            salt = json.loads(meta["salt"])
+        meta, tensors, st = _read(path, names=("prefix", "tokens"))
+        if meta.get("kvql_format") != FORMAT or meta.get("fingerprint") != self.digest:
+            raise ValueError("another format or model")
+        prefix, tokens = tensors["prefix"], tensors["tokens"]
+        salt = json.loads(meta["salt"])
         if prefix.dtype != torch.long or tokens.dtype != torch.long or prefix.dim() != 1 or tokens.dim() != 1:
             raise ValueError("token lists of another type or shape")
         both = torch.cat([prefix, tokens])

@@ -3,8 +3,10 @@ opened at start and the tree rebuilt from its files, the pool's nodes written to
 every `save_interval` seconds, autosave.py, and at `close`), the fingerprint that names its directory. One format:
 the tier's files (disk_tier.py) are both the second cache tier and what a restart starts from.
 
-Never fails a start over a cache: a directory another process holds (disk_tier.TierBusy) is one WARNING line
-(logger `kvql.cache`) and the engine runs with its memory budget alone; unusable files are misses (disk_tier.py).
+Never fails a start over a cache: a directory another process holds (disk_tier.TierBusy), or one that cannot be
+created, read or written (disk_tier.TierUnavailable: a read-only or full disk, a file in its place) is one WARNING
+line (logger `kvql.cache`) and the engine runs with its memory budget alone; unusable files are misses
+(disk_tier.py). (A disk too full for the default `disk_budget` is told apart earlier: kvql.backends.local.)
 Uses the engine's state lock, tree, pool, runner and tokenizer."""
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from . import openmp
 from .autosave import Autosave
-from .disk_tier import FORMAT, DiskTier, Extent, TierBusy
+from .disk_tier import FORMAT, DiskTier, Extent, TierUnavailable
 from .fingerprint import fingerprint
 
 log = logging.getLogger("kvql.cache")
@@ -39,7 +41,7 @@ class Persistence:
                         ", ".join(legacy), directory)
         try:
             tier = DiskTier(directory, self.fingerprint(), self.pool, budget)
-        except TierBusy as e:
+        except TierUnavailable as e:  # TierBusy among them
             log.warning("disk cache not used: %s; this model keeps its cache in memory only", e)
             return
         self.tree.tier = tier
