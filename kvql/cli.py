@@ -51,9 +51,18 @@ def version() -> str:
 
 
 def load(spec: str, args):
-    """The model for a command, with a loading line and the banner on stderr (see kvql.factory)."""
+    """The model for a command, with a loading line and the banner on stderr (see kvql.factory); a server's
+    URL connects to it, with `--timeout` when the command has one."""
     import kvql
 
+    timeout = getattr(args, "timeout", None)
+    if spec.startswith(("http://", "https://")):
+        if getattr(args, "disk_cache", None):
+            raise UsageError("--disk-cache (--cache-dir) is for local models; a server keeps its own cache "
+                             "(kvql serve --disk-cache)")
+        return kvql.model(spec, timeout=timeout, silent=False)
+    if timeout is not None:
+        raise UsageError(f"--timeout is for a server's model (--model http://HOST:PORT/v1), not {spec!r}")
     return kvql.model(spec, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", None),
                       cache_budget=getattr(args, "cache_budget", None), disk_cache=getattr(args, "disk_cache", None), disk_budget=getattr(args, "disk_budget", None),
                       speculate=getattr(args, "speculate", True), silent=False)
@@ -200,7 +209,13 @@ def run(args) -> None:
         if remote and args.disk_cache:
             raise UsageError("--disk-cache (--cache-dir) is for local models; a server keeps its own cache "
                              "(kvql serve --disk-cache)")
-        model = spec if remote or not spec else load(spec, args)
+        if args.timeout is not None and not remote:
+            raise UsageError("--timeout is for a server's model: give its URL (--model http://HOST:PORT/v1, or the "
+                             "query's from clause)")
+        if remote and args.timeout is not None:
+            model = kvql.model(spec, timeout=args.timeout)
+        else:  # a server's URL goes to the registry, which connects once per spec
+            model = spec if remote or not spec else load(spec, args)
     result = q.run_sync(model=model, **overrides, **inputs)
     traces = list(getattr(q, "last_traces", None) or [])
     if isinstance(result, list) and len(traces) > 1 and len(result) == len(traces):
@@ -289,6 +304,17 @@ def at_least(minimum: int, at_most: int | None = None):
     return count
 
 
+def seconds(text: str) -> float:
+    """`--timeout 30`: a number of seconds > 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return x
+
+
 def non_negative(text: str) -> float:
     """Seconds, a temperature: a number >= 0 (not NaN)."""
     try:
@@ -300,14 +326,19 @@ def non_negative(text: str) -> float:
     return x
 
 
-def directory(text: str) -> str:
-    """A directory kvql writes into: existing and writable, or one it can create."""
+def directory(text: str, writable: bool = True) -> str:
+    """A directory kvql writes into: existing and writable, or one it can create (`writable=False`: or one that
+    is not writable, as a cache directory may be: factory.directory_problem)."""
     from .factory import directory_problem
 
-    problem = directory_problem(text)
+    problem = directory_problem(text, writable)
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{text!r} {problem}")
     return text
+
+
+def cache_directory(text: str) -> str:
+    return directory(text, writable=False)
 
 
 def output_file(text: str) -> str:
@@ -384,11 +415,18 @@ def _model_options(p: argparse.ArgumentParser, model_default: str | None = DEFAU
 def disk_options(p: argparse.ArgumentParser) -> None:
     """--disk-cache (also --cache-dir), --disk-budget: the disk tier behind the memory budget, which also keeps
     the cache between runs (kvql.engine.disk_tier)."""
-    p.add_argument("--disk-cache", "--cache-dir", dest="disk_cache", type=directory, default=None, metavar="DIR",
+    p.add_argument("--disk-cache", "--cache-dir", dest="disk_cache", type=cache_directory, default=None, metavar="DIR",
                    help="keep the KV cache in DIR: what memory cannot hold is written there and read back instead of "
                         "computed again, and the next run (same model and dtype) starts from it")
     p.add_argument("--disk-budget", type=size, default=None, metavar="SIZE",
                    help="bytes the disk cache may hold, e.g. 20GiB (default: 20 GiB, at most half the free space)")
+
+
+def timeout_option(p: argparse.ArgumentParser) -> None:
+    """--timeout: the deadline of each request to a server (--model http://HOST:PORT/v1)."""
+    p.add_argument("--timeout", type=seconds, default=None, metavar="SECONDS",
+                   help="with a server's URL as the model: the seconds each request to it may take, its answer "
+                        "included (default: 600)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -414,6 +452,7 @@ def parser() -> argparse.ArgumentParser:
                    help="write the run's trace: FILE.html (self-contained) or FILE.json; several samples go to "
                         "one file, a section per sample")
     p.add_argument("--stats", action="store_true", help="print the run's cached / computed token counts")
+    timeout_option(p)
     p.set_defaults(func=run)
     p = command("serve", "OpenAI-compatible server sharing one model and its cache")
     from .server import launch  # its flags; the server itself is imported only when it starts
@@ -439,6 +478,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=non_negative, default=0.0, help="sampling temperature; 0: greedy")
     p.add_argument("--stop", action="append", type=unescape, metavar="TEXT",
                    help="stop before TEXT (repeatable); backslash escapes as in Python: '\\n' is a newline")
+    timeout_option(p)
     p.set_defaults(func=generate)
     return p0
 

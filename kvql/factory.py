@@ -59,18 +59,20 @@ def banner(m) -> str:
             f"KV cache {engine.pool.num_slots:,} tokens ({size_text(engine.pool.bytes)})")
 
 
-def directory_problem(path) -> str | None:
+def directory_problem(path, writable: bool = True) -> str | None:
     """Why kvql could not write files into directory `path` (created at the first write when missing), or
-    None. Checked before a model loads: a bad `--disk-cache` or `--out` is an error at once, not after it."""
+    None. Checked before a model loads: a bad `--disk-cache` or `--out` is an error at once, not after it.
+    `writable=False`: only a path that can never be a directory is a problem (a cache directory that cannot be
+    written leaves the model memory-only, with one warning: kvql.engine.persistence)."""
     p = Path(path).expanduser()
     if p.exists():
         if not p.is_dir():
             return "exists and is not a directory"
-        return None if os.access(p, os.W_OK | os.X_OK) else "is not writable"
+        return None if not writable or os.access(p, os.W_OK | os.X_OK) else "is not writable"
     above = next(a for a in p.parents if a.exists())  # the root always exists
     if not above.is_dir():
         return f"cannot be created: {above} is not a directory"
-    return None if os.access(above, os.W_OK | os.X_OK) else f"cannot be created: {above} is not writable"
+    return None if not writable or os.access(above, os.W_OK | os.X_OK) else f"cannot be created: {above} is not writable"
 
 
 def check_options(*, device="cpu", dtype=None, cache_budget=None, cache_dir=None,
@@ -91,7 +93,7 @@ def check_options(*, device="cpu", dtype=None, cache_budget=None, cache_dir=None
         raise ValueError(f"disk_budget {disk_budget!r} is no size > 0 (e.g. '20GiB')")
     directory = tier_directory(cache_dir, disk_cache, disk_budget)
     if directory is not None:
-        problem = directory_problem(directory)
+        problem = directory_problem(directory, writable=False)  # a start never fails over the cache (module doc)
         if problem is not None:
             raise ValueError(f"{'cache_dir' if disk_cache is None else 'disk_cache'} {str(directory)!r} {problem}")
     resolve(dtype, device)
@@ -108,7 +110,8 @@ def tokenizer(spec: str = "smollm2-135m"):
 def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_budget: int | str | None = None,
           max_batch_tokens: int = 1024, max_running: int = 64, name: str | None = None, api_key: str | None = None,
           tokenizer=None, seed: int | None = None, silent: bool = True, cache_dir=None,
-          cache_save_interval: float = 300.0, speculate: bool = True, disk_cache=None, disk_budget=None):
+          cache_save_interval: float = 300.0, speculate: bool = True, disk_cache=None, disk_budget=None,
+          timeout: float | None = None):
     """Load a model for kvql's engine, or connect to a server.
 
     `spec`: `"smollm2-135m"` (the embedded default), a local Hugging Face model directory
@@ -116,8 +119,9 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     local Hugging Face cache, else downloaded: see `kvql.backends.loader`), or `"http(s)://HOST:PORT/v1"`: an OpenAI-compatible server (kvql serve,
     vLLM, SGLang) serving model `name`; `tokenizer=` (a tokenizer, a model directory or spec) makes
     queries keep and send token ids there (default: the served model's name, when it names a local
-    model; see `kvql.backends.remote`). `cache_budget`: bytes of KV cache (int, or `"512MB"`, `"2GiB"`);
-    default a quarter of free memory, at most 4 GiB (CPU) or half of free GPU memory (CUDA).
+    model; see `kvql.backends.remote`); `timeout=` (seconds, default 600) is the deadline of each request to
+    the server, from sending it to its answer's last byte. `cache_budget`: bytes of KV cache (int, or
+    `"512MB"`, `"2GiB"`); default a quarter of free memory, at most 4 GiB (CPU) or half of free GPU memory (CUDA).
     `dtype`: `"auto"` (the default, as every `kvql` command's: bfloat16 on CUDA and on CPUs with native
     bf16 matrix units, else float32), `"float32"` (kvql's exact mode: ask for it where exactness matters),
     `"bfloat16"`, `"float16"` or a `torch.dtype` (see `kvql.backends.dtype`). Local models only.
@@ -138,6 +142,8 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     file), then `banner(model)` with the seconds it took.
     """
     remote = spec.startswith(("http://", "https://"))
+    if timeout is not None and not remote:
+        raise TypeError("timeout= is for remote models; a local model's requests wait for their results")
     if not remote:
         from .backends.cache_options import tier_directory
 
@@ -155,7 +161,7 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
         m = model(spec, device=device, dtype=dtype, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
                   max_running=max_running, name=name, api_key=api_key, tokenizer=tokenizer, seed=seed,
                   cache_dir=cache_dir, cache_save_interval=cache_save_interval, speculate=speculate,
-                  disk_cache=disk_cache, disk_budget=disk_budget)
+                  disk_cache=disk_cache, disk_budget=disk_budget, timeout=timeout)
         print(f"kvql: {banner(m)} · loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return m
     if remote:
@@ -173,7 +179,8 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
                             "--disk-budget)")
         from .remote_model import RemoteModel
 
-        return RemoteModel(spec, name=name, api_key=api_key, tokenizer=tokenizer)
+        return RemoteModel(spec, name=name, api_key=api_key, tokenizer=tokenizer,
+                           **({} if timeout is None else {"timeout": timeout}))
     if tokenizer is not None:
         raise TypeError("tokenizer= is for remote models; a local model uses its own")
     from .backends.dtype import resolve

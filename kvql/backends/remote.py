@@ -4,10 +4,17 @@
 reads `OPENAI_BASE_URL`, and with no `api_key` `OPENAI_API_KEY`, as the `openai` client does). On creation it asks the server
 what it serves (`/v1/models`) and what it is (`/metrics` for kvql, `/version` for vLLM,
 `/get_model_info` for SGLang), and so which features it has; a request for one it lacks raises
-`Unsupported` before anything is sent, naming the server and the feature. Requests go through the
-official `openai` client (extension fields in `extra_body`); `stats()` reads the server's Prometheus
-counters with `prometheus_client`'s parser. kvql serve and vLLM 0.32 are tested; SGLang's spellings are
-taken from its source (python/sglang/srt/entrypoints/openai/protocol.py) and not tested here.
+`Unsupported` before anything is sent, naming the server and the feature. Requests are OpenAI's JSON
+(extension fields at the top level, as the `openai` client's `extra_body` sends them); `stats()` reads the
+server's Prometheus counters with `prometheus_client`'s parser. kvql serve and vLLM 0.32 are tested; SGLang's
+spellings are taken from its source (python/sglang/srt/entrypoints/openai/protocol.py) and not tested here.
+
+The server is not trusted (`kvql.backends.bounded_http`): each request has a deadline (`timeout=`, seconds from
+sending it to its answer's last byte, however slowly the bytes come), answers are read within byte limits per
+body, line and stream, a stream is closed once every sample has ended (its finish reason, or `max_tokens`
+tokens), and every field used is checked. Anything else raises `BackendError` naming the server, the path and
+the field ("server http://HOST:PORT: /v1/completions answered choices[0].text = 12345 (expected a string)"):
+nothing malformed becomes a value.
 
 With a tokenizer the query runtime keeps prompts as token ids and sends them as ids, exactly as on the
 local backend: greedy results equal the local ones token for token (up to the server's arithmetic), role
@@ -37,20 +44,22 @@ How each contract option travels (kvql serve and vLLM spell them alike; SGLang d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-import weakref
 from typing import AsyncIterator
 
-import httpx
-import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..completion import Completion, TokenLogprob
 from . import base
 from .base import Backend, BackendError, StreamChunk, Unsupported
+from .bounded_http import (INTEGER, INTEGERS, LIST, NUMBER, OBJECT, STRING, Reply, Server, StatusError, error_message,
+                           run_sync)
 from .options import GenerateOptions
 from .server_tokenizer import ServerTokenizer
+
+QUICK_SECONDS = 30.0  # the deadline of requests that compute nothing (models, tokenizer, metrics), within timeout
 
 # constraint option -> (group, field) in a completions request body; group None: a top-level field
 _SPELLINGS = {
@@ -74,32 +83,37 @@ class RemoteBackend(Backend):
     def __init__(self, base_url: str | None = None, *, name: str | None = None, api_key: str | None = None,
                  tokenizer=None, timeout: float = 600.0):
         """`base_url` (default `$OPENAI_BASE_URL`): the server's OpenAI base URL, `http://HOST:PORT/v1`;
-        `api_key` (default `$OPENAI_API_KEY`, none when unset): sent as `Authorization: Bearer KEY`."""
+        `api_key` (default `$OPENAI_API_KEY`, none when unset): sent as `Authorization: Bearer KEY`;
+        `timeout`: the seconds one request may take, from sending it to its answer's last byte (a generation's
+        whole stream included); those that compute nothing (the model list, the tokenizer's, `/metrics`) take
+        at most `QUICK_SECONDS`. Setting up asks a few of these (the models, what the server is, its tokenizer)."""
         base_url = base_url or os.environ.get("OPENAI_BASE_URL")
         if not base_url:
             raise ValueError("no server URL: pass one (kvql.model('http://HOST:PORT/v1')) or set OPENAI_BASE_URL")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         api_key = api_key or os.environ.get("OPENAI_API_KEY") or None
         self.base_url = base_url.rstrip("/")
         self.root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
+        self.api = self.base_url[len(self.root):]  # "/v1", or "" for a base URL without it
         self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.timeout = timeout
-        with httpx.Client(headers=self.headers, timeout=30) as client:
-            try:
-                models = client.get(self.base_url + "/models")
-            except httpx.TransportError as e:
-                raise ValueError(f"cannot reach {self.base_url}: {e}") from None
-            if models.status_code != 200:
-                raise ValueError(f"{self.base_url}/models answered {models.status_code}: {models.text[:200]}")
-            served = {m["id"]: m for m in models.json().get("data", [])}
-            if name is not None and name not in served:
-                raise ValueError(f"{self.base_url} serves {sorted(served)}, not {name!r}")
-            if not served:
-                raise ValueError(f"{self.base_url} serves no model")
-            self.name = name or next(iter(served))
-            length = served[self.name].get("max_model_len")
-            self.context_length = int(length) if isinstance(length, int) else None
-            self.kind = self._detect(client)
+        self.timeout = float(timeout)
+        self.server = Server(self.root, self.headers)
+        path = self.api + "/models"
+        models = Reply(self.server, path, run_sync(self.server.json("GET", path, seconds=self._quick)))
+        served = {}
+        for i, entry in enumerate(models.get(models.body, "data", LIST)):
+            models.check(entry, OBJECT, f"data[{i}]")
+            served[models.get(entry, "id", STRING, f"data[{i}]")] = i, entry
+        if name is not None and name not in served:
+            raise ValueError(f"{self.base_url} serves {sorted(served)}, not {name!r}")
+        if not served:
+            raise ValueError(f"{self.base_url} serves no model")
+        self.name = name or next(iter(served))
+        i, entry = served[self.name]
+        self.context_length = models.get(entry, "max_model_len", INTEGER, f"data[{i}]", default=None)
+        self.kind = self._detect()
         if tokenizer == "server":
             self.tokenizer = self._server_tokenizer(required=True)
         else:
@@ -114,25 +128,30 @@ class RemoteBackend(Backend):
             eos = self.tokenizer.eos_token_id
             self.eos_ids = frozenset([] if eos is None else [eos])
         self.capabilities = frozenset(features)
-        self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @property
+    def _quick(self) -> float:
+        return min(self.timeout, QUICK_SECONDS)
 
     def _server_tokenizer(self, required: bool):
-        """The server's tokenizer (`ServerTokenizer`), or None when it offers none (a ValueError if `required`)."""
+        """The server's tokenizer (`ServerTokenizer`), or None when it refuses `/tokenize` (a `BackendError` if
+        `required`); a broken answer is an error either way."""
         try:
-            return ServerTokenizer(self.root, self.name, self.headers)
-        except ValueError as e:
+            return ServerTokenizer(self.root, self.name, self.headers, timeout=self._quick)
+        except StatusError as e:
             if required:
-                raise ValueError(f"{self.describe()} offers no tokenizer: {e}") from None
+                raise BackendError(f"{self.describe()} offers no tokenizer: {e}") from None
             return None
 
-    def _detect(self, client: httpx.Client) -> str:
-        for kind, path, marker in (("kvql", "/metrics", "kvql_"), ("vllm", "/version", "version"),
-                                   ("sglang", "/get_model_info", "model_path")):
+    def _detect(self) -> str:
+        """What the server is, by the page only it has; a page it refuses is not there."""
+        for kind, path, marker in (("kvql", "/metrics", b"kvql_"), ("vllm", "/version", b"version"),
+                                   ("sglang", "/get_model_info", b"model_path")):
             try:
-                r = client.get(self.root + path)
-            except httpx.TransportError:
+                page = run_sync(self.server.read("GET", path, seconds=self._quick))
+            except StatusError:
                 continue
-            if r.status_code == 200 and marker in r.text:
+            if marker in page:
                 return kind
         return "openai"
 
@@ -154,21 +173,9 @@ class RemoteBackend(Backend):
             return "servers return log-probabilities of the unconstrained distribution only"
         return f"{self.kind} servers do not offer it"
 
-    def _client(self) -> openai.AsyncOpenAI:
-        """One client per event loop (connections belong to the loop that opened them). Connections are
-        not kept alive: `asyncio.run` closes its loop without closing clients, and an idle pooled
-        connection would then be torn down on a closed loop."""
-        loop = asyncio.get_running_loop()
-        client = self._clients.get(loop)
-        if client is None:
-            http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=0))
-            client = self._clients[loop] = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none",
-                                                              timeout=self.timeout, max_retries=0, http_client=http)
-        return client
-
     # -- requests --------------------------------------------------------------------------------
     def _request(self, prompt, **options) -> tuple[dict, object]:
-        """Check every option against this server; -> (the `completions.create` arguments, stop_fn)."""
+        """Check every option against this server; -> (the `/completions` request body, stop_fn)."""
         o, callbacks = GenerateOptions.read(options, _CALLBACKS)
         if o.heal:
             self.require(base.HEAL, "token healing (heal=True, HEAL(X), token_healing=True)")
@@ -210,45 +217,47 @@ class RemoteBackend(Backend):
             extra["return_tokens_as_token_ids"] = True
         if self.kind in ("kvql", "vllm", "sglang"):
             extra["return_token_ids"] = True
-        args = dict(model=self.name, prompt=prompt, max_tokens=o.max_tokens, temperature=o.temperature,
-                    top_p=o.top_p, n=o.n, extra_body=extra)
+        body = dict(model=self.name, prompt=prompt, max_tokens=o.max_tokens, temperature=o.temperature,
+                    top_p=o.top_p, n=o.n, **extra)
         for key, value in (("stop", list(o.stop) or None), ("seed", o.seed), ("logprobs", o.logprobs)):
             if value is not None:
-                args[key] = value
+                body[key] = value
         for key, value in (("frequency_penalty", o.frequency_penalty), ("presence_penalty", o.presence_penalty)):
             if value:  # sent only when set: not every server takes them
-                args[key] = value
-        stop_fn = o.stop_fn
-        return args, stop_fn
+                body[key] = value
+        return body, o.stop_fn
 
-    async def _create(self, **args):
+    async def _complete(self, body: dict) -> Reply:
+        """The answer to one `/completions` request, not streamed."""
+        path = self.api + "/completions"
         try:
-            return await self._client().completions.create(**args)
-        except openai.APIStatusError as e:
-            message = e.body.get("message", e.message) if isinstance(e.body, dict) else e.message
-            grammar = (args.get("extra_body") or {}).get("structured_outputs", {}).get("grammar") or ""
-            if self.kind == "vllm" and e.status_code >= 500 and ("&" in grammar or "~" in grammar):
-                message += (" (a Lark grammar with & or ~: vLLM runs one structured-output backend per process, "
-                            "chosen by its first constrained request; only 'guidance' reads these. Start vLLM "
-                            "with --structured-outputs-config.backend guidance)")
-            raise BackendError(f"{self.describe()} answered {e.status_code}: {message}") from None
-        except openai.APIConnectionError as e:
-            raise BackendError(f"cannot reach {self.describe()}: {e}") from None
+            return Reply(self.server, path, await self.server.json("POST", path, body, seconds=self.timeout))
+        except StatusError as e:
+            raise self._explained(e, body) from None
+
+    def _explained(self, e: StatusError, body: dict) -> StatusError:
+        """`e`, with its likely cause where vLLM failed a grammar that only one of its backends reads."""
+        grammar = (body.get("structured_outputs") or {}).get("grammar") or ""
+        if self.kind == "vllm" and e.status >= 500 and ("&" in grammar or "~" in grammar):
+            return StatusError(f"{e} (a Lark grammar with & or ~: vLLM runs one structured-output backend per "
+                               "process, chosen by its first constrained request; only 'guidance' reads these. "
+                               "Start vLLM with --structured-outputs-config.backend guidance)", e.status)
+        return e
 
     async def agenerate(self, prompts, *, progress=False, **options) -> list[Completion]:
         if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         requests = [self._request(p, **options) for p in prompts]  # every error before anything is sent
-        bar = base.progress_bar(progress, sum(args["n"] for args, _ in requests))
+        bar = base.progress_bar(progress, sum(body["n"] for body, _ in requests))
 
-        async def one(args: dict, stop_fn) -> list[Completion]:
+        async def one(body: dict, stop_fn) -> list[Completion]:
             try:
-                return await self._one(args, stop_fn)
+                return await self._one(body, stop_fn)
             finally:
                 if bar is not None:
-                    bar.update(args["n"])
+                    bar.update(body["n"])
         try:
-            replies = await asyncio.gather(*(one(args, stop_fn) for args, stop_fn in requests))
+            replies = await asyncio.gather(*(one(body, stop_fn) for body, stop_fn in requests))
         finally:
             if bar is not None:
                 bar.close()
@@ -259,61 +268,91 @@ class RemoteBackend(Backend):
                 out.append(c)
         return out
 
-    async def _one(self, args: dict, stop_fn) -> list[Completion]:
+    async def _one(self, body: dict, stop_fn) -> list[Completion]:
         if stop_fn is not None:
-            return await self._streamed(args, stop_fn)
-        reply = await self._create(**args)
+            return await self._streamed(body, stop_fn)
+        reply = await self._complete(body)
         prompt_tokens, cached = _usage(reply)
-        return [Completion(text=choice.text, token_ids=list(_extra(choice, "token_ids") or []),
-                           finish_reason=choice.finish_reason or "length", prompt_tokens=prompt_tokens,
-                           cached_tokens=cached, sample=sample, logprobs=_logprobs(choice.logprobs),
-                           stop_reason=_stop_reason(choice))
-                for sample, choice in enumerate(sorted(reply.choices, key=lambda c: c.index))]
+        return [Completion(text=reply.get(choice, "text", STRING, where),
+                           token_ids=reply.get(choice, "token_ids", INTEGERS, where, default=[]),
+                           finish_reason=reply.get(choice, "finish_reason", STRING, where, default="length"),
+                           prompt_tokens=prompt_tokens, cached_tokens=cached, sample=sample,
+                           logprobs=_logprobs(reply, choice, where) if body.get("logprobs") is not None else None,
+                           stop_reason=_stop_reason(reply, choice, where))
+                for sample, (where, choice) in enumerate(_choices(reply, body["n"]))]
 
-    async def _streamed(self, args: dict, stop_fn) -> list[Completion]:
-        """A request with a stop function: streamed, and closed once the function has stopped every sample
-        (the text may run a little past that point; the caller cuts it)."""
-        n = args["n"]
-        texts, ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
-        stream = await self._create(stream=True, **args)
+    async def _stream(self, body: dict) -> AsyncIterator[tuple[int, str, list[int], str | None]]:
+        """The choices of `body` streamed, checked: (sample, text, token ids, finish reason or None). A sample
+        ends at its finish reason, or at a chunk with more tokens after its `max_tokens` (counted as its chunks'
+        ids, or a token per chunk with text where the server sends no ids), which ends it as "length" with
+        nothing of that chunk: a server streaming past the limit is not read further. The stream is closed once
+        every sample has ended; one that ends before is an error."""
+        path, n = self.api + "/completions", body["n"]
+        left = [body["max_tokens"]] * n  # tokens each sample may still have
+        ended = [False] * n
+        events = self.server.events(path, {**body, "stream": True}, seconds=self.timeout)
         try:
-            async for chunk in stream:
-                for choice in chunk.choices:
-                    i = choice.index
-                    if reasons[i] is not None:
-                        continue
-                    texts[i] += choice.text
-                    ids[i] += list(_extra(choice, "token_ids") or [])
-                    if choice.finish_reason:
-                        reasons[i] = choice.finish_reason
-                    elif stop_fn(ids[i], texts[i]):
-                        reasons[i] = "stop"
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    reply = Reply(self.server, path, event)
+                    if event.get("error") is not None:  # the request failed after the stream had started
+                        raise self.server.error(path, "failed after its stream began: "
+                                                      f"{error_message(event) or 'no message'}")
+                    for k, choice in enumerate(reply.get(event, "choices", LIST)):
+                        where = f"choices[{k}]"
+                        reply.check(choice, OBJECT, where)
+                        i = reply.get(choice, "index", INTEGER, where)
+                        if not 0 <= i < n:
+                            raise reply.wrong(where + ".index", i, f"a sample number below {n}")
+                        if ended[i]:
+                            continue
+                        text = reply.get(choice, "text", STRING, where)
+                        ids = reply.get(choice, "token_ids", INTEGERS, where, default=[])
+                        reason = reply.get(choice, "finish_reason", STRING, where, default=None)
+                        tokens = len(ids) or (1 if text else 0)
+                        if tokens and not left[i]:  # past max_tokens
+                            text, ids, reason = "", [], "length"
+                        left[i] = max(left[i] - tokens, 0)
+                        ended[i] = reason is not None
+                        yield i, text, ids, reason
+                    if all(ended):
+                        return
+            unfinished = [i for i in range(n) if not ended[i]]  # a stream cut short is no answer
+            raise self.server.error(path, f"ended its stream before sample{'s' * (len(unfinished) > 1)} "
+                                          f"{', '.join(map(str, unfinished))} had a finish_reason")
+        except StatusError as e:
+            raise self._explained(e, body) from None
+
+    async def _streamed(self, body: dict, stop_fn) -> list[Completion]:
+        """A request with a stop function: streamed, and closed once the function (or the finish reason, or
+        `max_tokens`) has ended every sample (the text may run a little past that point; the caller cuts it)."""
+        n = body["n"]
+        texts, ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
+        async with contextlib.aclosing(self._stream(body)) as chunks:
+            async for i, text, token_ids, reason in chunks:
+                if reasons[i] is not None:
+                    continue
+                texts[i] += text
+                ids[i] += token_ids
+                if reason is not None:
+                    reasons[i] = reason
+                elif stop_fn(ids[i], texts[i]):
+                    reasons[i] = "stop"
                 if all(r is not None for r in reasons):
                     break
-        finally:
-            await stream.close()
-        return [Completion(texts[i], ids[i], reasons[i] or "length", len(args["prompt"]) if
-                           isinstance(args["prompt"], list) else 0, 0, sample=i) for i in range(n)]
+        return [Completion(texts[i], ids[i], reasons[i] or "length", len(body["prompt"]) if
+                           isinstance(body["prompt"], list) else 0, 0, sample=i) for i in range(n)]
 
     async def stream(self, prompt, **options) -> AsyncIterator[StreamChunk]:
-        args, stop_fn = self._request(prompt, **options)
+        body, stop_fn = self._request(prompt, **options)
         if stop_fn is not None:
             raise TypeError("stream() takes no stop_fn: stop reading the stream instead")
         texts: dict[int, str] = {}
-        stream = await self._create(stream=True, **args)
-        try:
-            async for chunk in stream:
-                for choice in chunk.choices:
-                    i = choice.index
-                    texts[i] = texts.get(i, "") + choice.text
-                    token_ids = list(_extra(choice, "token_ids") or [])
-                    done = Completion(texts[i], [], choice.finish_reason, 0, 0, sample=i) if choice.finish_reason \
-                        else None
-                    yield StreamChunk(i, choice.text, token_ids[-1] if len(token_ids) == 1 else -1, done)
-        except openai.APIError as e:  # the request failed after the stream had started
-            raise BackendError(f"{self.describe()}: {e}") from None
-        finally:
-            await stream.close()
+        async with contextlib.aclosing(self._stream(body)) as chunks:
+            async for i, text, token_ids, reason in chunks:
+                texts[i] = texts.get(i, "") + text
+                done = Completion(texts[i], [], reason, 0, 0, sample=i) if reason is not None else None
+                yield StreamChunk(i, text, token_ids[-1] if len(token_ids) == 1 else -1, done)
 
     async def ascore(self, prompt_ids: list[int], continuations: list[list[int]]):
         """Each continuation appended to the prompt and sent with `prompt_logprobs` (one request each,
@@ -323,16 +362,20 @@ class RemoteBackend(Backend):
         async def one(ids: list[int]):
             if not ids:
                 return [], None
-            extra = {"prompt_logprobs": 0, "return_token_ids": True}
-            reply = await self._create(model=self.name, prompt=prompt_ids + ids, max_tokens=1, temperature=0.0,
-                                       extra_body=extra)
-            choice = reply.choices[0]
-            rows = _extra(choice, "prompt_logprobs") or _extra(reply, "prompt_logprobs")
-            if not rows or len(rows) != len(prompt_ids) + len(ids):
-                raise BackendError(f"{self.describe()} returned no prompt log-probabilities for this prompt")
-            lps = [float(_entry(rows[len(prompt_ids) + j], t)["logprob"]) for j, t in enumerate(ids)]
+            body = {"model": self.name, "prompt": prompt_ids + ids, "max_tokens": 1, "temperature": 0.0,
+                    "prompt_logprobs": 0, "return_token_ids": True}
+            reply = await self._complete(body)
+            ((where, choice),) = _choices(reply, 1)
+            found = reply.get(choice, "prompt_logprobs", LIST, where, default=None)
+            rows, at = (found, where + ".prompt_logprobs") if found is not None else \
+                (reply.get(reply.body, "prompt_logprobs", LIST, default=None), "prompt_logprobs")  # or beside choices
+            if rows is None or len(rows) != len(body["prompt"]):
+                raise reply.wrong(at, rows, f"a list of {len(body['prompt'])} rows, one per prompt token")
+            lps = [_prompt_logprob(reply, rows, at, len(prompt_ids) + j, t) for j, t in enumerate(ids)]
             prompt_tokens, cached = _usage(reply)
-            return lps, Completion(choice.text, [], choice.finish_reason or "length", prompt_tokens, cached)
+            return lps, Completion(reply.get(choice, "text", STRING, where), [],
+                                   reply.get(choice, "finish_reason", STRING, where, default="length"),
+                                   prompt_tokens, cached)
 
         results = await asyncio.gather(*(one(ids) for ids in continuations))
         return [lps for lps, _ in results], [c for _, c in results if c is not None]
@@ -346,11 +389,14 @@ class RemoteBackend(Backend):
         `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` (tokens; the hit rate is hits per
         query token); SGLang's `sglang:prompt_tokens_total`, `sglang:cached_tokens_total` (SGLang counts
         them with `--enable-metrics`), else its `sglang:cache_hit_rate` gauge."""
-        text = httpx.get(self.root + "/metrics", headers=self.headers, timeout=30).text
+        text = run_sync(self.server.read("GET", "/metrics", seconds=self._quick)).decode("utf-8", "replace")
         metrics: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                metrics[sample.name] = metrics.get(sample.name, 0.0) + float(sample.value)
+        try:
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    metrics[sample.name] = metrics.get(sample.name, 0.0) + float(sample.value)
+        except ValueError as e:
+            raise self.server.error("/metrics", f"answered metrics that do not parse: {e}") from None
         prefix = {"kvql": "kvql_", "vllm": "vllm:", "sglang": "sglang:"}.get(self.kind, "")
         names = {"prompt_tokens": "prompt_tokens_total", "generated_tokens": "generation_tokens_total",
                  "cached_tokens": "prefix_cache_hits_total"}
@@ -402,45 +448,77 @@ def _tokenizer(given, served_name: str):
         return None
 
 
-def _extra(obj, key: str):
-    """A field the OpenAI schema does not name (vLLM's `token_ids`, `stop_reason`, `prompt_logprobs`)."""
-    return (getattr(obj, "model_extra", None) or {}).get(key)
+def _choices(reply: Reply, n: int) -> list[tuple[str, dict]]:
+    """The `n` choices of a completions answer in sample order, each with where it is in the answer."""
+    choices = reply.get(reply.body, "choices", LIST)
+    if len(choices) != n:
+        raise reply.wrong("choices", choices, f"a list of {n} choice{'s' if n > 1 else ''}")
+    found: dict[int, tuple[str, dict]] = {}
+    for k, choice in enumerate(choices):
+        where = f"choices[{k}]"
+        reply.check(choice, OBJECT, where)
+        i = reply.get(choice, "index", INTEGER, where)
+        if not 0 <= i < n or i in found:
+            raise reply.wrong(where + ".index", i, f"a sample number below {n}, each once")
+        found[i] = where, choice
+    return [found[i] for i in range(n)]
 
 
-def _stop_reason(choice) -> str | None:
-    """The stop string that ended a choice: vLLM's and kvql's `stop_reason`, SGLang's `matched_stop`."""
+def _stop_reason(reply: Reply, choice: dict, where: str) -> str | None:
+    """The stop string that ended a choice: vLLM's and kvql's `stop_reason`, SGLang's `matched_stop` (both
+    name a stop token by its id instead: no string then)."""
     for key in ("stop_reason", "matched_stop"):
-        reason = _extra(choice, key)
+        reason = choice.get(key)
         if isinstance(reason, str):
             return reason
+        if reason is not None and type(reason) is not int:
+            raise reply.wrong(f"{where}.{key}", reason, "a string, a token id or null")
     return None
 
 
-def _usage(reply) -> tuple[int, int]:
-    usage = reply.usage
-    if usage is None:
-        return 0, 0
-    details = getattr(usage, "prompt_tokens_details", None)
-    return usage.prompt_tokens or 0, (getattr(details, "cached_tokens", None) or 0) if details else 0
+def _usage(reply: Reply) -> tuple[int, int]:
+    """(prompt tokens, of them cached) of a completions answer; 0 where the server does not say."""
+    usage = reply.get(reply.body, "usage", OBJECT, default={})
+    details = reply.get(usage, "prompt_tokens_details", OBJECT, "usage", default={})
+    return (reply.get(usage, "prompt_tokens", INTEGER, "usage", default=0),
+            reply.get(details, "cached_tokens", INTEGER, "usage.prompt_tokens_details", default=0))
 
 
-def _token_id(token: str) -> int:
-    if not token.startswith("token_id:"):
-        raise ValueError(f"the server named a token {token!r}, not by id (return_tokens_as_token_ids)")
-    return int(token[len("token_id:"):])
+def _token_id(reply: Reply, token, where: str) -> int:
+    """A token named by id (`return_tokens_as_token_ids`): "token_id:N"."""
+    digits = token[len("token_id:"):] if isinstance(token, str) and token.startswith("token_id:") else ""
+    if not (digits.isascii() and digits.isdigit()):
+        raise reply.wrong(where, token, "'token_id:N' (return_tokens_as_token_ids)")
+    return int(digits)
 
 
-def _logprobs(lp) -> list[TokenLogprob] | None:
-    if lp is None or lp.tokens is None:
-        return None
-    tops = lp.top_logprobs or [None] * len(lp.tokens)
-    return [TokenLogprob(_token_id(t), float(v), {_token_id(k): float(x) for k, x in (top or {}).items()})
-            for t, v, top in zip(lp.tokens, lp.token_logprobs, tops)]
+def _logprobs(reply: Reply, choice: dict, where: str) -> list[TokenLogprob]:
+    """OpenAI's `logprobs` of a choice: a token, its log-probability and the top-k alternatives per step."""
+    lp = reply.get(choice, "logprobs", OBJECT, where)
+    where += ".logprobs"
+    tokens = reply.get(lp, "tokens", LIST, where)
+    values = reply.get(lp, "token_logprobs", LIST, where)
+    tops = reply.get(lp, "top_logprobs", LIST, where, default=[None] * len(tokens))
+    for key, found in (("token_logprobs", values), ("top_logprobs", tops)):
+        if len(found) != len(tokens):
+            raise reply.wrong(f"{where}.{key}", found, f"a list of {len(tokens)}, one per token")
+    out = []
+    for j, (token, value, top) in enumerate(zip(tokens, values, tops)):
+        top = {} if top is None else reply.check(top, OBJECT, f"{where}.top_logprobs[{j}]")
+        out.append(TokenLogprob(_token_id(reply, token, f"{where}.tokens[{j}]"),
+                                float(reply.check(value, NUMBER, f"{where}.token_logprobs[{j}]")),
+                                {_token_id(reply, k, f"{where}.top_logprobs[{j}]"):
+                                 float(reply.check(x, NUMBER, f"{where}.top_logprobs[{j}][{k!r}]"))
+                                 for k, x in top.items()}))
+    return out
 
 
-def _entry(row: dict, token: int) -> dict:
-    """vLLM's prompt_logprobs row: {token id (a string in JSON): {"logprob", "rank", "decoded_token"}}."""
-    entry = row.get(str(token), row.get(token)) if isinstance(row, dict) else None
-    if entry is None:
-        raise ValueError(f"the server's prompt log-probabilities lack token {token}")
-    return entry if isinstance(entry, dict) else {"logprob": entry}
+def _prompt_logprob(reply: Reply, rows: list, where: str, position: int, token: int) -> float:
+    """The log-probability of prompt token `token` at `position` in vLLM's prompt_logprobs rows:
+    {token id (a string in JSON): {"logprob", "rank", "decoded_token"}} (or the number alone)."""
+    row = reply.check(rows[position], OBJECT, f"{where}[{position}]")
+    where = f"{where}[{position}][{str(token)!r}]"
+    entry = row.get(str(token))
+    if isinstance(entry, dict):
+        return float(reply.get(entry, "logprob", NUMBER, where))
+    return float(reply.check(entry, NUMBER, where))

@@ -6,7 +6,9 @@ search, token-id prompts and traces work as with a local tokenizer. The shapes a
 and SGLang share: `POST /tokenize {"model", "prompt", "add_special_tokens"}` -> `{"tokens", "count",
 "max_model_len"}`, `POST /tokenize {"model", "messages", "add_generation_prompt", "add_special_tokens"}`
 (the chat template applied by the server; vLLM and kvql), `POST /detokenize {"model", "tokens"}` ->
-`{"prompt"}` (SGLang answers `{"text"}`).
+`{"prompt"}` (SGLang answers `{"text"}`). Answers are read with bounds and checked field by field
+(`kvql.backends.bounded_http`): a refusal (a status other than 200) raises `StatusError`, anything malformed,
+too long or too slow a `BackendError` naming the server, the path and the field.
 
 What a server tells of its special tokens: `GET /tokenizer_info` (kvql serve always; vLLM when started with
 `--enable-tokenizer-info-endpoint`) gives `bos_token`, `eos_token`, `added_tokens_decoder` and
@@ -17,9 +19,9 @@ token), and `skip_special_tokens` skips the BOS token only.
 It offers the part of a Hugging Face tokenizer that kvql's query runtime uses (`encode`, `decode`, calling
 it for `.input_ids`, `bos_token_id`, `eos_token_id`, `all_special_ids`, `chat_template`,
 `apply_chat_template`), not the vocabulary: checks that need every token's bytes (a choice's fewest
-tokens, the longest token) are skipped with it. Each call is one blocking HTTP round trip (about a
-millisecond on loopback) on the caller's thread; answers are kept (`CACHED` of each kind, least
-recently used dropped first), so a query that repeats its text asks once.
+tokens, the longest token) are skipped with it. Each call is one HTTP round trip (about a millisecond on
+loopback) with a deadline (`timeout`), made on kvql's HTTP thread while the caller waits; answers are kept
+(`CACHED` of each kind, least recently used dropped first), so a query that repeats its text asks once.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import httpx
+from .bounded_http import INTEGERS, OBJECT, STRING, Reply, Server, StatusError, run_sync
 
 CACHED = 4096
 SERVER_RENDERED = "(rendered by the server)"  # `chat_template` when the server applies a template it does not show
@@ -59,52 +61,53 @@ class _Lru:
 
 
 class ServerTokenizer:
-    """The tokenizer of model `name` on the server at `root` (no `/v1`); `headers`: its API key."""
+    """The tokenizer of model `name` on the server at `root` (no `/v1`); `headers`: its API key; `timeout`:
+    the seconds each request may take, answer included."""
 
     def __init__(self, root: str, name: str, headers: dict, timeout: float = 30.0):
-        self.root, self.name = root, name
-        self._http = httpx.Client(headers=headers, timeout=timeout)
+        self.root, self.name, self.timeout = root, name, timeout
+        self._server = Server(root, headers)
         self._encoded, self._decoded = _Lru(), _Lru()
-        empty = self.encode("", add_special_tokens=True)  # ValueError when the server has no /tokenize
+        empty = self.encode("", add_special_tokens=True)  # StatusError when the server has no /tokenize
         info = self._info()
-        self.bos_token_id = self._special_id(info.get("bos_token"))
+        self.bos_token_id = self._special_id(info, "bos_token")
         if self.bos_token_id is None:  # what the server adds before any text is its BOS token
             self.bos_token_id = empty[0] if len(empty) == 1 else None
-        self.eos_token_id = self._special_id(info.get("eos_token"))
+        self.eos_token_id = self._special_id(info, "eos_token")
         specials = {self.bos_token_id, self.eos_token_id}
-        for key, entry in (info.get("added_tokens_decoder") or {}).items():
+        for key, entry in info.get("added_tokens_decoder", {}).items():
             # tokenizer_config.json's shape ({"content", "special"}); vLLM flattens each entry to its content
-            if str(key).isdigit() and (not isinstance(entry, dict) or entry.get("special")):
+            if key.isascii() and key.isdigit() and (not isinstance(entry, dict) or entry.get("special")):
                 specials.add(int(key))
         self.all_special_ids = sorted(i for i in specials if i is not None)
-        self._template = info.get("chat_template") if isinstance(info.get("chat_template"), str) else None
+        self._template = info.get("chat_template")
         self._renders: bool | None = None  # whether /tokenize takes messages; asked on first use
 
-    def _post(self, path: str, body: dict) -> dict:
-        try:
-            r = self._http.post(self.root + path, json={"model": self.name, **body})
-        except httpx.TransportError as e:
-            raise ValueError(f"cannot reach {self.root}{path}: {e}") from None
-        if r.status_code != 200:
-            raise ValueError(f"{self.root}{path} answered {r.status_code}: {r.text[:300]}")
-        return r.json()
+    def _post(self, path: str, body: dict) -> Reply:
+        answer = run_sync(self._server.json("POST", path, {"model": self.name, **body}, seconds=self.timeout))
+        return Reply(self._server, path, answer)
 
     def _info(self) -> dict:
+        """`/tokenizer_info`'s fields that are used, checked; {} when the server refuses it."""
         try:
-            r = self._http.get(self.root + "/tokenizer_info")
-        except httpx.TransportError:
+            reply = Reply(self._server, "/tokenizer_info",
+                          run_sync(self._server.json("GET", "/tokenizer_info", seconds=self.timeout)))
+        except StatusError:
             return {}
-        if r.status_code != 200:
-            return {}
-        try:
-            info = r.json()
-        except ValueError:
-            return {}
-        return info if isinstance(info, dict) else {}
+        template = reply.body.get("chat_template")
+        if isinstance(template, list):  # named templates (tokenizer_config.json's other shape): rendered by the server
+            template = None
+        info = {"added_tokens_decoder": reply.get(reply.body, "added_tokens_decoder", OBJECT, default={}),
+                "chat_template": reply.check(template, STRING, "chat_template") if template is not None else None}
+        for key in ("bos_token", "eos_token"):  # a string, or tokenizer_config.json's {"content": ...}
+            token = reply.body.get(key)
+            info[key] = reply.get(token, "content", STRING, key) if isinstance(token, dict) else \
+                reply.get(reply.body, key, STRING, default=None)
+        return info
 
-    def _special_id(self, token) -> int | None:
-        text = token.get("content") if isinstance(token, dict) else token
-        if not isinstance(text, str) or not text:
+    def _special_id(self, info: dict, key: str) -> int | None:
+        text = info.get(key)
+        if not text:
             return None
         ids = self.encode(text, add_special_tokens=False)
         return ids[0] if len(ids) == 1 else None
@@ -114,7 +117,8 @@ class ServerTokenizer:
         key = (text, add_special_tokens)
         found = self._encoded.get(key)
         if found is None:
-            found = self._post("/tokenize", {"prompt": text, "add_special_tokens": add_special_tokens})["tokens"]
+            reply = self._post("/tokenize", {"prompt": text, "add_special_tokens": add_special_tokens})
+            found = reply.get(reply.body, "tokens", INTEGERS)
             self._encoded.put(key, found)
         return list(found)
 
@@ -131,8 +135,8 @@ class ServerTokenizer:
         key = tuple(ids)
         found = self._decoded.get(key)
         if found is None:
-            answer = self._post("/detokenize", {"tokens": ids})
-            found = answer["prompt"] if "prompt" in answer else answer["text"]  # SGLang: "text"
+            reply = self._post("/detokenize", {"tokens": ids})
+            found = reply.get(reply.body, "prompt" if "prompt" in reply.body else "text", STRING)  # SGLang: "text"
             self._decoded.put(key, found)
         return found
 
@@ -146,13 +150,14 @@ class ServerTokenizer:
             try:
                 self._render([{"role": "user", "content": "x"}], False)
                 self._renders = True
-            except ValueError:
+            except StatusError:  # it refuses messages; any other failure is the server's error
                 self._renders = False
         return SERVER_RENDERED if self._renders else None
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        return self._post("/tokenize", {"messages": messages, "add_generation_prompt": add_generation_prompt,
-                                        "add_special_tokens": False})["tokens"]
+        reply = self._post("/tokenize", {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                                         "add_special_tokens": False})
+        return reply.get(reply.body, "tokens", INTEGERS)
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = False):
         """The server's chat template applied to `messages`: its token ids, or (`tokenize=False`) their text."""
@@ -160,7 +165,7 @@ class ServerTokenizer:
         return ids if tokenize else self.decode(ids)
 
     def close(self) -> None:
-        self._http.close()
+        """Nothing to release: connections belong to kvql's HTTP thread (`bounded_http.run_sync`)."""
 
     def __repr__(self) -> str:
         return f"ServerTokenizer({self.name!r} at {self.root})"
