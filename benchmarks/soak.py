@@ -13,7 +13,7 @@ least-squares line over the time after the warm-up (MiB per 10 minutes). A serve
 a positive slope well above the noise of a flat one (a few MiB).
 
 Usage: python benchmarks/soak.py [--minutes 30] [--model smollm2-135m] [--dtype float32] [--clients 6]
-       [--cache-budget 256MB] [--out soak.json]
+       [--cache-budget 256MB] [--no-speculate] [--out soak.json]
 """
 
 from __future__ import annotations
@@ -141,13 +141,16 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=10.0, help="seconds between RSS samples")
     ap.add_argument("--warmup", type=float, default=10.0, help="minutes left out of the comparison")
     ap.add_argument("--window", type=float, default=5.0, help="minutes compared at the start and at the end")
+    ap.add_argument("--no-speculate", action="store_true", help="serve without speculative decoding (its drafter keeps "
+                    "an index of earlier outputs, up to 32k tokens)")
     ap.add_argument("--out", default="soak.json")
     args = ap.parse_args()
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "kvql.cli", "serve", "--model", args.model, "--dtype", args.dtype,
-                               "--port", str(port), "--cache-budget", args.cache_budget],
+                               "--port", str(port), "--cache-budget", args.cache_budget,
+                               *(["--no-speculate"] if args.no_speculate else [])],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(url, server, timeout=600)
