@@ -1,6 +1,6 @@
 """Reading a server's answers without trusting it: bounded in bytes and in time, checked field by field.
 
-`Server(root, headers)` sends one request and reads its answer, a body (`read`, `json`) or a stream of
+`Server(root, headers)` sends one request and reads its answer, a body (`read`; `json`: a `Reply`) or a stream of
 server-sent events (`events`), within
 - `MAX_BODY_BYTES` per body, `MAX_LINE_BYTES` per line of a stream and `MAX_STREAM_BYTES` per stream (module
   constants, read at each call: set them to change the limits);
@@ -110,9 +110,9 @@ class Server:
             raise self._refused(path, status, data)
         return data
 
-    async def json(self, method: str, path: str, payload=None, *, seconds: float):
-        """The parsed JSON answer to one request (as `read`)."""
-        return self.parse(path, await self.read(method, path, payload, seconds=seconds))
+    async def json(self, method: str, path: str, payload=None, *, seconds: float) -> Reply:
+        """The JSON object answering one request (as `read`), as a `Reply` that checks the fields read."""
+        return Reply(self, path, self.parse(path, await self.read(method, path, payload, seconds=seconds)))
 
     async def events(self, path: str, payload, *, seconds: float) -> AsyncIterator:
         """Each event of the server-sent-event stream that a POST of `payload` answers, parsed as JSON, until

@@ -101,7 +101,7 @@ class RemoteBackend(Backend):
         self.timeout = float(timeout)
         self.server = Server(self.root, self.headers)
         path = self.api + "/models"
-        models = Reply(self.server, path, run_sync(self.server.json("GET", path, seconds=self._quick)))
+        models = run_sync(self.server.json("GET", path, seconds=self._quick))
         served = {}
         for i, entry in enumerate(models.get(models.body, "data", LIST)):
             models.check(entry, OBJECT, f"data[{i}]")
@@ -231,7 +231,7 @@ class RemoteBackend(Backend):
         """The answer to one `/completions` request, not streamed."""
         path = self.api + "/completions"
         try:
-            return Reply(self.server, path, await self.server.json("POST", path, body, seconds=self.timeout))
+            return await self.server.json("POST", path, body, seconds=self.timeout)
         except StatusError as e:
             raise self._explained(e, body) from None
 

@@ -84,14 +84,12 @@ class ServerTokenizer:
         self._renders: bool | None = None  # whether /tokenize takes messages; asked on first use
 
     def _post(self, path: str, body: dict) -> Reply:
-        answer = run_sync(self._server.json("POST", path, {"model": self.name, **body}, seconds=self.timeout))
-        return Reply(self._server, path, answer)
+        return run_sync(self._server.json("POST", path, {"model": self.name, **body}, seconds=self.timeout))
 
     def _info(self) -> dict:
         """`/tokenizer_info`'s fields that are used, checked; {} when the server refuses it."""
         try:
-            reply = Reply(self._server, "/tokenizer_info",
-                          run_sync(self._server.json("GET", "/tokenizer_info", seconds=self.timeout)))
+            reply = run_sync(self._server.json("GET", "/tokenizer_info", seconds=self.timeout))
         except StatusError:
             return {}
         template = reply.body.get("chat_template")
