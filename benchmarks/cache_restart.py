@@ -44,9 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 from kvql.backends.loader import load_hf  # noqa: E402
 from kvql import Model  # noqa: E402
-from kvql.engine.fingerprint import fingerprint  # noqa: E402
-from kvql.engine.disk_tier import FORMAT  # noqa: E402
-from kvql.engine.kv_pool import KVPool  # noqa: E402
+from kvql.engine.cache.fingerprint import fingerprint
+from kvql.engine.cache.disk_tier import FORMAT
+from kvql.engine.cache.kv_pool import KVPool
 
 spec = importlib.util.spec_from_file_location("fewshot_qa", ROOT / "benchmarks" / "fewshot_qa.py")
 fewshot = importlib.util.module_from_spec(spec)

@@ -51,7 +51,7 @@ import torch
 import kvql
 from kvql.backends.dtype import resolve
 from kvql.backends.loader import load_hf
-from kvql.engine.kv_pool import KVPool
+from kvql.engine.cache.kv_pool import KVPool
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"

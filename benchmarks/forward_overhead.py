@@ -9,10 +9,10 @@ What is measured (SmolLM2-135M, CPU, each dtype in --dtypes; one process, side b
   plain: the model's own forward of `input_ids [B, 1]` over a contiguous `DynamicCache` of `[B, C]`
   (equal lengths: no padding, no mask; the cache is cropped back after each step).
   kvql's side runs its own copy of the model, set up as the engine sets it up (on a CPU: prepacked
-  linear weights and, in reduced precision, batch-invariant long reductions: kvql.engine.cpu_linear);
+  linear weights and, in reduced precision, batch-invariant long reductions: kvql.engine.model.cpu_linear);
   the plain side the model as loaded.
 - kvql module path: kvql's side again through the model's own forward (transformers' modules), the lean
-  forward (kvql.engine.lean_model) off: what the lean forward saves.
+  forward (kvql.engine.model.lean_model) off: what the lean forward saves.
 - prefill: B prompts of C tokens, no cache, in one forward. kvql: `ModelRunner.forward` over B segments
   (tokens flattened to [1, B*C]); plain: `input_ids [B, C]` (causal SDPA, no mask). Both return the
   logits of each prompt's last token only.
@@ -53,9 +53,10 @@ import torch
 from transformers import DynamicCache
 
 from kvql.backends.loader import load_hf
-from kvql.engine import attention_plan, openmp
-from kvql.engine.kv_pool import KVPool
-from kvql.engine.model_runner import ModelRunner, read_geometry, Segment
+from kvql.engine.model import attention_plan
+from kvql.engine import openmp
+from kvql.engine.cache.kv_pool import KVPool
+from kvql.engine.model.model_runner import ModelRunner, read_geometry, Segment
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -168,7 +169,7 @@ def run_dtype(name: str, args) -> dict:
                   num_slots=B * (C + 1) + B * (C + 1), dtype=dtype, device="cpu")
     pool.k.zero_(), pool.v.zero_()  # touch the pool's pages once, as a long-running server has
     # its own copy of the model: the runner sets it up as the engine runs it (on a CPU prepacked linear
-    # weights, in bf16 long reductions split to be batch-invariant: kvql.engine.cpu_linear), which the
+    # weights, in bf16 long reductions split to be batch-invariant: kvql.engine.model.cpu_linear), which the
     # plain side must not get
     runner = ModelRunner(engine_model, pool, geometry)
 

@@ -12,7 +12,7 @@ What is measured (one process, side by side, each model in --models and dtype in
   Speculative decoding is off (`speculate=False`; --speculate turns it on): this measures one decode step
   per token, what the step costs (benchmarks/speculation.py measures drafts; a repeated prompt is what they
   serve best).
-- kvql module path: the same with the model runner's lean forward off (kvql.engine.lean_model): each step
+- kvql module path: the same with the model runner's lean forward off (kvql.engine.model.lean_model): each step
   through transformers' modules, what the lean forward saves.
 - transformers: a plain copy of the model as loaded, `generate(max_new_tokens=N, min_new_tokens=N, do_sample=False)`, the
   same subtraction.

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvql.engine.kernels import paged_attention
+from kvql.engine.model.kernels import paged_attention
 
 HEADS, KV_HEADS, DIM, WINDOW = 4, 1, 256, 512
 

@@ -267,7 +267,7 @@ def run(model, workloads=WORKLOADS, sizes=(2, 4, 8), out_dir: str | Path = "benc
 
     from tqdm.auto import tqdm
 
-    from .engine import cpu_linear, fused_layers
+    from .engine.model import cpu_linear, fused_layers
 
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")

@@ -414,7 +414,7 @@ def _model_options(p: argparse.ArgumentParser, model_default: str | None = DEFAU
 
 def disk_options(p: argparse.ArgumentParser) -> None:
     """--disk-cache (also --cache-dir), --disk-budget: the disk tier behind the memory budget, which also keeps
-    the cache between runs (kvql.engine.disk_tier)."""
+    the cache between runs (kvql.engine.cache.disk_tier)."""
     p.add_argument("--disk-cache", "--cache-dir", dest="disk_cache", type=cache_directory, default=None, metavar="DIR",
                    help="keep the KV cache in DIR: what memory cannot hold is written there and read back instead of "
                         "computed again, and the next run (same model and dtype) starts from it")

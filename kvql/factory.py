@@ -63,7 +63,7 @@ def directory_problem(path, writable: bool = True) -> str | None:
     """Why kvql could not write files into directory `path` (created at the first write when missing), or
     None. Checked before a model loads: a bad `--disk-cache` or `--out` is an error at once, not after it.
     `writable=False`: only a path that can never be a directory is a problem (a cache directory that cannot be
-    written leaves the model memory-only, with one warning: kvql.engine.persistence)."""
+    written leaves the model memory-only, with one warning: kvql.engine.cache.persistence)."""
     p = Path(path).expanduser()
     if p.exists():
         if not p.is_dir():
@@ -130,10 +130,10 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     needs it again, instead of being computed again; what only memory holds is written there on close / exit
     and every `cache_save_interval` seconds when idle (0: only on close); at start the cache is what the
     directory holds for this model, dtype and tokenizer. It holds at most `disk_budget` bytes (default 20 GiB,
-    at most half the disk's free space); see `kvql.engine.disk_tier`. Local models only.
+    at most half the disk's free space); see `kvql.engine.cache.disk_tier`. Local models only.
     `speculate`: speculative decoding without a draft model (on by default; outputs are the same either way):
     while few requests run, a greedy request verifies tokens drafted from the cache, its own prompt and earlier
-    outputs several at a time (see `kvql.engine.drafts`). Local models only.
+    outputs several at a time (see `kvql.engine.decode.drafts`). Local models only.
 
     `"random"` (LMQL's test model, `seed=` as in LMQL; default 0) is a tiny random-weights Llama with
     SmolLM2's tokenizer (see `kvql.backends.loader.random_model`) and a 32 MB cache by default; calls with
@@ -203,7 +203,7 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
         return shared
     if seed is not None:
         raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
-    from .engine.admission import UnsupportedModel
+    from .engine.model.admission import UnsupportedModel
 
     hf_model, tok = load_hf(spec, device=device, dtype=dtype)
     try:

@@ -164,7 +164,7 @@ def check_bf16_invariant(name: str, tokenizer, max_tokens: int = 10) -> list[int
 
 
 def _fused(hf) -> int:
-    """How many of the model's modules run kvql's fused layers (kvql.engine.fused_layers)."""
+    """How many of the model's modules run kvql's fused layers (kvql.engine.model.fused_layers)."""
     return sum(hasattr(type(mod), "kvql_original") for mod in hf.modules())
 
 

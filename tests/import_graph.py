@@ -167,3 +167,31 @@ def long_functions(top: int = 10) -> list[tuple[int, str]]:
 def long_files(limit: int = 400) -> list[tuple[int, str]]:
     return sorted(((len(p.read_text().splitlines()), m) for m, p in modules().items()
                    if len(p.read_text().splitlines()) > limit), reverse=True)
+
+
+# The engine's rooms (docs/architecture.md), bottom first: a room imports only rooms below it and the engine's
+# shared modules; no room imports the step loop above them.
+ENGINE_ROOMS = ["kvql.engine.cache", "kvql.engine.model", "kvql.engine.decode"]
+ENGINE_SHARED = {"kvql.engine", "kvql.engine.request", "kvql.engine.segment", "kvql.engine.openmp"}
+
+
+def _room(module: str) -> int | None:
+    return next((i for i, r in enumerate(ENGINE_ROOMS) if module == r or module.startswith(r + ".")), None)
+
+
+def engine_room_breaches(graph=None) -> list[tuple[str, str, int]]:
+    """(importer, imported, line) where an engine room imports a room above its own or the step loop (an engine
+    module outside the rooms and the shared ones)."""
+    graph = graph or imports()
+    out = []
+    for m, edges in graph.items():
+        room = _room(m)
+        if room is None:
+            continue
+        for t, _, line in edges:
+            if not t.startswith("kvql.engine") or t in ENGINE_SHARED:
+                continue
+            other = _room(t)
+            if other is None or other > room:
+                out.append((m, t, line))
+    return out

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvql.engine.attention_plan import plan
-from kvql.engine.model_runner import Segment
+from kvql.engine.model.attention_plan import plan
+from kvql.engine.model.model_runner import Segment
 
 
 def seg(past, new):

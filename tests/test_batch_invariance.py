@@ -1,6 +1,6 @@
 """In reduced precision (bf16), a request's greedy output batched with others equals its output alone on an
 empty cache: its arithmetic does not depend on its batch mates or on which of its tokens the cache served
-(kvql.engine.attention_plan's module doc, kvql.engine.cpu_linear). Not the uncached plain-transformers
+(kvql.engine.model.attention_plan's module doc, kvql.engine.model.cpu_linear). Not the uncached plain-transformers
 reference: in bf16 other kernels round differently."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 import kvql
 from conftest import random_prompts, tiny_model
-from kvql.engine.kernels import paged_attention
+from kvql.engine.model.kernels import paged_attention
 
 
 def _flat_llama(tokenizer, seed: int):

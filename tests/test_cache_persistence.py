@@ -1,4 +1,4 @@
-"""A cache that survives restarts, in one format: the disk tier's files (engine/disk_tier.py, persistence.py,
+"""A cache that survives restarts, in one format: the disk tier's files (engine/cache/disk_tier.py, persistence.py,
 autosave.py). `disk_cache=DIR` (also spelled `cache_dir=DIR`): the next start's tree is what the files hold,
 every node on disk until a request reads it back; what only memory holds is written there on close, on
 `save_cache()` and when idle every `cache_save_interval` seconds."""
@@ -27,8 +27,8 @@ from safetensors import safe_open
 
 import kvql
 from conftest import free_port, random_prompts, reference_greedy, save_model, start_server, tiny_model
-from kvql.engine.disk_tier import SUFFIX
-from kvql.engine.memory import MIN_LOAD_TOKENS
+from kvql.engine.cache.disk_tier import SUFFIX
+from kvql.engine.cache.memory import MIN_LOAD_TOKENS
 
 
 def expected(hf_model, tokenizer, prompts, max_tokens):

@@ -1,4 +1,4 @@
-"""CPU linear layers (kvql.engine.cpu_linear): prepacked weights compute the layer's linear map and follow
+"""CPU linear layers (kvql.engine.model.cpu_linear): prepacked weights compute the layer's linear map and follow
 edits of the weight; in bf16 with a reduction limit, each output row is computed exactly as the row alone,
 whatever the rows beside it."""
 
@@ -12,8 +12,8 @@ import torch
 
 import kvql
 from conftest import tiny_model
-from kvql.engine import cpu_linear
-from kvql.engine.cpu_linear import MAX_REDUCTION, prepare, restore
+from kvql.engine.model import cpu_linear
+from kvql.engine.model.cpu_linear import MAX_REDUCTION, prepare, restore
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build has no oneDNN")
 

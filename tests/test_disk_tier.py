@@ -1,4 +1,4 @@
-"""The disk tier (kvql/engine/disk_tier.py; `kvql.Model(..., disk_cache=DIR, disk_budget=...)`): KV evicted from
+"""The disk tier (kvql/engine/cache/disk_tier.py; `kvql.Model(..., disk_cache=DIR, disk_budget=...)`): KV evicted from
 the pool goes to files and is read back instead of computed again; the tree is rebuilt from the files at start.
 
 Every test checks outcomes a wrong tier would change: token-identical greedy answers (fp32, against an uncached
@@ -19,9 +19,9 @@ from safetensors import safe_open
 
 import kvql
 from conftest import reference_greedy, tiny_model
-from kvql.engine import disk_tier, memory
-from kvql.engine.disk_tier import SUFFIX
-from kvql.engine.kv_pool import KVPool
+from kvql.engine.cache import disk_tier, memory
+from kvql.engine.cache.disk_tier import SUFFIX
+from kvql.engine.cache.kv_pool import KVPool
 
 LENGTH = 60  # tokens per prompt: more than 1/3 of the 150-token pools below
 OUT = 4  # tokens generated per request

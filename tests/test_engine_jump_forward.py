@@ -12,7 +12,7 @@ import math
 import pytest
 
 from conftest import random_prompts
-from kvql.engine.grammar import Grammar
+from kvql.engine.decode.grammar import Grammar
 from kvql.engine.request import SamplingParams, State
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],

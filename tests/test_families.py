@@ -63,8 +63,8 @@ def test_a_model_whose_cached_logits_differ_is_refused(tokenizer, monkeypatch):
     """The load-time check compares logits over KV read back from the pool with the plain forward: an engine
     that ignored a layer's window (here: made to) would be caught there, before any request."""
     import kvql
-    from kvql.engine import admission, lean_model
-    from kvql.engine.kernels import paged_attention
+    from kvql.engine.model import admission, lean_model
+    from kvql.engine.model.kernels import paged_attention
 
     attend = paged_attention.attend
     monkeypatch.setattr(paged_attention, "attend", lambda q, k, v, o, s, scale, window=None, softcap=None:

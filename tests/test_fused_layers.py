@@ -1,4 +1,4 @@
-"""Fused layer operations (kvql.engine.kernels.fused_ops) and the layers that use them (kvql.engine.fused_layers):
+"""Fused layer operations (kvql.engine.model.kernels.fused_ops) and the layers that use them (kvql.engine.model.fused_layers):
 each kernel against the torch ops it replaces (RoPE bit for bit), each row independent of its batch, the
 swapped model's forward against the original's for every supported family, stacked GEMMs following
 edits of the weights, autograd and `restore` running transformers' own code again."""
@@ -13,8 +13,8 @@ import torch
 import transformers.models.llama.modeling_llama as modeling_llama
 
 from conftest import tiny_model
-from kvql.engine import cpu_linear, fused_layers
-from kvql.engine.kernels import fused_ops
+from kvql.engine.model import cpu_linear, fused_layers
+from kvql.engine.model.kernels import fused_ops
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -255,7 +255,7 @@ def test_engine_without_fused_layers_gives_the_same_greedy_tokens(tokenizer, mak
 
 
 def test_kernels_build_into_kvql_cache_dir_and_export_their_limits(monkeypatch, tmp_path):
-    from kvql.engine.kernels import build, paged_attention
+    from kvql.engine.model.kernels import build, paged_attention
 
     monkeypatch.setenv("KVQL_CACHE_DIR", str(tmp_path))
     assert build.cache_dir() == tmp_path / "kernels"

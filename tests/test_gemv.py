@@ -1,4 +1,4 @@
-"""The small-batch kernel (kvql.engine.kernels.gemv): in bf16 each output row bit for bit oneDNN's prepacked
+"""The small-batch kernel (kvql.engine.model.kernels.gemv): in bf16 each output row bit for bit oneDNN's prepacked
 GEMM's, in fp32 equal to it to float32 rounding; whatever the rows beside it; kvql's linear layers take it
 for few rows and fall back without it."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvql.engine import cpu_linear
-from kvql.engine.kernels import gemv
+from kvql.engine.model import cpu_linear
+from kvql.engine.model.kernels import gemv
 
 needs_kernel = pytest.mark.skipif(not (cpu_linear.can_pack(torch.bfloat16) and gemv.rounds_as_onednn()),
                                   reason="no oneDNN bf16 packing, no compiler or no AVX512_BF16")

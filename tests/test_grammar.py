@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvql.engine.grammar import MAX_BYTES, Grammar
+from kvql.engine.decode.grammar import MAX_BYTES, Grammar
 
 PROMPTS = ["Question: what is the capital of France? Answer:", "Once upon a time", "def add(a, b):"]
 SEEDS = (0, 1)
@@ -234,7 +234,7 @@ def test_oversize_and_overdeep_constraints_are_refused_before_compiling(tokenize
 
 def test_a_crash_in_the_compiler_refuses_the_constraint_and_spares_the_process(tokenizer, monkeypatch):
     import llguidance
-    from kvql.engine import grammar_sandbox
+    from kvql.engine.decode import grammar_sandbox
     text = llguidance.LLMatcher.grammar_from_lark(_lark_chain(3000))
     # a 1 MiB stack in the sandbox: this chain overflows it there, a real SIGSEGV in the child
     monkeypatch.setattr(grammar_sandbox, "STACK_BYTES", 1 << 20)
@@ -247,7 +247,7 @@ def test_a_crash_in_the_compiler_refuses_the_constraint_and_spares_the_process(t
 
 def test_a_compile_over_the_time_limit_is_refused(tokenizer):
     import llguidance
-    from kvql.engine import grammar_sandbox
+    from kvql.engine.decode import grammar_sandbox
     with pytest.raises(ValueError, match="took longer than 0.001 s"):
         grammar_sandbox.check(tokenizer, llguidance.LLMatcher.grammar_from_regex("(a{1000}){1000}"), timeout=0.001)
     assert Grammar.regex(tokenizer, "[a-z]+").mask_fn()([]).any()
@@ -256,7 +256,7 @@ def test_a_compile_over_the_time_limit_is_refused(tokenizer):
 def test_a_constraint_text_is_compiled_once_per_tokenizer(tokenizer, monkeypatch):
     """The second Grammar of the same text skips the sandbox and the compile, and masks as the first does;
     an invalid text's error is remembered too (a client repeating it costs no compile)."""
-    from kvql.engine import grammar as grammar_module
+    from kvql.engine.decode import grammar as grammar_module
 
     checks = []
     real = grammar_module.grammar_sandbox.check
@@ -285,5 +285,5 @@ def test_ignore_eos_under_a_constraint_ends_at_the_grammars_end(make_model, cons
 def test_the_json_spacing_above_the_engine_is_the_engines():
     # two definitions because the engine imports nothing of the contract: they must not drift apart
     from kvql.backends.options import JSON_SPACING
-    from kvql.engine.grammar import JSON_SPACING as ENGINE
+    from kvql.engine.decode.grammar import JSON_SPACING as ENGINE
     assert JSON_SPACING == ENGINE

@@ -247,7 +247,7 @@ def test_impossible_options_fail_in_plain_words(make_model, options, message):
 
 
 def test_constraints_compile_off_the_event_loop(make_model, monkeypatch):
-    from kvql.engine.grammar import Grammar
+    from kvql.engine.decode.grammar import Grammar
     threads = []
     original = Grammar.regex.__func__
 

@@ -107,3 +107,26 @@ def test_the_server_routes_are_short_functions():
 
     server = [(n, f) for n, f in G.long_functions(top=10_000) if f.startswith("kvql.server.")]
     assert server and max(n for n, _ in server) <= 80, server[:3]
+
+
+def test_engine_rooms_import_only_rooms_below_them_and_never_the_step_loop():
+    import import_graph as G
+
+    assert G.engine_room_breaches() == []
+
+
+def test_the_engine_room_rule_can_fail(tmp_path, monkeypatch):
+    import shutil
+
+    import import_graph as G
+
+    root = tmp_path / "kvql"
+    shutil.copytree(G.ROOT, root)
+    sampler = root / "engine" / "decode" / "sampler.py"
+    sampler.write_text(sampler.read_text() + "\n\ndef _late():\n    from ..scheduler import Scheduler\n")
+    pool = root / "engine" / "cache" / "kv_pool.py"
+    pool.write_text(pool.read_text() + "\n\ndef _late():\n    from ..decode import masks\n")
+    monkeypatch.setattr(G, "ROOT", root)
+    found = {(m, t) for m, t, _ in G.engine_room_breaches()}
+    assert ("kvql.engine.decode.sampler", "kvql.engine.scheduler") in found
+    assert ("kvql.engine.cache.kv_pool", "kvql.engine.decode.masks") in found

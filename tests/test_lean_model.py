@@ -1,4 +1,4 @@
-"""The lean forward (kvql.engine.lean_model): for every family it takes (Llama's structure, q/k norms or not, and
+"""The lean forward (kvql.engine.model.lean_model): for every family it takes (Llama's structure, q/k norms or not, and
 Gemma 3's), logits and pool contents equal the model's own forward's bit for bit (steps of up to
 `cpu_linear.gemv_rows` tokens through the bound program, longer chunks through the module-level path), in float32 and bfloat16; families it does not take keep the model's forward; hooks and weight
 edits are followed."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import families
-from kvql.engine import cpu_linear
-from kvql.engine.kernels import gemv
-from kvql.engine.kv_pool import KVPool
-from kvql.engine.model_runner import ModelRunner, Segment, read_geometry
+from kvql.engine.model import cpu_linear
+from kvql.engine.model.kernels import gemv
+from kvql.engine.cache.kv_pool import KVPool
+from kvql.engine.model.model_runner import ModelRunner, Segment, read_geometry
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 EMPTY = torch.empty(0, dtype=torch.long)

@@ -1,4 +1,4 @@
-"""The paged attention kernel (kvql.engine.kernels.paged_attention): causal attention over slots read in place equals
+"""The paged attention kernel (kvql.engine.model.kernels.paged_attention): causal attention over slots read in place equals
 float64 SDPA over the gathered slots; a segment's rows do not depend on the other segments of the call, on
 where its queries fall in the kernel's query blocks, or on how its tokens were split into chunks; the
 runner falls back to gather + SDPA when the kernel is switched off, with the same greedy tokens."""
@@ -14,7 +14,7 @@ import torch
 
 import kvql
 from conftest import random_prompts
-from kvql.engine.kernels import paged_attention as pa
+from kvql.engine.model.kernels import paged_attention as pa
 
 # the kernel is optional where there is no C compiler; where there is one it must build (not skip into green)
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
@@ -129,7 +129,7 @@ def test_a_truncated_cached_library_is_built_again_not_loaded(tmp_path):
     import sys
 
     env = {**os.environ, "KVQL_CACHE_DIR": str(tmp_path)}
-    script = ("import warnings, torch\nfrom kvql.engine.kernels import build\n"
+    script = ("import warnings, torch\nfrom kvql.engine.model.kernels import build\n"
               "with warnings.catch_warnings(record=True) as w:\n"
               "    warnings.simplefilter('always')\n"
               "    lib = build.load('fused_ops')\n"

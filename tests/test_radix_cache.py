@@ -8,8 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from kvql.engine.kv_pool import KVPool
-from kvql.engine.radix_cache import RadixCache
+from kvql.engine.cache.kv_pool import KVPool
+from kvql.engine.cache.radix_cache import RadixCache
 
 
 def make(num_slots=64):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvql.engine.request import Request, RequestGroup, SamplingParams
-from kvql.engine.sampler import forced_token, sample
+from kvql.engine.decode.sampler import forced_token, sample
 
 VOCAB = 64
 

@@ -131,7 +131,7 @@ def test_auto_allows_text_or_a_call_and_nothing_else(make_model):
     m = make_model()
     grammar = ToolCalling(tuple(t["function"] for t in TOOLS), "auto").constraint()["grammar"]
     tok = m.tokenizer
-    mask = kvql.engine.grammar.Grammar.lark(tok, grammar).mask_fn()
+    mask = kvql.engine.decode.grammar.Grammar.lark(tok, grammar).mask_fn()
     mask(tok.encode("Answer: sunny"))  # text
     mask(tok.encode('<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'))
     with pytest.raises(ValueError, match="grammar error"):
@@ -376,7 +376,7 @@ def test_a_recursive_tool_schema_admits_its_own_calls_and_no_others(make_model):
     grammar = ToolCalling((tree, TIME["function"]), "required").constraint()["grammar"]
 
     def admits(arguments: str) -> bool:
-        mask = kvql.engine.grammar.Grammar.lark(tok, grammar).mask_fn()
+        mask = kvql.engine.decode.grammar.Grammar.lark(tok, grammar).mask_fn()
         try:
             mask(tok.encode(f'<tool_call>\n{{"name": "tree", "arguments": {arguments}}}\n</tool_call>'))
         except ValueError:

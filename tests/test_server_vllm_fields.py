@@ -128,7 +128,7 @@ def test_min_tokens_on_chat_holds_off_the_end(served):
 
 
 def test_min_tokens_means_the_same_from_python_and_over_http(served):
-    """One rule (kvql.engine.masks, the detokenizer's stops): the Python API answers as the server does."""
+    """One rule (kvql.engine.decode.masks, the detokenizer's stops): the Python API answers as the server does."""
     url, model = served
     full = model.generate(["x"], max_tokens=14, regex="[a-z ]{1,30}")[0]
     stop = next(full.text[i:i + 2] for i in range(len(full.text)) if full.text.count(full.text[i:i + 2]) >= 2)

@@ -1,4 +1,4 @@
-"""Speculative decoding without a draft model (kvql.engine.drafts, scheduler, outputs): drafts from the radix
+"""Speculative decoding without a draft model (kvql.engine.decode.drafts, scheduler, outputs): drafts from the radix
 tree, the request's own context and earlier outputs, verified in one forward; outputs equal to decoding one
 token per step, with `check_integrity` after every step."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import random_prompts, reference_greedy, tiny_model
-from kvql.engine.drafts import Drafter, NGrams, continuation
-from kvql.engine.grammar import Grammar
-from kvql.engine.radix_cache import RadixCache
+from kvql.engine.decode.drafts import Drafter, NGrams, continuation
+from kvql.engine.decode.grammar import Grammar
+from kvql.engine.cache.radix_cache import RadixCache
 from kvql.engine.request import SamplingParams
 from kvql.engine.scheduler import SPECULATE_MAX_RUNNING
 
@@ -236,7 +236,7 @@ def test_speculative_sampling_keeps_the_distribution():
     follow p (20,000 seeded draws per case, each frequency within 0.015 of its probability; 5 sigma ~ 0.012)."""
     from types import SimpleNamespace
 
-    from kvql.engine.sampler import sample
+    from kvql.engine.decode.sampler import sample
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     for params in (SamplingParams(max_tokens=1, temperature=1.0), SamplingParams(max_tokens=1, temperature=0.7, top_k=4),

@@ -1,4 +1,4 @@
-"""The step program runner (kvql.engine.kernels.step_program): its own operations equal the torch ops they
+"""The step program runner (kvql.engine.model.kernels.step_program): its own operations equal the torch ops they
 replace bit for bit, and a kernel's error surfaces as an exception naming the call. (The whole bound decode
 program is compared with the model's forward in tests/test_lean_model.py.)"""
 
@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from kvql.engine.kernels import gemv, step_program
+from kvql.engine.model.kernels import gemv, step_program
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 BF16 = {torch.float32: 0, torch.bfloat16: 1}

@@ -29,8 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import random_prompts, reference_greedy, tiny_model
-from kvql.engine import disk_tier
-from kvql.engine.disk_tier import SUFFIX
+from kvql.engine.cache import disk_tier
+from kvql.engine.cache.disk_tier import SUFFIX
 
 
 def craft(path: Path, meta: dict | None = None, **tensors) -> None:

@@ -15,7 +15,7 @@ import torch
 import kvql
 import kvql as lmql
 from kvql.backends.base import Unsupported
-from kvql.engine.healing import MAX_TOKENS, healer
+from kvql.engine.decode.healing import MAX_TOKENS, healer
 
 from conftest import reference_greedy
 

@@ -24,7 +24,7 @@ Generation options (every backend accepts these names; unknown ones raise TypeEr
 the checks every backend shares are written once, in `kvql.backends.options.GenerateOptions`):
     max_tokens=16, min_tokens=0 (vLLM's meaning: no end of sequence before that many tokens unless the
     constraint allows nothing else, and stop strings count only where they end after those tokens' text;
-    see `kvql.engine.masks`), stop (strings; the text
+    see `kvql.engine.decode.masks`), stop (strings; the text
     ends before the first one found, `stop_reason` names it), stop_fn (called with the generated ids and
     text after each token or streamed chunk; True ends the sequence, the text is not cut: it may run past
     the point where the function first said True), temperature=0.0, top_p=1.0, top_k=0,
@@ -39,7 +39,7 @@ the checks every backend shares are written once, in `kvql.backends.options.Gene
     text constrained to start with theirs and then to meet the constraint (one grammar), so a token may
     span the prompt's end ("A: " + " yes"); `text`, stops, `max_tokens` and `min_tokens` are the value's
     (after that text; `Completion.healed` says what was backed up). Off by default: the prompt's last tokens
-    change. The rule of how many: `kvql.engine.healing`.
+    change. The rule of how many: `kvql.engine.decode.healing`.
 `agenerate` (and the model objects' `generate` and `complete`) also take progress=False: True shows a tqdm bar of completions
 done / total on stderr, as vLLM's `LLM.generate(use_tqdm=True)` does; a callable is called as tqdm is
 (`functools.partial(tqdm, file=f)`, vLLM's other `use_tqdm` form). See `progress_bar`.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 def tier_directory(cache_dir, disk_cache, disk_budget):
     """The disk tier's directory: `disk_cache`, or `cache_dir`, its other name (one format keeps the cache across
-    restarts and past the memory budget: kvql.engine.disk_tier); None for none. ValueError when both are given or
+    restarts and past the memory budget: kvql.engine.cache.disk_tier); None for none. ValueError when both are given or
     `disk_budget` is given without either (it is that directory's size)."""
     if disk_cache is not None and cache_dir is not None:
         raise ValueError("cache_dir is another name for disk_cache: pass one of them")

@@ -224,8 +224,8 @@ def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype
         config = AutoConfig.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load the config of model {spec!r} from {str(path)!r}: {e}") from e
-    from ..engine.admission import UnsupportedModel, check_config
-    from ..engine.grammar import warm_up
+    from ..engine.model.admission import UnsupportedModel, check_config
+    from ..engine.decode.grammar import warm_up
 
     try:
         check_config(config)  # what the config alone rules out, before the weights load; the rest at Model()

@@ -17,9 +17,10 @@ import torch
 
 from ..completion import Completion
 from ..engine.engine import Engine
-from ..engine import healing, masks, model_runner
-from ..engine.grammar import Grammar, warm_up
-from ..engine.kv_pool import KVPool
+from ..engine.decode import healing, masks
+from ..engine.model import model_runner
+from ..engine.decode.grammar import Grammar, warm_up
+from ..engine.cache.kv_pool import KVPool
 from ..engine.request import RequestGroup, SamplingParams
 from . import base
 from .base import Backend, StreamChunk
@@ -68,16 +69,16 @@ class LocalBackend(Backend):
     batches and the cache. LMQL's model methods come on top, in `kvql.Model` (`kvql.local_model`).
 
     Beyond the contract it takes `mask` (a Python function of the generated ids -> allowed tokens),
-    `logit_bias` (OpenAI's, the -100 / 100 a mask can express: `kvql.engine.masks`) and `prompt_logprobs=k`
+    `logit_bias` (OpenAI's, the -100 / 100 a mask can express: `kvql.engine.decode.masks`) and `prompt_logprobs=k`
     (every prompt token's log-probability and top k, vLLM's option). A server drives it through `submit`,
     `collect`, `cancel` and `stream`'s hooks.
 
     `disk_cache` (also spelled `cache_dir`): a second cache tier in that directory, `disk_budget` bytes, that keeps
-    the cache across restarts too (kvql.engine.disk_tier): the cache starts as what it holds for this model;
+    the cache across restarts too (kvql.engine.cache.disk_tier): the cache starts as what it holds for this model;
     what only memory holds is written there on `close()` / exit, every `cache_save_interval` seconds when idle
     (0: only on close) and on `save_cache()`. `disk_budget` needs it (ValueError). A start never fails over the
     tier: without a `disk_budget`, a disk with no free space leaves the model memory-only (one WARNING line, logger
-    `kvql.cache`, naming the directory), and so does a directory that cannot be used (kvql.engine.persistence)."""
+    `kvql.cache`, naming the directory), and so does a directory that cannot be used (kvql.engine.cache.persistence)."""
 
     capabilities = frozenset({base.TOKEN_IDS, base.SCORE, base.LOGPROBS, base.MASKED_LOGPROBS, base.MIN_TOKENS,
                               base.STOP_FN, base.SAMPLING, base.CACHE_SALT, base.TOKEN_GRAMMAR, base.HEAL,
@@ -215,7 +216,7 @@ class LocalBackend(Backend):
         return all_ids, params, o.cache_salt
 
     def _heal(self, all_ids, params: SamplingParams, o: GenerateOptions):
-        """heal=True: each prompt's healed ids and parameters (`kvql.engine.healing`); a prompt with
+        """heal=True: each prompt's healed ids and parameters (`kvql.engine.decode.healing`); a prompt with
         nothing to heal keeps its own, with the constraint as given."""
         h = healing.healer(self.tokenizer)
         kind, value = o.constraint or (None, None)
@@ -264,8 +265,8 @@ class LocalBackend(Backend):
     # -- public API ------------------------------------------------------------------------------
     # Options of generate / agenerate / stream: those of the backend contract (kvql.backends.options; unknown
     # ones raise TypeError), `mask` (a fn of the generated ids -> bool tensor) as a fifth kind of
-    # constraint, `logit_bias` (OpenAI's, -100 / 100: kvql.engine.masks) and `prompt_logprobs` (vLLM's).
-    # Constraints are compiled by kvql.engine.grammar. cache_salt (a string): requests share cached
+    # constraint, `logit_bias` (OpenAI's, -100 / 100: kvql.engine.decode.masks) and `prompt_logprobs` (vLLM's).
+    # Constraints are compiled by kvql.engine.decode.grammar. cache_salt (a string): requests share cached
     # prefixes only with requests of the same salt, so tenants cannot probe each other's prompts through
     # cached_tokens or timing.
     def complete(self, prompts, *, progress=False, **options) -> list[Completion]:

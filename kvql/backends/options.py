@@ -23,7 +23,7 @@ CACHE_SALT_MAX = 256
 JSON_SPACING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """llguidance's JSON options for the JSON kvql's constraints produce: written as `json.dumps` writes it. A
 grammar built above the engine that embeds a schema (`%json`) carries them as its `x-guidance`; the engine
-has its twin, `kvql.engine.grammar.JSON_SPACING` (it imports nothing of the contract)."""
+has its twin, `kvql.engine.decode.grammar.JSON_SPACING` (it imports nothing of the contract)."""
 
 
 @dataclass(frozen=True)

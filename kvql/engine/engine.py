@@ -62,16 +62,17 @@ import weakref
 
 import torch  # noqa: F401 -- before the atexit registration below, so that ours runs before torch's
 
-from .drafts import Drafter
-from .kv_pool import KVPool
-from .memory import Memory
-from .model_runner import ModelRunner
-from .radix_cache import RadixCache
+from .decode.drafts import Drafter
+from .cache.kv_pool import KVPool
+from .cache.memory import Memory
+from .model.model_runner import ModelRunner
+from .cache.radix_cache import RadixCache
 from .request import Request, RequestGroup, SamplingParams
 from .outputs import Outputs
-from .persistence import Persistence
+from .cache.persistence import Persistence
 from .scheduler import Scheduler
-from . import admission, model_runner, openmp
+from .model import admission, model_runner
+from . import openmp
 
 
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()

@@ -19,7 +19,7 @@ import traceback
 import torch
 
 from .request import Request, RequestGroup, State
-from .sampler import draw_forced, forced_logprob, forced_token, sample, token_logprobs
+from .decode.sampler import draw_forced, forced_logprob, forced_token, sample, token_logprobs
 from .scheduler import Scheduler
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from ..completion import Completion, TokenLogprob
-from .detokenizer import Detokenizer
+from .decode.detokenizer import Detokenizer
 
 MaskFn = Callable[[list[int]], "torch.Tensor | None"]
 """Called with a sequence's generated token ids so far; returns a bool tensor `[vocab]` of allowed
@@ -49,7 +49,7 @@ class SamplingParams:
     stop_fn: StopFn | None = None
     masked_logprobs: bool = False  # logprobs of the masked distribution (beam search) instead of the raw one
     ignore_eos: bool = False
-    healing: object = None  # token healing (kvql.engine.healing.Healing): its text starts the output, not `text`
+    healing: object = None  # token healing (kvql.engine.decode.healing.Healing): its text starts the output, not `text`
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from .drafts import Drafter
-from .memory import Memory
-from .sampler import GREEDY_BELOW
+from .decode.drafts import Drafter
+from .cache.memory import Memory
+from .decode.sampler import GREEDY_BELOW
 from .segment import Segment
-from .radix_cache import common_prefix_len
+from .cache.radix_cache import common_prefix_len
 from .request import Request, State
 
 

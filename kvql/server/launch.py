@@ -8,7 +8,7 @@ thread of their own, so a slow reader of stderr never stalls the server.
 SIGINT/SIGTERM: stop accepting, let in-flight requests finish for `--shutdown-timeout` seconds, then
 cancel them (a second signal cancels them at once): a non-streaming one is answered 503, a stream ends
 with an error event and `[DONE]`; the engine stops (with `--disk-cache`, what only memory holds is written
-there then: kvql.engine.persistence) and the process exits 0.
+there then: kvql.engine.cache.persistence) and the process exits 0.
 """
 
 from __future__ import annotations

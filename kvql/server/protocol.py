@@ -10,7 +10,7 @@ Constraint fields accepted, named as vLLM and SGLang users know them:
 - vLLM: `structured_outputs: {"regex" | "choice" | "json" | "grammar": ...}`; chat `response_format`
   (`{"type": "json_schema", "json_schema": {"schema": ...}}` or `{"type": "json_object"}`);
 - SGLang: top-level `regex`, `json_schema`.
-vLLM's other fields, with vLLM 0.32's meaning: `min_tokens` (kvql.engine.masks), `ignore_eos`,
+vLLM's other fields, with vLLM 0.32's meaning: `min_tokens` (kvql.engine.decode.masks), `ignore_eos`,
 `return_token_ids` (also streamed: each chunk's new ids; `prompt_token_ids` in the first),
 `return_tokens_as_token_ids`, `prompt_logprobs` (logprobs.py), and on /v1/completions `echo` with
 `logprobs` (the prompt's log-probabilities first) and `max_tokens: 0` with `echo` (the prompt scored,
@@ -30,7 +30,7 @@ Fields the `openai` client, LangChain and LiteLLM send, with OpenAI's meaning: `
 `user`, `metadata`, `store`, `service_tier` change nothing and are accepted unused (`ACCEPTED_UNUSED`);
 completions' `best_of` only equal to `n`, `suffix` only empty. `logit_bias` (token id -> bias in [-100, 100]): kvql has no additive logit
 bias, so only the two values OpenAI documents as absolute are taken, implemented exactly as a mask
-(kvql.engine.masks): -100 bans the token, 100 restricts sampling to the tokens given 100; `{}` is no bias; any
+(kvql.engine.decode.masks): -100 bans the token, 100 restricts sampling to the tokens given 100; `{}` is no bias; any
 other value is a 400 naming the field. `min_p`: kvql's sampler has no min-p filter, and a mask cannot
 express one (it sees ids, not probabilities), so it is taken at 0 / null, or at any value with
 `temperature: 0` (greedy picks the most likely token, which min-p always keeps); else a 400.
@@ -131,7 +131,7 @@ class _Common(_Strict):
     structured_outputs: StructuredOutputs | None = None
     regex: str | None = None
     json_schema: dict | str | None = None
-    # vLLM's names (see kvql.engine.masks and logprobs.py for their meaning)
+    # vLLM's names (see kvql.engine.decode.masks and logprobs.py for their meaning)
     min_tokens: int = Field(default=0, ge=0)  # no EOS, no stop string, before this many generated tokens
     ignore_eos: bool = False
     return_token_ids: bool = False  # each choice also carries its token ids (a stream: each chunk's new ones)

@@ -34,7 +34,7 @@ import torch
 
 from .kv_pool import KVPool
 from .radix_cache import Node, RadixCache
-from .request import Request, State
+from ..request import Request, State
 
 _NEXT = {
     State.WAITING: {State.RUNNING, State.FAILED, State.CANCELLED},

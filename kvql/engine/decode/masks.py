@@ -1,11 +1,11 @@
 """The masks a request's options become: each a `MaskFn` (generated ids -> allowed tokens as a bool
 tensor over the vocabulary, or None for all), composed over the request's constraint (a compiled
-`kvql.engine.grammar.Grammar`'s `mask_fn()`, or the user's own `mask`).
+`kvql.engine.decode.grammar.Grammar`'s `mask_fn()`, or the user's own `mask`).
 
 - `no_end_before(mask, min_tokens, eos_ids, vocab)`: `min_tokens` with vLLM's meaning: while fewer than
   `min_tokens` tokens are generated, the end-of-sequence ids are taken out of what `mask` allows, unless
   that leaves nothing (the constraint allows only the end: its value is complete), where the constraint
-  wins. (Stop strings under `min_tokens`: `kvql.engine.detokenizer`.)
+  wins. (Stop strings under `min_tokens`: `kvql.engine.decode.detokenizer`.)
 - `logit_bias(bias, vocab, mask)`: OpenAI's `logit_bias` where a mask can express it: -100 bans a token,
   100 restricts the choice to the tokens given 100; other values are a ValueError naming the field.
 - `continued(mask, prefix)`: a constraint whose value began `prefix` tokens before the generated ones.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .request import MaskFn
+from ..request import MaskFn
 
 BAN, ONLY = -100.0, 100.0
 

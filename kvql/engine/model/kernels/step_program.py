@@ -1,5 +1,5 @@
 """A decode step's kernel calls bound once and run by one C call (step_program.c): the lean forward's bound
-program (kvql.engine.lean_model) lists each call here with its arguments, and a step runs the list.
+program (kvql.engine.model.lean_model) lists each call here with its arguments, and a step runs the list.
 
 Why: a SmolLM2-135M decode step makes ~450 kernel calls; through ctypes each costs ~2.5 us of argument
 conversion before the kernel starts, ~1.1 ms of a ~12 ms bf16 step, and the residual adds and K/V writes
@@ -15,7 +15,7 @@ heads to its slot: index_copy_ on the pool's slot dim), with torch's arithmetic 
 to nearest even). `run(tail)` calls them in order and raises when a kernel reports an error. The arguments are
 raw pointers: the caller keeps every tensor they point into alive and in place.
 
-Availability: built once per machine (kvql.engine.kernels.build); `available()` is False without a compiler or
+Availability: built once per machine (kvql.engine.model.kernels.build); `available()` is False without a compiler or
 with `KVQL_STEP_PROGRAM=0` (the lean forward then runs its layers as module-level calls).
 """
 

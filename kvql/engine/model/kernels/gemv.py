@@ -2,7 +2,7 @@
 step of one stream runs them; in bfloat16 bit for bit oneDNN's result.
 
 Why: a decode step of one request multiplies one row by every weight of the model; its time is the time
-to read the weights. oneDNN's prepacked GEMM (kvql.engine.cpu_linear) reads them well below the bandwidth
+to read the weights. oneDNN's prepacked GEMM (kvql.engine.model.cpu_linear) reads them well below the bandwidth
 a plain sum reaches and pays a fixed cost per call that small layers feel. Measured over SmolLM2-135M's
 bf16 linear weight set (random, 269 MB, one row, one thread, one run): oneDNN 23.6 GB/s, this kernel 34.0
 GB/s, a torch sum over as many bytes 36.6 GB/s.
@@ -15,7 +15,7 @@ says whether a weight qualifies):
 - `gemv(x [rows, k], packed) -> [rows, n]`: each output computed alone (whatever the rows beside it, the
   threads). bfloat16: bit for bit oneDNN's prepacked bf16 GEMM's for that row (same instruction, same order
   over k: gemv.c), so a layer may switch between the two by batch size without changing any result
-  (tests/test_gemv.py checks it over the models' layer shapes; kvql.engine.cpu_linear checks it again on
+  (tests/test_gemv.py checks it over the models' layer shapes; kvql.engine.model.cpu_linear checks it again on
   each layer's weight before using it). bfloat16 without AVX512_BF16 (`rounds_as_onednn()` False; AVX2 with
   FMA, where oneDNN packs no bf16 weight): weights and inputs widened to float32, one fused multiply-add chain
   per output over k in order, rounded once; it takes any number of rows (`any_rows`), so cpu_linear computes
@@ -28,7 +28,7 @@ says whether a weight qualifies):
 Float32 needs the blocked copy: a row-major fp32 kernel without one measured slower than oneDNN's here (4
 read streams per thread needed for speed, then a chain per output's lanes: 26 vs 32 GB/s on one core).
 
-Availability: built once per machine (kvql.engine.kernels.build). `available(dtype)` is False when there is
+Availability: built once per machine (kvql.engine.model.kernels.build). `available(dtype)` is False when there is
 no compiler, the build fails, the CPU lacks the dtype's instructions (AVX512F or AVX2 with FMA; bf16: AVX512_BF16
 or AVX2 with FMA), or `KVQL_GEMV=0`. The layers then run oneDNN's kernel (or, bf16 without oneDNN's, the plain
 one) at every batch size.

@@ -2,7 +2,7 @@
 
 Why: a batch-24 decode step of SmolLM2-135M runs ~50 small torch ops per layer besides its GEMMs and
 attention (the norm alone is 8: cast, pow, mean, add, rsqrt, mul, cast, mul); each costs 5-35 us on
-tensors of a few thousand elements. These do each group in one call (kvql.engine.fused_layers puts
+tensors of a few thousand elements. These do each group in one call (kvql.engine.model.fused_layers puts
 them in the model's layers).
 
 Contracts (CPU tensors of one dtype, float32 or bfloat16; last dimension contiguous; rows may be strided):
@@ -18,7 +18,7 @@ Each row is computed alone in a fixed order: batch-invariant. RMSNorm and the ac
 rounding, not bit for bit (own reduction order and exp); the model runs them in both the engine and any
 plain forward of the same model object, so kvql's exactness (cached == uncached) is unaffected.
 
-Availability: built once per machine (kvql.engine.kernels.build) with -ffp-contract=off (each product and sum
+Availability: built once per machine (kvql.engine.model.kernels.build) with -ffp-contract=off (each product and sum
 rounded alone, as torch's separate ops); `available()` is False without a compiler, when the build fails,
 or with `KVQL_FUSED_OPS=0`: the layers then keep transformers' own forward.
 """

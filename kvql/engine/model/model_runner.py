@@ -15,7 +15,7 @@ any slot order is valid.
 
 Works for any model on the standard transformers path: attention modules that call
 `cache.update(k, v, layer_idx, ...)` and then the registered attention function; `read_geometry` probes a
-model for it (kvql.engine.admission) and reads each layer's heads, window and soft-cap, which the attention
+model for it (kvql.engine.model.admission) and reads each layer's heads, window and soft-cap, which the attention
 function also receives per call (`sliding_window`, `softcap`, `scaling`) and applies on every path.
 """
 
@@ -32,8 +32,8 @@ from transformers.masking_utils import sdpa_mask
 from .attention_plan import Bucket, Causal, Plan, plan
 from . import admission, cpu_linear, fused_layers, lean_model
 from .kernels import paged_attention
-from .kv_pool import KVPool
-from .segment import Segment
+from ..cache.kv_pool import KVPool
+from ..segment import Segment
 
 ATTENTION = "kvql"
 

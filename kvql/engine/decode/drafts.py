@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import collections
 
-from .radix_cache import Node
+from ..cache.radix_cache import Node
 
 N_MAX, N_MIN = 4, 2
 """Lengths of the suffix n-grams looked up, longest first (one-token matches draft too often wrongly)."""

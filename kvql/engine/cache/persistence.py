@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from . import openmp
+from .. import openmp
 from .autosave import Autosave
 from .disk_tier import FORMAT, DiskTier, Extent, TierUnavailable
 from .fingerprint import fingerprint

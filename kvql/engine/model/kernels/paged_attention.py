@@ -22,7 +22,7 @@ kernel 13.0 ms, ~90 GFLOP/s): the softmax uses its own vectorized exp (the C fil
 (9 heads, 3 KV heads, head dim 64, 300 keys, 2 threads) 105 -> 43 us for a decode step, 696 -> 246 us for 8 new
 tokens, 2.2 -> 0.77 ms for 33, in fp32 and bf16 alike.
 
-Availability: the library is built once per machine (kvql.engine.kernels.build; at -O2 and with
+Availability: the library is built once per machine (kvql.engine.model.kernels.build; at -O2 and with
 -ffp-contract=off, see the C file).
 `available()` is False when there is no compiler, the build fails, or `KVQL_PAGED_ATTENTION=0`; the
 model runner then gathers and calls SDPA as before.

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..completion import TokenLogprob
-from .request import Request
+from ...completion import TokenLogprob
+from ..request import Request
 
 
 def _bools(allowed) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The build of kvql's C kernels (`kvql/engine/kernels/*.c`): once per machine with the system C compiler,
+"""The build of kvql's C kernels (`kvql/engine/model/kernels/*.c`): once per machine with the system C compiler,
 loaded with ctypes.
 
 `load(name, flags)` compiles `<name>.c` (with the headers beside it) into `$KVQL_CACHE_DIR/kernels`
