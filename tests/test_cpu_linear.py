@@ -12,7 +12,7 @@ import torch
 
 import kvql
 from conftest import tiny_model
-from kvql.engine.model import cpu_linear
+from kvql.engine.model import cpu_linear, fused_layers
 from kvql.engine.model.cpu_linear import MAX_REDUCTION, prepare, restore
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.can_pack(), reason="this torch build has no oneDNN")
@@ -138,7 +138,8 @@ def test_the_engine_packs_on_cpu_and_splits_in_reduced_precision_only(tokenizer)
         assert all(layer.mlp.down_proj.kvql_slice == 1536 for layer in fp32.hf_model.model.layers)  # not split
         # every layer packed, but those computed inside a stacked GEMM (fused_layers: q/k/v, gate/up)
         linears = [m for m in fp32.hf_model.modules() if isinstance(m, torch.nn.Linear)]
-        assert all(m.kvql_pack == cpu_linear.can_pack() for m in linears if not getattr(m, "kvql_stacked", False))
+        stacked = {id(m) for m in fused_layers.stacked_parts(fp32.hf_model)}
+        assert all(m.kvql_pack == cpu_linear.can_pack() for m in linears if id(m) not in stacked)
         [c] = bf16.generate("hello", max_tokens=3, ignore_eos=True)
         assert len(c.token_ids) == 3
     finally:

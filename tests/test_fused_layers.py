@@ -217,11 +217,12 @@ def test_engine_prepares_the_model_and_packs_the_stacked_parts_once(tokenizer, m
     hf = tiny_model(tokenizer, "llama", seed=8)
     make_model(hf)
     attn = hf.model.layers[0].self_attn
-    assert isinstance(attn.kvql_qkv, cpu_linear.Stacked)
+    assert isinstance(fused_layers.stacked(attn), cpu_linear.Stacked)
     # the parts run inside the stacked GEMM: no packed copy of their own (memory as before)
     assert type(attn.q_proj) is torch.nn.Linear and type(attn.o_proj) is cpu_linear.Linear
     make_model(hf)  # a second engine on the same model changes nothing
-    assert type(attn.q_proj) is torch.nn.Linear and hf.model.layers[0].self_attn.kvql_qkv is attn.kvql_qkv
+    assert type(attn.q_proj) is torch.nn.Linear and fused_layers.stacked(hf.model.layers[0].self_attn) is \
+        fused_layers.stacked(attn)
 
 
 def test_a_copy_of_a_swapped_model_follows_its_own_weights(tokenizer):
@@ -232,7 +233,7 @@ def test_a_copy_of_a_swapped_model_follows_its_own_weights(tokenizer):
     ids = torch.randint(0, len(tokenizer), (1, 11), generator=torch.Generator().manual_seed(7))
     before = _logits(hf, ids)
     twin = copy.deepcopy(hf)  # (kvql bench copies the engine's model for its baselines)
-    assert twin.model.layers[0].self_attn.kvql_qkv.parts[0] is twin.model.layers[0].self_attn.q_proj
+    assert fused_layers.stacked(twin.model.layers[0].self_attn).parts[0] is twin.model.layers[0].self_attn.q_proj
     assert torch.equal(_logits(twin, ids), before)
     with torch.no_grad():
         twin.model.layers[0].self_attn.q_proj.weight.mul_(-1.0)

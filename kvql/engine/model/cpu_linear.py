@@ -249,7 +249,7 @@ class Stacked:
     bf16). Prepacked where `can_pack(dtype)` (callers check `can_pack()`; else the plain kernel) and sliced for `max_reduction` as
     `Linear`. The packed copy follows the parts: rebuilt when a part's weight or bias is edited in place
     or replaced. Only the packed copy is held (the parts keep their own weights, unpacked: `prepare`
-    leaves layers marked `kvql_stacked` alone). Not a module: the model's state dict is unchanged; a copy
+    leaves the parts alone: `skip`). Not a module: the model's state dict is unchanged; a copy
     or a pickle packs again at its first call."""
 
     def __init__(self, parts: list[torch.nn.Linear], max_reduction: int | None = None):
@@ -284,16 +284,19 @@ class Stacked:
         return out if packs.bias is None else out + packs.bias
 
 
-def prepare(model: torch.nn.Module, max_reduction: int | None = None, pack: bool | None = None) -> int:
+def prepare(model: torch.nn.Module, max_reduction: int | None = None, pack: bool | None = None,
+            skip: list[torch.nn.Module] = ()) -> int:
     """Compute every `nn.Linear` of `model` (exactly that class; subclasses are left alone) from prepacked
     weights (`pack`; default: when `can_pack()`), and, with `max_reduction`, each layer with more inputs
     than that as a sum over slices of at most `max_reduction` inputs (module doc). Returns how many
     layers it set up or changed; calling it again with the same arguments changes nothing. Layers on
-    other devices or in other dtypes keep the plain kernel (still sliced when asked)."""
+    other devices or in other dtypes keep the plain kernel (still sliced when asked). `skip`: layers left as
+    they are (those that run inside a `Stacked`)."""
     pack = can_pack() if pack is None else pack
     changed = 0
+    skipped = {id(m) for m in skip}
     for module in model.modules():
-        if type(module) not in (torch.nn.Linear, Linear) or getattr(module, "kvql_stacked", False):
+        if type(module) not in (torch.nn.Linear, Linear) or id(module) in skipped:
             continue
         n = module.in_features
         step = _step(n, max_reduction)

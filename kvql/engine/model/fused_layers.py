@@ -1,32 +1,31 @@
 """Decoder layers with fewer, larger operations on the CPU: `prepare(model)` swaps, in place, the class
-of each supported attention, MLP and RMSNorm module for a subclass whose forward does the same
-arithmetic in fewer steps:
+of each supported attention, MLP and RMSNorm module for a subclass whose forward runs that module's steps
+(`step`: the one description of what a layer computes, which the lean forward runs and compiles too):
 
-- attention: one GEMM for the q, k and v projections (`cpu_linear.Stacked`), rotary embedding applied in
-  place on its output (`fused_ops.rope_`, bit for bit transformers'), then the model's cache and attention
-  function exactly as transformers' forward calls them; with per-head q/k norms (Qwen3's and Gemma 3's
-  attention), q and k each through `fused_ops.rms_norm` over rows of head_dim (the norm module's own
-  weight, epsilon and form) before the rotary embedding;
-- gated MLP: one GEMM for gate and up, then `fused_ops.gated_mul` (SiLU, or GELU's tanh form: Gemma's),
-  then down;
-- RMSNorm: `fused_ops.rms_norm`, one pass (Llama's `w * x_norm`, or Gemma's `(1 + w) * x_norm`).
+- attention (`attention_steps`): one GEMM for the q, k and v projections (`cpu_linear.Stacked`), with per-head
+  q/k norms (Qwen3's and Gemma 3's attention) each through `fused_ops.rms_norm` over rows of head_dim (the
+  norm module's own weight, epsilon and form), the rotary embedding in place (`fused_ops.rope_`, bit for bit
+  transformers'); then the model's cache and attention function exactly as transformers' forward calls them;
+- gated MLP (`mlp_steps`): one GEMM for gate and up, `fused_ops.gated_mul` (SiLU, or GELU's tanh form:
+  Gemma's), down;
+- RMSNorm (`norm_step`): `fused_ops.rms_norm`, one pass (Llama's `w * x_norm`, or Gemma's `(1 + w) * x_norm`).
 
-Measured (SmolLM2-135M, 2 threads, benchmarks/forward_overhead.py: batch-24 decode step at 330 tokens of
-context, 24-prompt prefill): decode fp32 90 -> 75 ms, bf16 62 -> 53 ms; prefill fp32 672 -> 798 tok/s, bf16
-1,342 -> 1,365 tok/s. Per layer ~50 torch ops become ~15, and q/k/v's three narrow GEMMs one.
+Why: per layer ~50 torch ops become ~15, and q/k/v's three narrow GEMMs one (docs/benchmarks.md,
+forward_overhead). Nothing of kvql's hangs off transformers' modules: the stacked GEMMs live in a table keyed
+by module (`stacked`); the swapped classes are kvql's own subclasses (`kvql_original`, `kvql_max_reduction`).
 
 Where it applies, by structure rather than by name: a module whose class's forward is the same function as
-that of Llama's, Qwen2's or Mistral's attention, Llama's MLP, or Llama's or Gemma's RMSNorm (`same_function`: the same bytecode,
-constants and names, and every global it calls the same function in turn: transformers' modular copies
-are; a copy that calls another `apply_rotary_pos_emb`, GLM's partial rotary, is not). Which modules of
-each family it swaps: the README's family table (scripts/family_table.py counts them). Not (their own
-forward runs): attention with q/k norms over the whole projection (OLMo 2), soft-capping or partial rotary, MLPs
-with another activation (exact GELU: the kernels have no erf). Also: sizes that are multiples of 16, on a CPU in float32 or bfloat16 with the
-kernels built and oneDNN's packed GEMM (`cpu_linear.can_pack()`). Any call that is not that case (another
-device or dtype, autograd recording, training mode, batch rows whose positions do not line up) runs
-transformers' own forward of the original class, unchanged. The swapped model is the same object: its
-state dict, its parameters and any plain forward of it (the engine's uncached reference included) go
-through the same layers, so the engine's exactness contract (cached == uncached) holds as before.
+that of Llama's, Qwen2's or Mistral's attention, Llama's MLP, or Llama's or Gemma's RMSNorm (`same_function`:
+the same bytecode, constants and names, and every global it calls the same function in turn: transformers'
+modular copies are; a copy that calls another `apply_rotary_pos_emb`, GLM's partial rotary, is not). Which
+modules of each family it swaps: the README's family table (scripts/family_table.py counts them). Not (their
+own forward runs): attention with q/k norms over the whole projection (OLMo 2), soft-capping or partial rotary,
+MLPs with another activation (exact GELU: the kernels have no erf). Also: sizes that are multiples of 16, on a
+CPU in float32 or bfloat16 with the kernels built and oneDNN's packed GEMM (`cpu_linear.can_pack()`). Any call
+that is not that case (another device or dtype, autograd recording, training mode, batch rows whose positions
+do not line up) runs transformers' own forward of the original class, unchanged. The swapped model is the same
+object: its state dict, its parameters and any plain forward of it (the engine's uncached reference included)
+go through the same layers, so the engine's exactness contract (cached == uncached) holds as before.
 `restore(model)` swaps the original classes back.
 """
 
@@ -35,12 +34,15 @@ from __future__ import annotations
 import inspect
 import sys
 import types
+import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import cpu_linear
+from . import cpu_linear, step
 from .kernels import fused_ops
+
 
 def _references():
     """kind -> [(reference class, the extra keywords its forward passes the attention function)]."""
@@ -141,23 +143,100 @@ def _plain(x: torch.Tensor, module: torch.nn.Module) -> bool:
             or (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))))
 
 
-class _Norm:
-    def forward(self, hidden_states):
-        if _plain(hidden_states, self) or self.weight.dtype != hidden_states.dtype or not hidden_states.is_contiguous():
-            return super().forward(hidden_states)
-        plus_one = kind(self.kvql_original)[1]
-        return fused_ops.rms_norm(hidden_states, self.weight, self.eps if plus_one else self.variance_epsilon, plus_one)
+def original(module: torch.nn.Module) -> type:
+    """The transformers class of `module` (the class `prepare` swapped out, or its own)."""
+    return getattr(type(module), "kvql_original", type(module))
+
+
+def norm_step(norm: torch.nn.Module, src: str, dst: str) -> step.Norm:
+    """An RMSNorm module `kind` knows, as a step: its weight, epsilon and form read now."""
+    plus_one = kind(original(norm))[1]
+    return step.Norm(src, dst, norm.weight.shape[0], norm.weight, norm.eps if plus_one else norm.variance_epsilon,
+                     plus_one)
+
+
+@dataclass(frozen=True)
+class AttentionSteps:
+    """A swapped attention module's steps from its input buffer to q, k and v: the stacked q/k/v GEMM, the
+    per-head q/k norms where the attention has them, the rotary embedding in place; `q`, `k`, `v` the
+    columns holding them after `project` ran (k and v of `kv_heads` heads, q of `heads`)."""
+    project: list
+    q: step.Cols
+    k: step.Cols
+    v: step.Cols
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def attention_steps(attn: torch.nn.Module, src: str) -> AttentionSteps:
+    """`attn`'s steps (a module `prepare` swapped as an attention) reading buffer `src` (module doc)."""
+    d = attn.head_dim
+    heads, kv = attn.config.num_attention_heads, attn.config.num_key_value_heads
+    project = [step.Gemm(src, "qkv", (heads + 2 * kv) * d, stacked(attn))]
+    if kind(original(attn))[0] == "attention_qk_norm":
+        project += [step.HeadNorm(step.Cols("qkv", 0, heads * d), "q", heads, d, norm_step(attn.q_norm, "", "")),
+                    step.HeadNorm(step.Cols("qkv", heads * d, kv * d), "k", kv, d, norm_step(attn.k_norm, "", "")),
+                    step.Rope("q", heads, d), step.Rope("k", kv, d)]
+        q, k = step.Cols("q", 0, heads * d), step.Cols("k", 0, kv * d)
+    else:  # q and k rotated in place in the GEMM's output
+        project.append(step.Rope("qkv", heads + kv, d))
+        q, k = step.Cols("qkv", 0, heads * d), step.Cols("qkv", heads * d, kv * d)
+    return AttentionSteps(project, q, k, step.Cols("qkv", (heads + kv) * d, kv * d), heads, kv, d)
+
+
+def mlp_steps(mlp: torch.nn.Module, src: str, dst: str) -> list:
+    """A swapped gated MLP's steps: the stacked gate/up GEMM, the gated activation, down."""
+    n = mlp.gate_proj.out_features
+    return [step.Gemm(src, "gate_up", 2 * n, stacked(mlp)), step.GatedAct("gate_up", "act", n, _activation(mlp)),
+            step.Gemm("act", dst, mlp.down_proj.out_features, mlp.down_proj)]
 
 
 # activation module classes -> fused_ops.ACTIVATIONS (GELUTanh: gelu_pytorch_tanh; NewGELU: gelu_new, the same formula)
 ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh"}
 
 
+def _activation(mlp: torch.nn.Module) -> str:
+    return ACTIVATIONS[type(mlp.act_fn).__name__]
+
+
+_PARTS = {"attention": ("q_proj", "k_proj", "v_proj"), "attention_qk_norm": ("q_proj", "k_proj", "v_proj"),
+          "mlp": ("gate_proj", "up_proj")}
+_STACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def stacked(module: torch.nn.Module) -> cpu_linear.Stacked:
+    """The one GEMM of a swapped attention's q/k/v or MLP's gate/up projections, held here rather than on the
+    module (transformers' modules carry nothing of kvql's). A copy of a swapped model (`copy.deepcopy`) gets
+    its own at its first call, over its own parts, sliced as its class says (`prepare`)."""
+    s = _STACKED.get(module)
+    if s is None:
+        parts = [getattr(module, name) for name in _PARTS[kind(original(module))[0]]]
+        s = _STACKED[module] = cpu_linear.Stacked(parts, type(module).kvql_max_reduction)
+    return s
+
+
+def stacked_parts(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The linear layers of `model` that run inside a `stacked` GEMM (`cpu_linear.prepare` leaves them plain:
+    the stacked copy is the only packed one)."""
+    return [getattr(m, name) for m in model.modules() if hasattr(type(m), "kvql_original")
+            for name in _PARTS.get(kind(type(m).kvql_original)[0], ())]
+
+
+class _Norm:
+    def forward(self, hidden_states):
+        if _plain(hidden_states, self) or self.weight.dtype != hidden_states.dtype or not hidden_states.is_contiguous():
+            return super().forward(hidden_states)
+        return norm_step(self, "", "").apply(hidden_states)
+
+
 class _MLP:
     def forward(self, x):
         if _plain(x, self):
             return super().forward(x)
-        return self.down_proj(fused_ops.gated_mul(self.kvql_gate_up(x), ACTIVATIONS[type(self.act_fn).__name__]))
+        env = step.Env()
+        env["x"] = x
+        return step.run(mlp_steps(self, "x", "out"), env)["out"]
 
 
 class _Attention:
@@ -167,115 +246,86 @@ class _Attention:
         if (_plain(hidden_states, self) or cos is None or cos.shape[:-1] != shape or cos.dtype != hidden_states.dtype
                 or not cos.is_contiguous() or not sin.is_contiguous() or not self._kvql_fits(hidden_states)):
             return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
-        d = self.head_dim
-        heads, kv = self.config.num_attention_heads, self.config.num_key_value_heads
-        qkv = self.kvql_qkv(hidden_states.reshape(-1, hidden_states.shape[-1]))
-        q, k = self._kvql_rotated(qkv, cos.reshape(-1, d), sin.reshape(-1, d), heads, kv, d)
-        q, k, v = (x.view(*shape, -1, d).transpose(1, 2) for x in (q, k, qkv[:, (heads + kv) * d:]))
+        steps = attention_steps(self, "h")
+        d = steps.head_dim
+        env = step.Env()
+        env["h"] = hidden_states.reshape(-1, hidden_states.shape[-1])
+        env.cos, env.sin = cos.reshape(-1, d), sin.reshape(-1, d)
+        step.run(steps.project, env)
+        q, k, v = (env.cols(c).view(*shape, -1, d).transpose(1, 2) for c in (steps.q, steps.k, steps.v))
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-        original = self.kvql_original
+        original_class = self.kvql_original
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, sys.modules[original.__module__].eager_attention_forward)
+            self.config._attn_implementation, sys.modules[original_class.__module__].eager_attention_forward)
         out, weights = interface(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
-                                 **kind(original)[1](self), **kwargs)
+                                 **kind(original_class)[1](self), **kwargs)
         return self.o_proj(out.reshape(*shape, -1).contiguous()), weights
 
     def _kvql_fits(self, x) -> bool:
         return True
-
-    def _kvql_rotated(self, qkv, cos, sin, heads, kv, d):
-        """q and k (views of `qkv`), rotated in place."""
-        fused_ops.rope_(qkv, cos, sin, heads + kv, d)
-        return qkv[:, :heads * d], qkv[:, heads * d:(heads + kv) * d]
 
 
 class _QKNormAttention(_Attention):
     def _kvql_fits(self, x) -> bool:
         return self.q_norm.weight.dtype == x.dtype and self.k_norm.weight.dtype == x.dtype
 
-    def _kvql_rotated(self, qkv, cos, sin, heads, kv, d):
-        """q and k normalized per head (new rows), then rotated in place: as transformers' forward orders them."""
-        t = qkv.shape[0]
-        q = _head_norm(self.q_norm, qkv[:, :heads * d].reshape(t * heads, d)).view(t, heads * d)
-        k = _head_norm(self.k_norm, qkv[:, heads * d:(heads + kv) * d].reshape(t * kv, d)).view(t, kv * d)
-        fused_ops.rope_(q, cos, sin, heads, d)
-        fused_ops.rope_(k, cos, sin, kv, d)
-        return q, k
+
+_SWAPS: dict[tuple, type] = {}
 
 
-def _head_norm(norm: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
-    """`norm` (an RMSNorm `kind` knows) over each row of `rows`, by `fused_ops.rms_norm`."""
-    plus_one = kind(getattr(type(norm), "kvql_original", type(norm)))[1]
-    return fused_ops.rms_norm(rows, norm.weight, norm.eps if plus_one else norm.variance_epsilon, plus_one)
-
-
-_SWAPS: dict[type, type] = {}
-
-
-def _swap(module: torch.nn.Module, mixin: type) -> None:
-    original = type(module)
-    if original not in _SWAPS:
-        _SWAPS[original] = type(f"Kvql{original.__name__}", (mixin, original), {"kvql_original": original})
-    module.__class__ = _SWAPS[original]
+def _swap(module: torch.nn.Module, mixin: type, max_reduction: int | None) -> None:
+    cls = original(module)
+    key = (cls, max_reduction)
+    if key not in _SWAPS:
+        _SWAPS[key] = type(f"Kvql{cls.__name__}", (mixin, cls),
+                           {"kvql_original": cls, "kvql_max_reduction": max_reduction})
+    module.__class__ = _SWAPS[key]
 
 
 def prepare(model: torch.nn.Module, max_reduction: int | None = None) -> int:
     """Swap the supported modules of `model` (module doc); returns how many. Nothing when the kernels or
-    oneDNN's packed GEMM are unavailable. Calling it again changes nothing."""
+    oneDNN's packed GEMM are unavailable. Calling it again changes nothing but the GEMMs' slicing, when a
+    `max_reduction` other than the last one's is asked."""
     if not (cpu_linear.can_pack() and fused_ops.available()):
         return 0
     swapped = 0
     for module in model.modules():
-        for attr in ("kvql_qkv", "kvql_gate_up"):  # swapped before: its GEMMs sliced as now asked
-            stacked = module.__dict__.get(attr)
-            if stacked is not None and stacked.max_reduction != max_reduction:
-                setattr(module, attr, cpu_linear.Stacked(stacked.parts, max_reduction))
-        if hasattr(type(module), "kvql_original") or _kernelized(module):
+        if hasattr(type(module), "kvql_original"):
+            if type(module).kvql_max_reduction != max_reduction:  # its GEMMs sliced as now asked
+                _swap(module, type(module).__mro__[1], max_reduction)
+                _STACKED.pop(module, None)
+            continue
+        if _kernelized(module):
             continue
         what = kind(type(module))[0]
         if what == "norm" and module.weight.shape[0] % 16 == 0:
-            _swap(module, _Norm)
-        elif what == "mlp" and type(module.act_fn).__name__ in ACTIVATIONS \
-                and module.gate_proj.out_features % 16 == 0:
-            module.kvql_gate_up = cpu_linear.Stacked([module.gate_proj, module.up_proj], max_reduction)
-            _stack(module.gate_proj, module.up_proj)
-            _swap(module, _MLP)
+            mixin = _Norm
+        elif what == "mlp" and type(module.act_fn).__name__ in ACTIVATIONS and module.gate_proj.out_features % 16 == 0:
+            mixin = _MLP
         elif what == "attention" and module.head_dim % 2 == 0:
-            module.kvql_qkv = cpu_linear.Stacked([module.q_proj, module.k_proj, module.v_proj], max_reduction)
-            _stack(module.q_proj, module.k_proj, module.v_proj)
-            _swap(module, _Attention)
+            mixin = _Attention
         elif what == "attention_qk_norm" and module.head_dim % 16 == 0 and all(
-                kind(getattr(type(n), "kvql_original", type(n)))[0] == "norm" for n in (module.q_norm, module.k_norm)):
-            module.kvql_qkv = cpu_linear.Stacked([module.q_proj, module.k_proj, module.v_proj], max_reduction)
-            _stack(module.q_proj, module.k_proj, module.v_proj)
-            _swap(module, _QKNormAttention)
+                kind(original(n))[0] == "norm" for n in (module.q_norm, module.k_norm)):
+            mixin = _QKNormAttention
         else:
             continue
+        _swap(module, mixin, max_reduction)
+        if mixin in (_MLP, _Attention, _QKNormAttention):
+            for part in (getattr(module, name) for name in _PARTS[what]):
+                if isinstance(part, cpu_linear.Linear):  # packed before on its own: plain again
+                    cpu_linear.restore(part)
+            stacked(module)  # packed now, not at the first call
         swapped += 1
     return swapped
-
-
-def _stack(*parts: torch.nn.Linear) -> None:
-    """The parts now run inside a `Stacked`: plain layers again (no packed copy of their own)."""
-    for p in parts:
-        if isinstance(p, cpu_linear.Linear):
-            cpu_linear.restore(p)
-        p.kvql_stacked = True
 
 
 def restore(model: torch.nn.Module) -> int:
     """Undo `prepare`: the original classes back, the stacked GEMMs dropped. Returns how many modules."""
     restored = 0
     for module in model.modules():
-        original = getattr(type(module), "kvql_original", None)
-        if original is None:
-            continue
-        module.__class__ = original
-        for name in ("kvql_qkv", "kvql_gate_up"):
-            module.__dict__.pop(name, None)
-        for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-            if hasattr(module, part):
-                getattr(module, part).__dict__.pop("kvql_stacked", None)
-        restored += 1
+        if hasattr(type(module), "kvql_original"):
+            module.__class__ = type(module).kvql_original
+            _STACKED.pop(module, None)
+            restored += 1
     return restored

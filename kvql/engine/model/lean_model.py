@@ -1,11 +1,12 @@
-"""Lean forward: a model's forward over the KV pool, layer by layer, without transformers' module calls; the same
-kernels on the same tensors, so its logits equal the model's own forward's bit for bit.
+"""Lean forward: a model's forward over the KV pool as its step description (`step`), run layer by layer without
+transformers' module calls, or compiled into one C step program for a few rows; the same kernels on the same
+tensors as the swapped modules' forward (which runs the same steps), so its logits equal the model's own
+forward's bit for bit.
 
-Why: a decode step of one stream is a few hundred small calls around its GEMMs. Through transformers each layer
-costs ~8 module calls (`nn.Module.__call__`, decorators, keyword plumbing), the attention interface lookup and
-kvql's cache object besides the kernels' own wrappers: measured on SmolLM2-135M (fp32, 2 threads, batch-1
-decode), ~17 ms of a ~40 ms step was not the GEMMs. The model runner calls `LeanModel.forward` instead of the
-model wherever it applies (`build`), and the model's own forward everywhere else.
+Why: a decode step of one stream is a few hundred small calls around its GEMMs; through transformers each layer
+adds module calls, decorators, keyword plumbing, the attention interface lookup and kvql's cache object, which
+cost a batch-1 step nearly as much as its GEMMs (docs/benchmarks.md, forward_overhead). The model runner calls
+`LeanModel.forward` instead of the model wherever it applies (`build`), and the model's own forward elsewhere.
 
 Where it applies, by structure (`build` returns None otherwise), two of them:
 - Llama's: the causal LM's and base model's forwards the same functions (`fused_layers.same_function`) as
@@ -13,27 +14,28 @@ Where it applies, by structure (`build` returns None otherwise), two of them:
 - Gemma 3's: the causal LM's, base model's, decoder layers', rotary embedding's and scaled embedding's forwards
   Gemma 3's (text), attention causal (not `use_bidirectional_attention`);
 and in both every attention, MLP and RMSNorm of the layers and the final norm one that `fused_layers.prepare`
-swapped, and no module with a hook. What the forward computes, in the order transformers computes it: the
-embedding (Gemma 3: times its scale); cos/sin from the rotary module (Gemma 3: per layer type); per layer the
-input RMSNorm, the stacked q/k/v GEMM (its bias), the q/k norms per head where the attention has them, rotary
-in place, K/V written to the pool slots, paged attention (`kernels.paged_attention`, the layer's scaling and
-window), `o_proj` (Gemma 3: its post-attention norm), the residual sum, the MLP's norm, the stacked gate/up
-GEMM, the gated activation, `down_proj` (Gemma 3: its post-feedforward norm), the residual sum; the final norm;
-`lm_head` over the rows asked for (Gemma 3: the final logit soft-cap where the config has one).
+swapped, and no module with a hook. The description (`_describe_layer`): the embedding (Gemma 3: times its
+scale) and cos/sin from the rotary module (Gemma 3: per layer type) outside the layers; per layer the steps
+in the order transformers computes them; the final norm; `lm_head` over the rows asked for (Gemma 3: the final
+logit soft-cap where the config has one).
 
 Contract: `forward(ids [T], positions [T], write_slots [T], plan, rows)` on a CPU in float32 or bfloat16 with a
 paged plan (`Plan.paged`), under inference mode: float32 logits `[len(rows), vocab]`, the pool written exactly as
 the model's own forward writes it. `usable(dtype)` says whether a call in that dtype may take it (the swapped
-modules' own condition: weights of that dtype). The model's parts are read once, when it is built: weights edited
-in place are followed (the bound programs are built again when a GEMM's weight or bias changes:
-`cpu_linear.unchanged`, checked each step), other parameters replaced by other tensors are not (an engine's model is not converted or reloaded while it runs).
+modules' own condition: weights of that dtype). The model's parts are read once, when it is described: weights
+edited in place are followed (the bound programs are built again when a GEMM's weight or bias changes:
+`cpu_linear.unchanged`, checked each step), other parameters replaced by other tensors are not (an engine's
+model is not converted or reloaded while it runs).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 
-from . import cpu_linear, fused_layers
+from . import cpu_linear, fused_layers, step
 from .kernels import fused_ops, gemv, paged_attention, step_program
 
 
@@ -67,39 +69,36 @@ def _swapped(module, *what: str) -> bool:
     return original is not None and fused_layers.kind(original)[0] in what
 
 
-class _Norm:
-    """An RMSNorm module's weight, epsilon and form (`plus_one`: Gemma's `(1 + w)`), as its swapped forward uses."""
-
-    def __init__(self, norm):
-        self.weight = norm.weight
-        self.plus_one = fused_layers.kind(type(norm).kvql_original)[1]
-        self.eps = norm.eps if self.plus_one else norm.variance_epsilon
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_ops.rms_norm(x, self.weight, self.eps, self.plus_one)
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer as steps (`step`), in the order transformers computes it, reading and updating the
+    residual stream `x`; `layer_type` selects its rotation (Gemma 3's rotary embedding per layer type; None:
+    one for all layers)."""
+    steps: list
+    layer_type: str | None
 
 
-class _Layer:
-    """One decoder layer's parts, read once (module doc). `post_attention` / `post_mlp`: Gemma 3's norms of the
-    attention's and the MLP's outputs (None: Llama's)."""
-
-    def __init__(self, layer, gemma: bool):
-        attn, mlp = layer.self_attn, layer.mlp
-        self.attn = attn
-        self.norm_in = _Norm(layer.input_layernorm)
-        self.post_attention = _Norm(layer.post_attention_layernorm) if gemma else None
-        self.norm_mlp = _Norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm)
-        self.post_mlp = _Norm(layer.post_feedforward_layernorm) if gemma else None
-        self.qk_norms = (_Norm(attn.q_norm), _Norm(attn.k_norm)) if _swapped(attn, "attention_qk_norm") else None
-        self.layer_type = getattr(attn, "layer_type", None) if gemma else None
-        self.qkv, self.o_proj = attn.kvql_qkv, attn.o_proj
-        self.index = attn.layer_idx
-        self.heads, self.kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
-        self.head_dim = attn.head_dim
-        self.scaling = attn.scaling or self.head_dim ** -0.5
-        self.window = fused_layers.kind(attn.kvql_original)[1](attn).get("sliding_window")
-        self.gate_up, self.down_proj = mlp.kvql_gate_up, mlp.down_proj
-        self.act = fused_layers.ACTIVATIONS[type(mlp.act_fn).__name__]
+def _describe_layer(layer, gemma: bool) -> Layer:
+    """The input norm, the attention's projection (`fused_layers.attention_steps`), K/V written to the pool,
+    paged attention, `o_proj` (Gemma 3: its post-attention norm), the residual sum; the MLP's norm, the MLP
+    (`fused_layers.mlp_steps`; Gemma 3: its post-feedforward norm), the residual sum."""
+    attn, norm = layer.self_attn, fused_layers.norm_step
+    a = fused_layers.attention_steps(attn, "h")
+    window = fused_layers.kind(attn.kvql_original)[1](attn).get("sliding_window")
+    index, hidden = attn.layer_idx, attn.o_proj.out_features
+    steps = [norm(layer.input_layernorm, "x", "h"), *a.project,
+             step.WriteKV(a.k, a.v, index, a.kv_heads, a.head_dim),
+             step.Attend(a.q, "att", index, a.heads, a.kv_heads, a.head_dim, attn.scaling or a.head_dim ** -0.5,
+                         window),
+             step.Gemm("att", "o", hidden, attn.o_proj)]
+    if gemma:
+        steps += [norm(layer.post_attention_layernorm, "o", "o_norm"), step.Add("x", "o_norm"),
+                  norm(layer.pre_feedforward_layernorm, "x", "h"), *fused_layers.mlp_steps(layer.mlp, "h", "m"),
+                  norm(layer.post_feedforward_layernorm, "m", "m_norm"), step.Add("x", "m_norm")]
+    else:
+        steps += [step.Add("x", "o"), norm(layer.post_attention_layernorm, "x", "h"),
+                  *fused_layers.mlp_steps(layer.mlp, "h", "m"), step.Add("x", "m")]
+    return Layer(steps, getattr(attn, "layer_type", None) if gemma else None)
 
 
 _UNBUILT = object()
@@ -110,11 +109,13 @@ class LeanModel:
         base = hf_model.model
         dtypes = {p.dtype for p in hf_model.parameters()}
         self.dtype = dtypes.pop() if len(dtypes) == 1 else None  # an engine's model is not converted while it runs
-        self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, _Norm(base.norm)
+        self.embed, self.rotary = base.embed_tokens, base.rotary_emb
         self.embed_scale = base.embed_tokens.embed_scale if gemma else None
         self.softcap = getattr(hf_model.config, "final_logit_softcapping", None) if gemma else None
         self.lm_head = hf_model.lm_head
-        self.layers = [_Layer(layer, gemma) for layer in base.layers[:base.config.num_hidden_layers]]
+        self.layers = [_describe_layer(layer, gemma) for layer in base.layers[:base.config.num_hidden_layers]]
+        self.final = fused_layers.norm_step(base.norm, "x", "h")
+        self.head_dim = base.layers[0].self_attn.head_dim
         self.layer_types = sorted({layer.layer_type for layer in self.layers}, key=str)
         self._programs: dict[int, _Program | None] = {}
 
@@ -153,154 +154,152 @@ class LeanModel:
                 program = self._programs[t] = _Program.build(self, t, pool, threads)
             if program is not None:
                 return program.run(ids, positions, write_slots, plan.paged, rows)
-        x = self.embedding(ids)
-        rotations = self.rotations(x, positions)
+        env = step.Env(pool, write_slots, plan.paged)
+        env["x"] = self.embedding(ids)
+        rotations = self.rotations(env["x"], positions)
         for layer in self.layers:
-            a = self._attention(layer, layer.norm_in(x), *rotations[layer.layer_type], pool.k[layer.index],
-                                pool.v[layer.index], write_slots, plan.paged)
-            x = x + (a if layer.post_attention is None else layer.post_attention(a))
-            m = layer.down_proj.forward(fused_ops.gated_mul(layer.gate_up(layer.norm_mlp(x)), layer.act))
-            x = x + (m if layer.post_mlp is None else layer.post_mlp(m))
-        return self.logits(self.norm(x).index_select(0, rows))
-
-    @staticmethod
-    def _attention(layer: _Layer, h, cos, sin, k_pool, v_pool, write_slots, segs) -> torch.Tensor:
-        t, d, heads, kv = h.shape[0], layer.head_dim, layer.heads, layer.kv_heads
-        qkv = layer.qkv(h)
-        q, k = layer.attn._kvql_rotated(qkv, cos, sin, heads, kv, d)  # the swapped module's own steps
-        k_pool.index_copy_(1, write_slots, k.view(t, kv, d).transpose(0, 1))
-        v_pool.index_copy_(1, write_slots, qkv[:, (heads + kv) * d:].view(t, kv, d).transpose(0, 1))
-        out = qkv.new_empty(t, heads, d)
-        paged_attention.attend(q.view(t, heads, d).transpose(0, 1), k_pool, v_pool, out, segs, layer.scaling,
-                               layer.window, None)
-        return layer.o_proj.forward(out.view(t, heads * d))
+            env.cos, env.sin = rotations[layer.layer_type]
+            step.run(layer.steps, env)
+        self.final.run(env)
+        return self.logits(env["h"].index_select(0, rows))
 
 
-def _gemm_parts(linear) -> tuple[list, torch.Tensor | None, object] | None:
-    """`(slices, bias, packs)` of a `cpu_linear.Linear` or `Stacked` whose every reduction slice has gemv's blocked
-    copy (what `_matmul` runs for a few rows), or None."""
+class _Gemm(NamedTuple):
+    """What `cpu_linear._matmul` runs for a few rows of a `Linear` or `Stacked`: its reduction slices (each with
+    gemv's blocked copy), its bias, and the packed set they came from (`current` checks it)."""
+    slices: list
+    bias: torch.Tensor | None
+    packs: object
+
+
+def _gemm_parts(linear) -> _Gemm | None:
+    """A `cpu_linear.Linear` or `Stacked`'s `_Gemm`, or None where a slice has no blocked copy."""
     if not isinstance(linear, (cpu_linear.Linear, cpu_linear.Stacked)):
         return None
     packs = linear.current_packs()
     if not packs.slices or any(blocked is None for _, _, blocked in packs.slices):
         return None
-    return packs.slices, packs.bias if isinstance(linear, cpu_linear.Stacked) else linear.bias, packs
+    return _Gemm(packs.slices, packs.bias if isinstance(linear, cpu_linear.Stacked) else linear.bias, packs)
 
 
 class _Program:
-    """A decode step of `rows` (<= `cpu_linear.gemv_rows`) tokens as the same kernels called directly with their arguments
-    bound once: every GEMM through gemv's blocked copies (as `cpu_linear._matmul` runs a few rows), intermediate
-    rows in this program's buffers (the residual stream, norms, q/k/v, attention, MLP rows), the list run by one C
-    call (`kernels/step_program.py`) instead of ~40 Python calls and allocations per layer. The same operations in
-    the same order as the module-level forward: the same results bit for bit. `current(threads)` is False once a weight changed or the
-    thread count did (the program is built again)."""
+    """A decode step of `rows` (<= `cpu_linear.gemv_rows`) tokens compiled from the lean model's steps: each step
+    becomes the C calls of the kernels its `run` calls, with their arguments bound once (every GEMM through gemv's
+    blocked copies, as `cpu_linear._matmul` runs a few rows), intermediate rows in this program's buffers (one
+    per name and width, reused by every layer), the list run by one C call (`kernels/step_program.py`) instead
+    of ~40 Python calls and allocations per layer. The same operations in the same order as the steps' `run`:
+    the same results bit for bit. `current(threads)` is False once a weight changed or the thread count did (the
+    program is built again)."""
 
     @classmethod
     def build(cls, lean: LeanModel, rows: int, pool, threads: int) -> _Program | None:
-        linears = [x for layer in lean.layers for x in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)]
-        parts = [_gemm_parts(x) for x in linears]
-        if any(p is None for p in parts) or rows > gemv.max_rows() or not step_program.available():
+        gemms = {id(s): _gemm_parts(s.linear) for layer in lean.layers for s in layer.steps
+                 if isinstance(s, step.Gemm)}
+        if any(g is None for g in gemms.values()) or rows > gemv.max_rows() or not step_program.available():
             return None
-        return cls(lean, rows, pool, threads, parts)
+        return cls(lean, rows, pool, threads, gemms)
 
-    def __init__(self, lean: LeanModel, rows: int, pool, threads: int, parts: list):
-        self.lean, self.rows, self.threads = lean, rows, threads
-        self.sources = [p[2].source for p in parts]  # what the packed copies were made from
+    def __init__(self, lean: LeanModel, rows: int, pool, threads: int, gemms: dict):
+        self.lean, self.rows, self.threads, self.pool, self.gemms = lean, rows, threads, pool, gemms
+        self.sources = [g.packs.source for g in gemms.values()]  # what the packed copies were made from
         self.dtype, self.is_bf16 = lean.dtype, fused_ops.DTYPES[lean.dtype]
-        self.fo, pa = fused_ops.LIBRARY.get(), paged_attention.LIBRARY.get()
-        hidden = lean.embed.weight.shape[1]
-        self.buffers = []  # the program holds raw pointers into these
-        self.x, self.h = self._buf(hidden), self._buf(hidden)
+        self.fo, self.pa = fused_ops.LIBRARY.get(), paged_attention.LIBRARY.get()
+        self.buffers: dict[tuple[str, int], torch.Tensor] = {}  # the program holds raw pointers into these
+        self.bound: dict[str, torch.Tensor] = {}  # name -> the buffer a step last wrote under it
+        self.x = self._out("x", lean.embed.weight.shape[1])
         self.scale = None if lean.embed_scale is None else lean.embed_scale.to(self.dtype)
         self.slots = torch.empty(rows, dtype=torch.long)
-        d0 = lean.layers[0].head_dim
-        self.rotations = {t: (self._buf(d0), self._buf(d0)) for t in lean.layer_types}
-        part = iter(parts)
+        d = lean.head_dim
+        self.rotations = {t: (self._out(f"cos.{t}", d), self._out(f"sin.{t}", d)) for t in lean.layer_types}
         self.program = step_program.Program()
+        emit = {step.Norm: self._norm, step.HeadNorm: self._head_norm, step.Gemm: self._gemm, step.Rope: self._rope,
+                step.WriteKV: self._write_kv, step.Attend: self._attend, step.GatedAct: self._gated_act,
+                step.Add: self._add_step}
         for layer in lean.layers:
-            d, heads, kv = layer.head_dim, layer.heads, layer.kv_heads
-            width = (heads + 2 * kv) * d
-            qkv, att, o = self._buf(width), self._buf(heads * d), self._buf(hidden)
-            cos, sin = self.rotations[layer.layer_type]
-            k_pool, v_pool = pool.k[layer.index], pool.v[layer.index]
-            self._norm(self.x, layer.norm_in, self.h)
-            self._gemm(self.h, next(part), qkv)
-            if layer.qk_norms is None:
-                q, k = qkv[:, :heads * d], qkv[:, heads * d:(heads + kv) * d]
-                self._rope(qkv, heads + kv, d, cos, sin)
-            else:  # per head, each token's heads a run of rows d apart
-                q, k = self._buf(heads * d), self._buf(kv * d)
-                for r in range(rows):
-                    for norm, source, target, n in ((layer.qk_norms[0], 0, q, heads), (layer.qk_norms[1], heads, k, kv)):
-                        self._norm(qkv[r:r + 1, source * d:(source + n) * d].view(n, d), norm,
-                                   target[r:r + 1].view(n, d))
-                self._rope(q, heads, d, cos, sin)
-                self._rope(k, kv, d, cos, sin)
-            v = qkv[:, (heads + kv) * d:]
-            for pool_layer, source in ((k_pool, k), (v_pool, v)):  # the pool's rows of the new tokens
-                self.program.add("write_kv", None, pool_layer.data_ptr(), pool_layer.stride(0), pool_layer.stride(1),
-                                 source.data_ptr(), source.stride(0), self.slots.data_ptr(), rows, kv, d,
-                                 source.element_size())
-            query = q.view(rows, heads, d).transpose(0, 1)
-            self.program.add("attention", pa.kvql_paged_attention,
-                             query.data_ptr(), query.stride(1), query.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
-                             k_pool.stride(0), k_pool.stride(1), att.data_ptr(), att.stride(0), d, heads, kv, d,
-                             self.is_bf16, step_program.f32(layer.scaling), int(layer.window or 0), step_program.f32(0.0))
-            self._gemm(att, next(part), o)
-            self._residual(o, layer.post_attention)
-            self._norm(self.x, layer.norm_mlp, self.h)
-            gate_up = next(part)
-            n = gemv.shape(gate_up[0][0][2])[0]
-            gu, act, m = self._buf(n), self._buf(n // 2), self._buf(hidden)
-            self._gemm(self.h, gate_up, gu)
-            self.program.add("gated_mul", self.fo.kvql_gated_mul, gu.data_ptr(), gu.stride(0), act.data_ptr(), n // 2,
-                             rows, n // 2, fused_ops.ACTIVATIONS[layer.act], self.is_bf16, threads)
-            self._gemm(act, next(part), m)
-            self._residual(m, layer.post_mlp)
-        self._norm(self.x, lean.norm, self.h)
+            self.cos, self.sin = self.rotations[layer.layer_type]
+            for s in layer.steps:
+                emit[type(s)](s)
+        self._norm(lean.final)
+        self.h = self.bound["h"]
 
-    def _buf(self, n: int) -> torch.Tensor:
-        buf = torch.empty(self.rows, n, dtype=self.dtype)
-        self.buffers.append(buf)
+    def _out(self, name: str, width: int) -> torch.Tensor:
+        """The buffer a step writes `name` into (one per name and width), bound to `name` from now on."""
+        buf = self.buffers.get((name, width))
+        if buf is None:
+            buf = self.buffers[name, width] = torch.empty(self.rows, width, dtype=self.dtype)
+        self.bound[name] = buf
         return buf
 
-    def _norm(self, x: torch.Tensor, norm: _Norm, out: torch.Tensor) -> None:
+    def _cols(self, c: step.Cols) -> torch.Tensor:
+        return self.bound[c.buf][:, c.start:c.start + c.width]
+
+    def _norm(self, s: step.Norm) -> None:
+        self._rms_norm(self.bound[s.src], s, self._out(s.dst, s.width))
+
+    def _rms_norm(self, x: torch.Tensor, norm: step.Norm, out: torch.Tensor) -> None:
         """`out = norm(x)` over the rows of `x` (`fused_ops.rms_norm`'s call)."""
-        n = x.shape[1]
         self.program.add("rms_norm", self.fo.kvql_rms_norm, x.data_ptr(), x.stride(0), norm.weight.data_ptr(),
-                         out.data_ptr(), out.stride(0), x.shape[0], n, step_program.f32(norm.eps), int(norm.plus_one),
-                         self.is_bf16, self.threads)
+                         out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], step_program.f32(norm.eps),
+                         int(norm.plus_one), self.is_bf16, self.threads)
 
-    def _rope(self, x: torch.Tensor, heads: int, d: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.program.add("rope", self.fo.kvql_rope, x.data_ptr(), x.stride(0), self.rows, heads, d, cos.data_ptr(),
-                         sin.data_ptr(), cos.stride(0), self.is_bf16, self.threads)
+    def _head_norm(self, s: step.HeadNorm) -> None:
+        """Per row, its heads as rows of head_dim (what `HeadNorm.run`'s reshape hands the kernel)."""
+        x, out, n, d = self._cols(s.src), self._out(s.dst, s.width), s.heads, s.head_dim
+        for r in range(self.rows):
+            self._rms_norm(x[r:r + 1].view(n, d), s.norm, out[r:r + 1].view(n, d))
 
-    def _residual(self, y: torch.Tensor, norm: _Norm | None) -> None:
-        """x += y, or x += norm(y) (Gemma 3's post norms)."""
-        if norm is not None:
-            normed = self._buf(y.shape[1])
-            self._norm(y, norm, normed)
-            y = normed
-        self._add(self.x, y)
+    def _rope(self, s: step.Rope) -> None:
+        x, cos, sin = self.bound[s.buf], self.cos, self.sin
+        self.program.add("rope", self.fo.kvql_rope, x.data_ptr(), x.stride(0), self.rows, s.heads, s.head_dim,
+                         cos.data_ptr(), sin.data_ptr(), cos.stride(0), self.is_bf16, self.threads)
+
+    def _write_kv(self, s: step.WriteKV) -> None:
+        """The pool's rows of the new tokens (index_copy_ on the pool's slot dim)."""
+        for pool_layer, c in ((self.pool.k[s.layer], s.k), (self.pool.v[s.layer], s.v)):
+            source = self._cols(c)
+            self.program.add("write_kv", None, pool_layer.data_ptr(), pool_layer.stride(0), pool_layer.stride(1),
+                             source.data_ptr(), source.stride(0), self.slots.data_ptr(), self.rows, s.kv_heads,
+                             s.head_dim, source.element_size())
+
+    def _attend(self, s: step.Attend) -> None:
+        d, k_pool, v_pool = s.head_dim, self.pool.k[s.layer], self.pool.v[s.layer]
+        query = self._cols(s.q).view(self.rows, s.heads, d).transpose(0, 1)
+        out = self._out(s.dst, s.width)
+        self.program.add("attention", self.pa.kvql_paged_attention,
+                         query.data_ptr(), query.stride(1), query.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+                         k_pool.stride(0), k_pool.stride(1), out.data_ptr(), out.stride(0), d, s.heads, s.kv_heads, d,
+                         self.is_bf16, step_program.f32(s.scaling), int(s.window or 0),
+                         step_program.f32(s.softcap or 0.0))
+
+    def _gated_act(self, s: step.GatedAct) -> None:
+        gu, act = self.bound[s.src], self._out(s.dst, s.width)
+        self.program.add("gated_mul", self.fo.kvql_gated_mul, gu.data_ptr(), gu.stride(0), act.data_ptr(), s.width,
+                         self.rows, s.width, fused_ops.ACTIVATIONS[s.act], self.is_bf16, self.threads)
+
+    def _add_step(self, s: step.Add) -> None:
+        self._add(self.bound[s.dst], self.bound[s.src])
 
     def _add(self, out: torch.Tensor, y: torch.Tensor) -> None:
         """out += y (rows of out's width; a 1-D y is added to every row: a bias)."""
         self.program.add("add", None, out.data_ptr(), out.stride(0), y.data_ptr(), y.stride(0) if y.dim() == 2 else 0,
                          out.shape[0], out.shape[1], self.is_bf16)
 
-    def _gemm(self, x: torch.Tensor, part, out: torch.Tensor) -> None:
+    def _gemm(self, s: step.Gemm) -> None:
         """Steps computing `out = x @ w.T (+ bias)` as `cpu_linear._matmul` does for these rows: gemv per
         reduction slice, the slices added in order, then the bias."""
-        for i, (a, _, blocked) in enumerate(part[0]):
-            target = out if i == 0 else self._buf(out.shape[1])
+        x, gemm = self.bound[s.src], self.gemms[id(s)]
+        out = self._out(s.dst, s.width)
+        for i, (a, _, blocked) in enumerate(gemm.slices):
+            target = out if i == 0 else self._out("gemm.partial", s.width)
             n, k = gemv.shape(blocked)
             self.program.add("gemv", gemv.LIBRARY.get().kvql_gemv, x.data_ptr() + a * x.element_size(), x.stride(0),
                              blocked.data_ptr(), target.data_ptr(), target.stride(0), x.shape[0], n, k, self.is_bf16,
                              self.threads)
             if i:
                 self._add(out, target)
-        if part[1] is not None:
-            self._add(out, part[1])
+        if gemm.bias is not None:
+            self._add(out, gemm.bias)
+        self.bound[s.dst] = out
 
     def current(self, threads: int) -> bool:
         return threads == self.threads and all(cpu_linear.unchanged(s) for s in self.sources)

@@ -194,7 +194,7 @@ class ModelRunner:
             # fewer, larger operations per layer (q/k/v and gate/up GEMMs stacked, norms and rotary fused);
             # first, so that the stacked layers' parts are not packed only to be unpacked again
             fused_layers.prepare(hf_model, max_reduction=max_reduction)
-            cpu_linear.prepare(hf_model, max_reduction=max_reduction)
+            cpu_linear.prepare(hf_model, max_reduction=max_reduction, skip=fused_layers.stacked_parts(hf_model))
         # the same forward without transformers' module calls, where the model's structure allows (lean_model.py)
         self.lean = lean_model.build(hf_model) if self.device.type == "cpu" else None
         self.paged = paged_attention.supports(self.device, pool.k.dtype, geometry.heads, geometry.kv_heads,

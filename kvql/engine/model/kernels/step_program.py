@@ -1,9 +1,9 @@
-"""A decode step's kernel calls bound once and run by one C call (step_program.c): the lean forward's bound
-program (kvql.engine.model.lean_model) lists each call here with its arguments, and a step runs the list.
+"""A decode step's kernel calls bound once and run by one C call (step_program.c): the lean forward compiles a
+model's step description into this list (kvql.engine.model.lean_model._Program), and a step runs it.
 
-Why: a SmolLM2-135M decode step makes ~450 kernel calls; through ctypes each costs ~2.5 us of argument
-conversion before the kernel starts, ~1.1 ms of a ~12 ms bf16 step, and the residual adds and K/V writes
-done with torch ops cost 1.5-7 us each besides.
+Why: a decode step makes a few hundred kernel calls; through ctypes each pays its argument conversion before the
+kernel starts, and residual adds and K/V writes done as torch ops pay torch's dispatch besides: together about a
+tenth of a bf16 batch-1 step (docs/benchmarks.md, Design measurements).
 
 Contract: `Program.add(kind, fn, *args)` appends a call: `fn` a ctypes function of kvql's kernel libraries
 whose signature is the kind's (gemv, rms_norm, rope, gated_mul, attention: their C files), `args` its
