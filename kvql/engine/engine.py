@@ -46,8 +46,8 @@ what is only in the pool there too, so the next start finds the whole cache. `st
 tokens served from the cache that were read back from disk for the request), `tier_*`.
 
 OpenMP workers (openmp.py): with more OpenMP threads alive than CPUs, GNU libgomp's workers sleep
-between parallel regions, and every region of a forward then pays a wake-up (a batch-24 decode step of
-SmolLM2 bf16 on 2 cores: 55 -> 43.5 ms). So the engine thread releases its pool when it goes idle, and
+between parallel regions, and every region of a forward then pays a wake-up (measured: docs/benchmarks.md,
+Design measurements). So the engine thread releases its pool when it goes idle, and
 a thread that loads the model, submits work or runs an entry point that computes on its own thread
 (`clear_cache`, `save_cache`, `check_integrity`, `close`) releases its own afterwards.
 """

@@ -6,9 +6,8 @@ OpenMP worker threads. GNU libgomp (torch's runtime on Linux) counts the threads
 they outnumber the CPUs, its workers spin only ~100 times after a region before they sleep, instead of
 ~300,000: every one of the ~300 parallel regions of a forward then wakes a sleeping worker. The engine
 computes on its own thread, after the model was loaded (and its weights prepacked) on the caller's, so
-on a 2-core machine the caller's idle pool alone crosses that line. Measured (SmolLM2-135M bf16, batch-24
-decode step, 2 threads, benchmarks/forward_overhead.py's setup run on a second thread): 55 ms with the
-loading thread's pool kept, 43.5 ms with it released (48 ms on the loading thread itself).
+on a 2-core machine the caller's idle pool alone crosses that line, and the wake-ups then cost a batched
+decode step a visible share of its time (measured: docs/benchmarks.md, Design measurements).
 
 `release()` frees the calling thread's pool (OpenMP 5.0 `omp_pause_resource_all`): its workers end; a
 later parallel region on that thread starts a new pool. The engine calls it on the thread that built it

@@ -62,7 +62,8 @@ def _pieces(tokenizer) -> tuple[frozenset[bytes], int]:
 
 
 def warm_up(tokenizer) -> None:
-    """Do now what the first choice constraint's token count would pay (~0.4 s for a 49k vocabulary)."""
+    """Do now what the first choice constraint's token count would pay: a pass over the whole vocabulary
+    (its cost: docs/benchmarks.md, Design measurements)."""
     _pieces(tokenizer)
 
 

@@ -64,7 +64,7 @@ _ll_tokenizers_lock = threading.Lock()
 class _TokenizerState:
     """llguidance's view of one tokenizer and the grammars compiled for it: grammar text -> (initial
     matcher, None) or (None, llguidance's error). Requests repeat their constraints (one JSON schema for
-    many requests), and a compile costs a sandbox round trip plus the compile (~5 ms); an initial matcher
+    many requests), and each compile costs a sandbox round trip plus the compile itself; an initial matcher
     is never advanced (each mask function deep-copies it), so one serves every request of that text."""
 
     def __init__(self, ll: llguidance.LLTokenizer):
@@ -105,8 +105,8 @@ def check_choices(tokenizer, options) -> None:
 
 
 def _ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
-    """llguidance's view of a Hugging Face fast tokenizer, built once per tokenizer object (~0.5 s for
-    a 49k vocabulary)."""
+    """llguidance's view of a Hugging Face fast tokenizer, built once per tokenizer object (a pass over the
+    whole vocabulary; its cost: docs/benchmarks.md, Design measurements)."""
     return _state(tokenizer).ll
 
 
@@ -121,9 +121,10 @@ def _state(tokenizer) -> _TokenizerState:
 
 
 def warm_up(tokenizer) -> None:
-    """Do now what the first constraint for `tokenizer` would pay (~1 s): llguidance's view of it here and
-    in the sandbox child. A server calls it at start, so its first constrained request is not slower.
-    A failure is left for that request to report (a tokenizer without EOS, say)."""
+    """Do now what the first constraint for `tokenizer` would pay: llguidance's view of it here and in the
+    sandbox child (the child's start included; docs/benchmarks.md, Design measurements). A server calls it
+    at start, so its first constrained request is not slower. A failure is left for that request to report (a
+    tokenizer without EOS, say)."""
     try:
         Grammar.lark(tokenizer, 'start: "kvql"')
     except (ValueError, OSError):

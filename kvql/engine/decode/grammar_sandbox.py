@@ -5,8 +5,8 @@ Contract of `check(tokenizer, grammar)`: compiles `grammar` (llguidance's gramma
 `tokenizer` and computes its first token mask, in the child; returns None when both succeed within
 `TIMEOUT_S` seconds, llguidance's error text when it reports one, and raises ValueError when the
 compiler crashed (the child died) or took too long (the child is killed). A dead or killed child is replaced on the next call. Thread-safe: one
-child per process, checks run one at a time. The child starts on first use (~0.2 s) and builds
-llguidance's view of each tokenizer once (~0.5 s for a 49k vocabulary).
+child per process, checks run one at a time. The child starts on first use and builds llguidance's view of
+each tokenizer once (a pass over its vocabulary); `grammar.warm_up` pays both ahead of a first request.
 
 The child runs this file as a script, not as part of the kvql package, so it imports only llguidance.
 Messages are JSON lines: `{"tokenizer": KEY, "vocab": JSON | null, "eos": ID, "grammar": TEXT, "stack": BYTES}` in,
@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 
-TIMEOUT_S = 10.0  # llguidance's own limits end pathological grammars far sooner (a{1000000}: 0.6 s)
+TIMEOUT_S = 10.0  # a margin: llguidance's own limits end pathological grammars far sooner (docs/benchmarks.md)
 STACK_BYTES = 256 * 2**20  # as for the in-process compile: see grammar.py
 
 

@@ -20,11 +20,10 @@ Paged (`paged=True`: on a CPU where `paged_attention` builds, the runner's defau
 segment is read in place by the paged kernel, one task per (segment, query block, KV head): nothing
 gathered, no bucket, no padding, no cluster. Its arithmetic for a token depends only on that token's
 query and keys, so a request rounds alike in any batch and however its prompt was split into chunks or
-served from the cache, in fp32 and bf16 alike (measured, SmolLM2 bf16, benchmarks/forward_overhead.py:
-24/24 fuzz prompts batched == alone with shared prefixes up to 40 tokens and 24/24 with prefixes of
-200-700 tokens, where the aligned SDPA path below gave 19/24). Its throughput on long prompts is SDPA's
-(~90 GFLOP/s on 2 cores, paged_attention's doc); the clusters, buckets and causal groups below are the
-plan without it (CUDA, no C compiler, `KVQL_PAGED_ATTENTION=0`).
+served from the cache, in fp32 and bf16 alike, also with long shared prefixes, where the aligned SDPA path
+below is not exact (fuzz of batched against alone: docs/benchmarks.md, Design measurements). On long
+prompts it keeps pace with SDPA (paged_attention's doc); the clusters, buckets and causal groups below are
+the plan without it (CUDA, no C compiler, `KVQL_PAGED_ATTENTION=0`).
 
 Batch invariance without the kernel (`merge=False`, CUDA or no C compiler): each request attends over
 exactly its own keys, in its own order, padded (masked) to a length set by its own key count only: the
@@ -32,11 +31,12 @@ next multiple of `KEY_BLOCK`. Requests with the same number of queries and the s
 share one bucket (one SDPA call); no request is padded further for a batch mate. Prompts without a past
 take the same path (gathered from the pool, masked), not the in-place causal groups, so a prompt computed
 whole and the same prompt computed as a chunk after a cached prefix round alike in nearly all cases.
-Measured on the CPU SDPA kernel in bf16 (torch 2.13): each batch row of a call equals that row alone at
-the same shapes (0 of 1,302 rows differed); a row's keys padded to any multiple of 64 up to 768 give the
-same output (a decode row padded to an unaligned batch mate's length rounded differently in about a third
-of the cases). Fuzz (as above): 24/24 with prefixes up to 40 tokens, 19/24 with 200-700 (the SDPA kernel
-splits keys into blocks of 512 and queries into blocks by their count). Merging into clusters interleaves
+Why this holds, and where it stops (the CPU SDPA kernel in bf16, torch 2.13): each batch row of a call
+equals that row alone at the same shapes, and a row's keys padded to any multiple of `KEY_BLOCK` (checked
+up to 768) give the same output, where a decode row padded to an unaligned batch mate's length often
+rounds differently. With long shared prefixes (a few hundred tokens) some prompts still round differently
+batched than alone: the SDPA kernel splits keys into blocks of 512 and queries into blocks by their count.
+Measured: docs/benchmarks.md, Design measurements. Merging into clusters interleaves
 other requests' keys among a request's own and changes the order of the reductions: cheaper for shared
 prefixes, not invariant.
 """

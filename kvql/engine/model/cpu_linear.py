@@ -2,12 +2,12 @@
 
 **Prepacking.** `torch.nn.functional.linear` on a CPU reorders the weight into the GEMM kernel's blocked
 layout on every call. oneDNN can do that once (`torch.ops.mkldnn._reorder_linear_weight`, the op
-torch's own inductor uses when it freezes a CPU model; vLLM's CPU backend prepacks the same way). Measured
-on this project's CPU (torch 2.13, 2 threads, SmolLM2-135M's 211 linear layers in a row, weights streamed
-from memory as in a real step): 24 decode rows take 80 -> 45 ms in fp32 and 36 -> 26 ms in bf16; a
-1,320-token prefill is 10-25% faster in fp32 and 1-7% in bf16. Outputs equal `linear`'s to ~1e-6
-relative in fp32 (another kernel, another rounding; fp32 stays exact in the project's sense: greedy
-output with the cache equals the uncached reference, which runs through the same layers).
+torch's own inductor uses when it freezes a CPU model; vLLM's CPU backend prepacks the same way). Why:
+the reorder is paid by every call of every layer, so it weighs most on a decode step, whose GEMMs are
+small; a long prefill, whose GEMMs are large, gains less (measured: docs/benchmarks.md, Design
+measurements). Outputs equal `linear`'s to ~1e-6 relative in fp32 (another kernel, another rounding;
+fp32 stays exact in the project's sense: greedy output with the cache equals the uncached reference,
+which runs through the same layers).
 
 **Small batches** (`kernels/gemv.py`): a call of at most `gemv_rows` rows (a decode step of one stream, or a
 few) reads a third, blocked copy of each weight slice through kvql's own kernel, which streams it near the
@@ -15,13 +15,12 @@ memory bandwidth. In bf16 it rounds bit for bit as oneDNN's prepacked GEMM (chec
 weight when it is packed; a slice where it would not is left to oneDNN, with a warning), so a row's result
 is the same whichever kernel its batch size picks: batch invariance holds. In fp32 it agrees with oneDNN to
 float32 rounding (fp32 promises no batch invariance; its contract, cached == uncached greedy output, is
-tested through the model). Cost: the linear weights take three times their memory. Measured, SmolLM2-135M
-bf16 batch-1 decode step on a loaded machine, one run, fastest of 40 steps: 17.2 -> 11.4 ms (`KVQL_GEMV=0`
-vs default); fp32, SmolLM2's linear set with one row, 2 threads, alternating, 6 repeats: oneDNN 17.2-20.2
-GB/s, gemv 23.1-28.7 GB/s (a torch sum 31.7).
+tested through the model). Cost: the linear weights take three times their memory. Why it pays: a
+one-stream decode step's time is the time to read the weights, and this kernel reads them faster than
+oneDNN's GEMM, in bf16 and fp32 (measured: docs/benchmarks.md, Design measurements).
 Where oneDNN packs no bf16 weight (an AVX2-only CPU), a bf16 layer's blocked copy is computed by gemv's
 widening kernel at every batch size instead of torch's plain kernel (one float32 chain per output, so a row
-never depends on its batch; ~3x the plain kernel's speed at one row, ~7x from 24 rows up: gemv.py).
+never depends on its batch; several times the plain kernel's speed at every batch size: gemv.py).
 
 The packed copy is held beside the layer's own weight, which is kept, so the module stays an ordinary
 `nn.Linear` (state dict, `.to()`, the cache fingerprint): the linear weights take twice their memory.
@@ -34,15 +33,15 @@ requiring grad) runs the plain kernel: the packed op has no backward; the engine
 
 **Batch invariance** (`max_reduction`). Greedy decoding with the cache must give what the request alone
 gives. In float32 the last-bit differences between GEMM shapes never flip a greedy token in the tests; in
-bfloat16 they do. Measured (oneDNN bf16 GEMM, plain and prepacked, 1 and 2 threads): each output row is
-computed exactly as that row alone whenever the reduction (`in_features`) is at most 1,024, for every
-batch size tried (1 to 1,024 rows); above that (SmolLM2's MLP `down_proj`, 1,536) a few rows in each batch
-round differently (2 of 24, 62 of 700), depending on their place in the batch. With `max_reduction`, a
-layer with more inputs is computed as the sum of GEMMs over equal slices of at most that many inputs,
-each batch-invariant, added in a fixed order, so the sum is too. That changes the layer's rounding (a
-few ULPs, the same whatever the batch), not its arithmetic; cost measured on `down_proj`, one thread:
-+16% for 24 rows, +1% for 512 (about +3% of a decode step). The model runner asks for it on a CPU in
-reduced precision only.
+bfloat16 they do. oneDNN's bf16 GEMM (plain and prepacked) computes each output row exactly as that row
+alone whenever the reduction (`in_features`) is at most 1,024, whatever the batch size; above that
+(SmolLM2's MLP `down_proj`, 1,536) a few rows in a batch round differently, depending on their place in
+the batch (observed with torch 2.13; the runs and counts: docs/benchmarks.md, Design measurements). With
+`max_reduction`, a layer with more inputs is computed as the sum of GEMMs over equal slices of at most
+that many inputs, each batch-invariant, added in a fixed order, so the sum is too. That changes the layer's rounding (a
+few ULPs, the same whatever the batch), not its arithmetic; its cost, more and narrower GEMMs, is a small
+share of a decode step (measured: docs/benchmarks.md, Design measurements). The model runner asks for it on
+a CPU in reduced precision only.
 """
 
 from __future__ import annotations
@@ -221,7 +220,7 @@ def _watch(modules: list[torch.nn.Linear]) -> list[tuple]:
     out = []
     for m in modules:
         for name in ("weight", "bias"):
-            t = m._parameters.get(name)  # the dict itself is watched: Module.__getattr__ costs ~3 us a call
+            t = m._parameters.get(name)  # the dict itself is watched: Module.__getattr__ is slow per call
             # an inference tensor has no version counter; it cannot be edited outside inference mode
             out.append((m._parameters, name, t, None if t is None else t.data_ptr(),
                         None if t is None or t.is_inference() else t._version))
@@ -231,8 +230,8 @@ def _watch(modules: list[torch.nn.Linear]) -> list[tuple]:
 def unchanged(watched: list[tuple] | None) -> bool:
     """Whether no tensor in `watched` (a `_Packed.source`; None: nothing watched, a copy's) was replaced, given new
     storage or edited in place since. Cheap, as a decode step checks every layer (the tensors' own identity,
-    storage and version counter: 0.07 ms of Python for SmolLM2's, where comparing tuples of each tensor's data
-    pointer, version, dtype and device took 0.57)."""
+    storage and version counter, read directly: comparing tuples of each tensor's data pointer, version, dtype
+    and device took several times as long; measured: docs/benchmarks.md, Design measurements)."""
     if watched is None:
         return False
     for params, name, t, ptr, version in watched:
@@ -244,13 +243,13 @@ def unchanged(watched: list[tuple] | None) -> bool:
 
 class Stacked:
     """Linear layers that read the same input (q/k/v projections, gate/up) computed as one GEMM:
-    `stacked(x)` equals `cat([part(x) for part in parts], -1)` to float rounding (one GEMM over the
-    stacked weight rows instead of several narrow ones: 212 -> 88 us for SmolLM2's q/k/v at 24 rows in
-    bf16). Prepacked where `can_pack(dtype)` (callers check `can_pack()`; else the plain kernel) and sliced for `max_reduction` as
-    `Linear`. The packed copy follows the parts: rebuilt when a part's weight or bias is edited in place
-    or replaced. Only the packed copy is held (the parts keep their own weights, unpacked: `prepare`
-    leaves the parts alone: `skip`). Not a module: the model's state dict is unchanged; a copy
-    or a pickle packs again at its first call."""
+    `stacked(x)` equals `cat([part(x) for part in parts], -1)` to float rounding (why: one GEMM over the
+    stacked weight rows pays one call's fixed cost where several narrow ones pay one each; measured:
+    docs/benchmarks.md, Design measurements). Prepacked where `can_pack(dtype)` (callers check `can_pack()`;
+    else the plain kernel) and sliced for `max_reduction` as `Linear`. The packed copy follows the parts:
+    rebuilt when a part's weight or bias is edited in place or replaced. Only the packed copy is held (the
+    parts keep their own weights, unpacked: `prepare` leaves the parts alone: `skip`). Not a module: the
+    model's state dict is unchanged; a copy or a pickle packs again at its first call."""
 
     def __init__(self, parts: list[torch.nn.Linear], max_reduction: int | None = None):
         self.parts, self.max_reduction = list(parts), max_reduction

@@ -1,9 +1,10 @@
 """Row-wise layer operations in one pass each (fused_ops.c): RMSNorm, rotary embedding in place, act(gate) * up.
 
-Why: a batch-24 decode step of SmolLM2-135M runs ~50 small torch ops per layer besides its GEMMs and
-attention (the norm alone is 8: cast, pow, mean, add, rsqrt, mul, cast, mul); each costs 5-35 us on
-tensors of a few thousand elements. These do each group in one call (kvql.engine.model.fused_layers puts
-them in the model's layers).
+Why: a decode step runs dozens of small torch ops per layer besides its GEMMs and attention (the norm
+alone is 8: cast, pow, mean, add, rsqrt, mul, cast, mul); on tensors of a few thousand elements each op's
+time is mostly its fixed per-call cost, not its arithmetic (measured: docs/benchmarks.md, Design
+measurements). These do each group in one call (kvql.engine.model.fused_layers puts them in the model's
+layers).
 
 Contracts (CPU tensors of one dtype, float32 or bfloat16; last dimension contiguous; rows may be strided):
 - `rms_norm(x [..., n], weight [n], eps)` -> new tensor: `weight * (x / sqrt(mean(x^2) + eps))`, the

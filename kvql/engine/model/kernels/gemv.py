@@ -3,9 +3,8 @@ step of one stream runs them; in bfloat16 bit for bit oneDNN's result.
 
 Why: a decode step of one request multiplies one row by every weight of the model; its time is the time
 to read the weights. oneDNN's prepacked GEMM (kvql.engine.model.cpu_linear) reads them well below the bandwidth
-a plain sum reaches and pays a fixed cost per call that small layers feel. Measured over SmolLM2-135M's
-bf16 linear weight set (random, 269 MB, one row, one thread, one run): oneDNN 23.6 GB/s, this kernel 34.0
-GB/s, a torch sum over as many bytes 36.6 GB/s.
+a plain sum reaches and pays a fixed cost per call that small layers feel; this kernel reads them close to
+that sum's rate (measured: docs/benchmarks.md, Design measurements).
 
 Contract (CPU, bfloat16 or float32, 1 <= rows <= max_rows(), or any rows where `any_rows(dtype)`; `supports(w)`
 says whether a weight qualifies):
@@ -20,13 +19,14 @@ says whether a weight qualifies):
   FMA, where oneDNN packs no bf16 weight): weights and inputs widened to float32, one fused multiply-add chain
   per output over k in order, rounded once; it takes any number of rows (`any_rows`), so cpu_linear computes
   such a layer with it at every batch size: the same chain per output whatever the batch (batch-invariant by
-  construction). Measured (SmolLM2-135M's linear set, random, 2 threads, AVX2 EPYC, one run): one row 31 GB/s,
-  four rows 1.4x one row's time, 24 rows 142 GFLOP/s, 128 rows 155 (oneDNN's float32 GEMM ~150; torch's plain
-  bf16 kernel ~20). float32: one fused multiply-add chain per output over k in order,
+  construction). Why: torch's plain bf16 kernel is the alternative there, and this one runs several times
+  faster at every batch size, near oneDNN's float32 GEMM at large ones (measured: docs/benchmarks.md, Design
+  measurements). float32: one fused multiply-add chain per output over k in order,
   equal to oneDNN's to float32 rounding, not bit for bit (float32 promises no batch invariance: the
   engine's float32 contract, cached == uncached greedy output, is tested through the model).
-Float32 needs the blocked copy: a row-major fp32 kernel without one measured slower than oneDNN's here (4
-read streams per thread needed for speed, then a chain per output's lanes: 26 vs 32 GB/s on one core).
+Float32 needs the blocked copy: a row-major fp32 kernel without one was slower than oneDNN's (it needs 4
+read streams per thread for speed, then a chain per output's lanes; measured: docs/benchmarks.md, Design
+measurements).
 
 Availability: built once per machine (kvql.engine.model.kernels.build). `available(dtype)` is False when there is
 no compiler, the build fails, the CPU lacks the dtype's instructions (AVX512F or AVX2 with FMA; bf16: AVX512_BF16
@@ -71,8 +71,8 @@ def max_rows() -> int:
 
 def fast_rows(dtype: torch.dtype) -> int:
     """The most rows one call computes faster than oneDNN's prepacked GEMM in `dtype` (0 when unavailable).
-    Measured (SmolLM2-135M's float32 linear set, 2 threads, AVX2 EPYC, one run): gemv / oneDNN time 0.68 at
-    one row, 0.71 at 4, 0.81 at 8: 8 there; 4 on AVX512 builds (one row after another)."""
+    Fixed per build (gemv.c), from measurement: `max_rows()` where a few rows share each weight load (AVX2
+    builds), 4 where rows run one after another (AVX512 builds); docs/benchmarks.md, Design measurements."""
     if not available(dtype):
         return 0
     return LIBRARY.limits["kvql_gemv_f32_fast_rows" if dtype == torch.float32 else "kvql_gemv_bf16_fast_rows"]

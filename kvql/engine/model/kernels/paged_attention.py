@@ -11,16 +11,13 @@ storage. One task per (segment, block of 16 new tokens, KV head), keys in slot-l
 result does not depend on the other segments of the call, nor on how its tokens were split into calls
 (the C file's doc): batch-invariant by construction.
 
-Why a kernel: a batch-24 decode step over 330-token contexts spent ~20 ms of ~110 ms copying every
-request's K/V out of the pool (index_select) before SDPA could read it again; this reads it once
-(benchmarks/forward_overhead.py, 2 threads: bf16 decode step 106 -> 62 ms, fp32 111 -> 90 ms; reading a
-single new token's keys straight from the pool instead of widening them into scratch first then took a
-layer's decode attention from 441 to ~250 us in bf16, 647 to ~270-500 us in fp32). On long
-prompts it runs at SDPA's speed (one 1,000-token prompt, one layer, 2 threads: 12.6 ms vs SDPA's causal
-kernel 13.0 ms, ~90 GFLOP/s): the softmax uses its own vectorized exp (the C file's `exp16`), which scalar
-`expf` made half as fast. On an AVX2 CPU its hot loops run on 8-lane vectors (the C file's doc): one layer
-(9 heads, 3 KV heads, head dim 64, 300 keys, 2 threads) 105 -> 43 us for a decode step, 696 -> 246 us for 8 new
-tokens, 2.2 -> 0.77 ms for 33, in fp32 and bf16 alike.
+Why a kernel: without it, every step copies each request's K/V out of the pool (index_select) before SDPA
+reads it again, a large share of a batched decode step over a few hundred tokens of context; this reads it
+once, in place, and a single new token's keys straight from the pool rather than widened into scratch
+first. On long prompts it keeps pace with SDPA's causal kernel: the softmax uses its own vectorized exp (the
+C file's `exp16`), where scalar `expf` would be its bottleneck. On an AVX2 CPU its hot loops run on 8-lane
+vectors (the C file's doc): there they run over twice as fast as 16-lane ones. Measured: docs/benchmarks.md,
+Design measurements.
 
 Availability: the library is built once per machine (kvql.engine.model.kernels.build; at -O2 and with
 -ffp-contract=off, see the C file).
