@@ -73,3 +73,16 @@ def test_a_model_whose_cached_logits_differ_is_refused(tokenizer, monkeypatch):
     hf = F.build(*F.FAMILIES["mistral"], len(tokenizer), tokenizer.eos_token_id)
     with pytest.raises(admission.UnsupportedModel, match="differ from the model's own forward"):
         kvql.Model(hf, tokenizer, cache_budget=1 << 20)
+
+
+def test_a_layer_type_the_engine_does_not_compute_is_refused_by_name():
+    """A config naming a layer kind kvql's attention does not know is refused before its weights load, never
+    admitted and computed as full attention (what happened to Llama 4's chunked layers)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from kvql.engine.model.admission import UnsupportedModel, check_config
+
+    fields = {**F.COMMON, **F.FAMILIES["gemma3"][1], "layer_types": ["sliding_attention", "indexed_attention"]}
+    with pytest.raises(UnsupportedModel, match="indexed_attention"):
+        check_config(CONFIG_MAPPING["gemma3_text"](**fields))
+    check_config(CONFIG_MAPPING["gemma3_text"](**{**F.COMMON, **F.FAMILIES["gemma3"][1]}))  # its own kinds pass

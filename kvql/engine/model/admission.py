@@ -10,7 +10,9 @@ LFM2, Qwen3-Next, RecurrentGemma: a recurrent state is not a prefix of token-gra
 models and models whose attention bypasses the interface (Falcon: in transformers 5.24 it cannot set its
 attention implementation, in 5.25 its layers do not pass the forward's keyword arguments on) are not. Where
 the config declares recurrent layers (`layer_types` naming a kind that transformers' own cache serves with
-a recurrent state), the model is refused before its weights load (`check_config`).
+a recurrent state), and where it declares attention kvql does not compute (chunked attention:
+`attention_chunk_size`; any `layer_types` kind but full and sliding attention), the model is refused before
+its weights load (`check_config`): never admitted and computed as something else.
 
 `probe(model)` runs one forward of a few tokens with a recording cache and records, per layer, what the
 attention function receives: query heads, KV heads, head dim, the layer's sliding window and logit
@@ -34,6 +36,7 @@ VERIFY_TOKENS = (7, 5)  # computed first, then computed over the first part read
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # max |engine - plain| / max |plain|; others below
 REDUCED_TOLERANCE = 6e-2
 SINKS = ("s_aux", "sinks")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # what a config's `layer_types` may name
 
 
 class UnsupportedModel(ValueError):
@@ -111,6 +114,16 @@ def check_config(config) -> None:
         raise UnsupportedModel(f"{config.model_type!r}: its config declares layers of type {', '.join(stateful)}, "
                                f"whose cache in transformers is a recurrent (or convolutional) state, which is not "
                                f"a prefix of token-granular KV")
+    text = config.get_text_config()
+    chunk = getattr(text, "attention_chunk_size", None)
+    if chunk:
+        raise UnsupportedModel(f"{config.model_type!r}: chunked attention (attention_chunk_size={chunk}: a token "
+                               f"attends only within its chunk), which kvql's attention does not compute")
+    unknown = sorted({t for t in getattr(text, "layer_types", None) or [] if t not in ATTENTION_LAYER_TYPES}, key=str)
+    if unknown:
+        raise UnsupportedModel(f"{config.model_type!r}: its config declares layers of type "
+                               f"{', '.join(map(str, unknown))}, which kvql's attention does not compute (it computes "
+                               f"{' and '.join(ATTENTION_LAYER_TYPES)})")
 
 
 def recurrent_layer_types(config) -> list[str]:
