@@ -10,8 +10,10 @@ import importlib
 import sys
 import types
 
+from . import registry
+
 _PUBLIC = {
-    "model": "factory", "tokenizer": "factory", "get_model": "factory", "set_default_model": "factory",
+    "model": "factory", "tokenizer": "factory", "get_model": "registry", "set_default_model": "registry",
     "Model": "local_model", "LocalModel": "local_model", "RemoteModel": "remote_model",
     "StreamChunk": "backends.base", "Backend": "backends.base", "Unsupported": "backends.base",
     "ModelLoadError": "backends.loader", "load_hf": "backends.loader", "load_tokenizer": "backends.loader",
@@ -32,6 +34,17 @@ __all__ = ["model", "Model", "LocalModel", "LLM", "RemoteModel", "Backend", "Uns
            "score", "score_sync", "set_default_model", "get_model", "Query", "LMQLResult", "ScoringResult",
            "ScoreResult", "QueryError", "UnmetConstraint", "QuerySyntaxError", "ConstraintError",
            "InferenceCertificate", "decorators", "algorithms", "printing", "stream", "headless", "silent", "tokenizer"]
+
+
+def _load(spec: str):
+    """The registry's loader: `kvql.model(spec)`. Set here, above both, because the registry cannot import the
+    factory (the factory's models run queries, and queries ask the registry: kvql.registry's docstring)."""
+    from .factory import model
+
+    return model(spec)
+
+
+registry.load = _load
 
 
 def __getattr__(name: str):

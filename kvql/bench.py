@@ -267,15 +267,9 @@ def run(model, workloads=WORKLOADS, sizes=(2, 4, 8), out_dir: str | Path = "benc
 
     from tqdm.auto import tqdm
 
-    from .engine.model import cpu_linear, fused_layers
-
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    # the baselines run plain transformers: a copy of the model without kvql's linear layers
-    hf_plain = copy.deepcopy(model.hf_model)
-    fused_layers.restore(hf_plain)
-    cpu_linear.restore(hf_plain)
-    hf_plain.set_attn_implementation("sdpa")
+    hf_plain = model.plain_copy()  # the baselines run plain transformers
     hf_batch = copy.deepcopy(hf_plain) if batch_baseline else None  # (continuous batching changes its model)
     systems = ["kvql", "hf_one_at_a_time"] + (["hf_generate_batch"] if batch_baseline else [])
     cores = os.cpu_count() or 1  # /proc/stat's first line sums every CPU of the machine

@@ -1,42 +1,28 @@
-"""Models by spec: `model(spec)` loads one (local) or connects to a server (remote), `tokenizer(spec)`; and
-the registry queries use, `get_model(spec)`: one model per spec, loaded on first use and shared by every
-query of the process, with `set_default_model` for queries that name none.
+"""Models by spec: `model(spec)` loads one (local) or connects to a server (remote), `tokenizer(spec)`.
 
-What it returns are the API's model objects (`kvql.local_model.LocalModel`, `kvql.remote_model.RemoteModel`):
-a backend with LMQL's model methods on top."""
+`model` is three steps, each usable alone (`kvql serve` prints its own lines between them): `check` reads its
+keywords into an `Options`, checked once, before anything loads; `make` loads (`_local`) or connects (`_remote`);
+with `silent=False`, `_loudly` says so on stderr around it. What it returns are the API's model objects
+(`kvql.local_model.LocalModel`, `kvql.remote_model.RemoteModel`): a backend with LMQL's model methods on top. The
+registry queries use (one model per spec) is `kvql.registry`."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-DEFAULT_MODEL = "smollm2-135m"
+from .registry import DEFAULT_MODEL
+
 _random_models: dict = {}
-_models: dict = {}
-_default = None
 
 
-def set_default_model(model) -> None:
-    """Model used by queries that name none (default: the embedded SmolLM2-135M); a model or a spec."""
-    global _default
-    _default = model
-
-
-def get_model(model=None):
-    """A loaded model: the object itself (any `kvql.backends.base.Backend`), or one loaded once per spec and
-    shared by all queries."""
-    from .backends.base import Backend
-
-    model = model if model is not None else (_default or DEFAULT_MODEL)
-    if isinstance(model, Backend):
-        return model
-    if not isinstance(model, str):
-        raise TypeError(f"model must be a kvql.Model or a spec string, got {type(model).__name__}")
-    if model not in _models:
-        _models[model] = load(model)
-    return _models[model]
+def is_remote(spec) -> bool:
+    """Whether model spec `spec` names a server (`http(s)://HOST:PORT/v1`) rather than a model to load here."""
+    return isinstance(spec, str) and spec.startswith(("http://", "https://"))
 
 
 def size_text(n: int) -> str:
@@ -48,15 +34,12 @@ def size_text(n: int) -> str:
 
 
 def banner(m) -> str:
-    """One line saying what was loaded: model, device, dtype, context length, KV cache in tokens and bytes
-    (for a remote model: the server and what prompts travel as)."""
-    engine = getattr(m, "engine", None)
-    if engine is None:
-        return repr(m)
+    """One line saying what local model `m` is: model, device, dtype, context length, KV cache in tokens and
+    bytes (the backend's public `dtype`, `cache_slots`, `cache_bytes`)."""
     from .backends.dtype import name
 
-    return (f"model {m.name} · device {m.device} · {name(m.hf_model.dtype)} · context {m.context_length:,} tokens · "
-            f"KV cache {engine.pool.num_slots:,} tokens ({size_text(engine.pool.bytes)})")
+    return (f"model {m.name} · device {m.device} · {name(m.dtype)} · context {m.context_length:,} tokens · "
+            f"KV cache {m.cache_slots:,} tokens ({size_text(m.cache_bytes)})")
 
 
 def directory_problem(path, writable: bool = True) -> str | None:
@@ -75,32 +58,88 @@ def directory_problem(path, writable: bool = True) -> str | None:
     return None if not writable or os.access(above, os.W_OK | os.X_OK) else f"cannot be created: {above} is not writable"
 
 
-def check_options(*, device="cpu", dtype=None, cache_budget=None, cache_dir=None,
-                  cache_save_interval: float = 300.0, disk_cache=None, disk_budget=None) -> None:
-    """ValueError (one line, naming the option) when a local model's options cannot be used; loads nothing.
-    `model()` calls it before anything else, commands before their "loading" line, so that a typo in
-    `--cache-budget` is not found after a 13 s load."""
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """`model()`'s keywords (see there) once `check` has read them: a local model's with `dtype` resolved and
+    `disk_cache` the disk tier's one directory (`cache_dir` is another name for it), or a remote one's. Frozen:
+    what was checked is what loads."""
+
+    device: Any = "cpu"
+    dtype: Any = None
+    cache_budget: int | str | None = None
+    max_batch_tokens: int = 1024
+    max_running: int = 64
+    name: str | None = None
+    api_key: str | None = None
+    tokenizer: Any = None
+    seed: int | None = None
+    cache_save_interval: float = 300.0
+    speculate: bool = True
+    disk_cache: Any = None
+    disk_budget: int | str | None = None
+    timeout: float | None = None
+
+    def engine_options(self) -> dict:
+        """The keywords a `LocalModel` takes from these options (the rest: its model and name)."""
+        return {"cache_budget": self.cache_budget, "max_batch_tokens": self.max_batch_tokens,
+                "max_running": self.max_running, "cache_save_interval": self.cache_save_interval,
+                "speculate": self.speculate, "disk_cache": self.disk_cache, "disk_budget": self.disk_budget}
+
+
+def check(spec: str, *, cache_dir=None, **keywords) -> Options:
+    """`model()`'s keywords for `spec` as checked `Options`; loads nothing. TypeError for a keyword the kind of
+    model (`is_remote(spec)`) does not take; ValueError (one line, naming the option) for a local option that
+    cannot be used. `model()` calls it before anything else, `kvql serve` before its "loading" line, so that a
+    typo in `--cache-budget` is not found after a 13 s load."""
+    given = Options(**keywords)
+    return _remote_checked(given, cache_dir) if is_remote(spec) else _local_checked(spec, given, cache_dir)
+
+
+def _local_checked(spec: str, o: Options, cache_dir) -> Options:
     from .backends.cache_options import tier_directory
     from .backends.dtype import resolve
     from .backends.loader import check_device
     from .backends.sizes import parse_bytes
 
-    if cache_budget is not None and parse_bytes(cache_budget) <= 0:
-        raise ValueError(f"cache_budget {cache_budget!r} is no size > 0 (e.g. '512MB', '2GiB')")
-    if not cache_save_interval >= 0:
-        raise ValueError(f"cache_save_interval must be >= 0 seconds, got {cache_save_interval!r}")
-    if disk_budget is not None and parse_bytes(disk_budget) <= 0:
-        raise ValueError(f"disk_budget {disk_budget!r} is no size > 0 (e.g. '20GiB')")
-    directory = tier_directory(cache_dir, disk_cache, disk_budget)
+    if o.timeout is not None:
+        raise TypeError("timeout= is for remote models; a local model's requests wait for their results")
+    if o.cache_budget is not None and parse_bytes(o.cache_budget) <= 0:
+        raise ValueError(f"cache_budget {o.cache_budget!r} is no size > 0 (e.g. '512MB', '2GiB')")
+    if not o.cache_save_interval >= 0:
+        raise ValueError(f"cache_save_interval must be >= 0 seconds, got {o.cache_save_interval!r}")
+    if o.disk_budget is not None and parse_bytes(o.disk_budget) <= 0:
+        raise ValueError(f"disk_budget {o.disk_budget!r} is no size > 0 (e.g. '20GiB')")
+    directory = tier_directory(cache_dir, o.disk_cache, o.disk_budget)
     if directory is not None:
         problem = directory_problem(directory, writable=False)  # a start never fails over the cache (module doc)
         if problem is not None:
-            raise ValueError(f"{'cache_dir' if disk_cache is None else 'disk_cache'} {str(directory)!r} {problem}")
-    resolve(dtype, device)
-    check_device(device)
+            raise ValueError(f"{'cache_dir' if o.disk_cache is None else 'disk_cache'} {str(directory)!r} {problem}")
+    dtype = resolve(o.dtype, o.device)
+    check_device(o.device)
+    if o.tokenizer is not None:
+        raise TypeError("tokenizer= is for remote models; a local model uses its own")
+    if o.seed is not None and spec != "random":
+        raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
+    return dataclasses.replace(o, dtype=dtype, disk_cache=directory)
 
 
-def tokenizer(spec: str = "smollm2-135m"):
+def _remote_checked(o: Options, cache_dir) -> Options:
+    if o.seed is not None:
+        raise TypeError("seed= is for the 'random' model; a server's model has fixed weights")
+    if o.dtype is not None:
+        raise TypeError("dtype= is for local models; a server computes in its own dtype (vLLM, kvql serve: --dtype)")
+    if cache_dir is not None:
+        raise TypeError("cache_dir= is for local models; a server keeps its own cache (kvql serve: --disk-cache)")
+    if o.speculate is not True:
+        raise TypeError("speculate= is for local models; a server decides (kvql serve: --no-speculate)")
+    if o.disk_cache is not None or o.disk_budget is not None:
+        option = "disk_cache" if o.disk_cache is not None else "disk_budget"
+        raise TypeError(f"{option}= is for local models; a server keeps its own cache (kvql serve: --disk-cache, "
+                        "--disk-budget)")
+    return o
+
+
+def tokenizer(spec: str = DEFAULT_MODEL):
     """The Hugging Face tokenizer of model `spec` (as `model` reads specs), without loading the model."""
     from .backends.loader import load_tokenizer
 
@@ -141,77 +180,62 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     progress to stderr: a "loading" line (saying so when the embedded model's first load converts its GGUF
     file), then `banner(model)` with the seconds it took.
     """
-    remote = spec.startswith(("http://", "https://"))
-    if timeout is not None and not remote:
-        raise TypeError("timeout= is for remote models; a local model's requests wait for their results")
-    if not remote:
-        from .backends.cache_options import tier_directory
+    options = check(spec, device=device, dtype=dtype, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
+                    max_running=max_running, name=name, api_key=api_key, tokenizer=tokenizer, seed=seed,
+                    cache_dir=cache_dir, cache_save_interval=cache_save_interval, speculate=speculate,
+                    disk_cache=disk_cache, disk_budget=disk_budget, timeout=timeout)
+    return make(spec, options) if silent else _loudly(spec, options)
 
-        check_options(device=device, dtype=dtype, cache_budget=cache_budget, cache_dir=cache_dir,
-                      cache_save_interval=cache_save_interval, disk_cache=disk_cache, disk_budget=disk_budget)
-        disk_cache, cache_dir = tier_directory(cache_dir, disk_cache, disk_budget), None
-    if not silent:
-        from .backends.loader import first_load_note
 
-        print(f"kvql: loading {spec} on {device} ...", file=sys.stderr, flush=True)
-        note = first_load_note(spec)
-        if note:
-            print(f"kvql: {note}", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        m = model(spec, device=device, dtype=dtype, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
-                  max_running=max_running, name=name, api_key=api_key, tokenizer=tokenizer, seed=seed,
-                  cache_dir=cache_dir, cache_save_interval=cache_save_interval, speculate=speculate,
-                  disk_cache=disk_cache, disk_budget=disk_budget, timeout=timeout)
-        print(f"kvql: {banner(m)} · loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-        return m
-    if remote:
-        if seed is not None:
-            raise TypeError("seed= is for the 'random' model; a server's model has fixed weights")
-        if dtype is not None:
-            raise TypeError("dtype= is for local models; a server computes in its own dtype (vLLM, kvql serve: --dtype)")
-        if cache_dir is not None:
-            raise TypeError("cache_dir= is for local models; a server keeps its own cache (kvql serve: --disk-cache)")
-        if speculate is not True:
-            raise TypeError("speculate= is for local models; a server decides (kvql serve: --no-speculate)")
-        if disk_cache is not None or disk_budget is not None:
-            option = "disk_cache" if disk_cache is not None else "disk_budget"
-            raise TypeError(f"{option}= is for local models; a server keeps its own cache (kvql serve: --disk-cache, "
-                            "--disk-budget)")
-        from .remote_model import RemoteModel
+def make(spec: str, options: Options):
+    """The model `spec` names, with options `check` returned for it: loaded here, or connected to its server."""
+    return _remote(spec, options) if is_remote(spec) else _local(spec, options)
 
-        return RemoteModel(spec, name=name, api_key=api_key, tokenizer=tokenizer,
-                           **({} if timeout is None else {"timeout": timeout}))
-    if tokenizer is not None:
-        raise TypeError("tokenizer= is for remote models; a local model uses its own")
-    from .backends.dtype import resolve
-    from .backends.loader import ModelLoadError, load_hf, random_model
-    from .local_model import LocalModel as Model
 
-    dtype = resolve(dtype, device)
+def _loudly(spec: str, options: Options):
+    """`make`, saying so on stderr: the "loading" line (and a note when the embedded model's first load converts
+    its GGUF file), then what was loaded (`banner`; a remote model's repr) with the seconds it took."""
+    from .backends.loader import first_load_note
+
+    print(f"kvql: loading {spec} on {options.device} ...", file=sys.stderr, flush=True)
+    note = first_load_note(spec)
+    if note:
+        print(f"kvql: {note}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    m = make(spec, options)
+    loaded = repr(m) if is_remote(spec) else banner(m)
+    print(f"kvql: {loaded} · loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return m
+
+
+def _remote(spec: str, o: Options):
+    from .remote_model import RemoteModel
+
+    return RemoteModel(spec, name=o.name, api_key=o.api_key, tokenizer=o.tokenizer,
+                       **({} if o.timeout is None else {"timeout": o.timeout}))
+
+
+def _local(spec: str, o: Options):
+    from .backends import loader
+    from .local_model import LocalModel
 
     if spec == "random":
-        key = (seed or 0, device, dtype, cache_budget, max_batch_tokens, max_running, name, cache_save_interval,
-               speculate, disk_cache, disk_budget)
-        shared = _random_models.get(key)
-        if shared is None or shared.closed:
-            hf_model, tok = random_model(seed or 0, device=device, dtype=dtype)
-            shared = _random_models[key] = Model(hf_model, tok, name=name or "random",
-                                                 cache_budget=cache_budget or "32MB",
-                                                 max_batch_tokens=max_batch_tokens, max_running=max_running,
-                                                 cache_save_interval=cache_save_interval, speculate=speculate,
-                                                 disk_cache=disk_cache, disk_budget=disk_budget)
-        return shared
-    if seed is not None:
-        raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
-    from .engine.model.admission import UnsupportedModel
-
-    hf_model, tok = load_hf(spec, device=device, dtype=dtype)
-    try:
-        return Model(hf_model, tok, name=spec, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
-                     max_running=max_running, cache_save_interval=cache_save_interval, speculate=speculate,
-                     disk_cache=disk_cache, disk_budget=disk_budget)
-    except UnsupportedModel as e:
-        raise ModelLoadError(f"model {spec!r}: {e}") from None
+        return _random(o)
+    hf_model, tok = loader.load_hf(spec, device=o.device, dtype=o.dtype)
+    with loader.admitting(spec):
+        return LocalModel(hf_model, tok, name=spec, **o.engine_options())
 
 
-load = model  # what get_model calls (its parameter hides the name `model`)
+def _random(o: Options):
+    """LMQL's "random" model: one instance per set of options (its weights are a function of the seed)."""
+    from .backends.loader import random_model
+    from .local_model import LocalModel
+
+    key = (o.seed or 0, o.device, o.dtype, o.cache_budget, o.max_batch_tokens, o.max_running, o.name,
+           o.cache_save_interval, o.speculate, o.disk_cache, o.disk_budget)
+    shared = _random_models.get(key)
+    if shared is None or shared.closed:
+        hf_model, tok = random_model(o.seed or 0, device=o.device, dtype=o.dtype)
+        shared = _random_models[key] = LocalModel(hf_model, tok, name=o.name or "random",
+                                                  **{**o.engine_options(), "cache_budget": o.cache_budget or "32MB"})
+    return shared

@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 
-from .factory import get_model
+from .registry import get_model
 from .query import Query
 from .runtime import scoring
 from .sync import run_sync

@@ -1,5 +1,5 @@
 """Query entry points, named as in LMQL: `query`, `run`, `run_sync`, `F`, `main` (`generate` and `score`:
-kvql.generations; the model registry: kvql.factory).
+kvql.generations; the model registry: kvql.registry).
 
 `import kvql as lmql` works for ordinary LMQL code. Queries run on kvql's engine: every run of every
 query shares one loaded model per spec and its radix KV cache; concurrent runs (asyncio, threads,
@@ -28,7 +28,7 @@ from .runtime.result import LMQLResult
 from .runtime.trace import label_all
 from . import certificate as certificates
 from . import output
-from .factory import get_model, set_default_model
+from .registry import get_model, set_default_model
 from .sync import run_sync as _run_sync
 from .runtime.scoring import ScoringResult
 

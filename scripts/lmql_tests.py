@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvql  # noqa: E402
-import kvql.factory  # noqa: E402
+import kvql.registry  # noqa: E402
 
 SKIP = ("azure", "openai_backend", "lmtp", "langchain", "multi_tokenizer", "multibyte_local", "tiktoken")
 
@@ -37,14 +37,14 @@ def alias_lmql(root: Path) -> None:
     utils = types.ModuleType("lmql.tests.expr_test_utils")
     utils.run_all_tests = lambda *a, **k: None
     sys.modules["lmql.tests.expr_test_utils"] = utils
-    load = kvql.factory.load  # what the model registry (get_model) loads a spec with
+    load = kvql.registry.load  # what the model registry (get_model) loads a spec with
 
     def registry_load(spec):
         if not spec.startswith(("random", "smollm2")):
             spec = "random"  # a hosted or hub model this machine cannot reach
         return load(spec)
 
-    kvql.factory.load = registry_load
+    kvql.registry.load = registry_load
     make = kvql.model
 
     def model(spec="smollm2-135m", **kw):

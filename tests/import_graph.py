@@ -20,8 +20,8 @@ LAYERS = [
     ("backends", ["kvql.backends"]),
     ("runtime", ["kvql.runtime", "kvql.lang"]),
     ("api", ["kvql.api", "kvql.query", "kvql.generations", "kvql.llm", "kvql.output", "kvql.certificate",
-             "kvql.sync"]),
-    ("apps", ["kvql.server", "kvql.cli", "kvql.bench", "kvql.__main__"]),
+             "kvql.sync", "kvql.registry", "kvql.factory", "kvql.local_model", "kvql.remote_model", "kvql.algorithms"]),
+    ("apps", ["kvql.server", "kvql.cli", "kvql.bench", "kvql.arguments", "kvql.__main__"]),
 ]
 
 

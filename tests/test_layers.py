@@ -130,3 +130,52 @@ def test_the_engine_room_rule_can_fail(tmp_path, monkeypatch):
     found = {(m, t) for m, t, _ in G.engine_room_breaches()}
     assert ("kvql.engine.decode.sampler", "kvql.engine.scheduler") in found
     assert ("kvql.engine.cache.kv_pool", "kvql.engine.decode.masks") in found
+
+
+# -- circles and the engine's importers (docs/architecture.md, "Circles") --
+def _wide_circles(graph=None) -> list[list[str]]:
+    """The import circles over four modules or spanning two packages (the first two dotted components)."""
+    import import_graph as G
+
+    return [c for c in G.circles(graph) if len(c) > 4 or len({G._package(m) for m in c}) > 1]
+
+
+def _engine_importers(graph=None) -> list[tuple[str, str, int]]:
+    """(importer, engine module, line) for every import of kvql.engine from above the backends."""
+    import import_graph as G
+
+    graph = graph or G.imports()
+    return [(m, t, line) for m, edges in graph.items() if not m.startswith(("kvql.engine", "kvql.backends"))
+            for t, _, line in edges if t == "kvql.engine" or t.startswith("kvql.engine.")]
+
+
+def test_every_import_circle_is_small_and_inside_one_package():
+    assert _wide_circles() == []
+
+
+def test_only_the_backends_import_the_engine():
+    """Everything above them (API, CLI, bench, server) reaches the engine through a backend's public methods."""
+    assert _engine_importers() == []
+
+
+def test_the_circle_and_engine_rules_can_fail(tmp_path, monkeypatch):
+    import shutil
+
+    import import_graph as G
+
+    root = tmp_path / "kvql"
+    shutil.copytree(G.ROOT, root)
+    (root / "registry.py").write_text((root / "registry.py").read_text()
+                                      + "\n\ndef _late():\n    from .factory import model\n")
+    (root / "bench.py").write_text((root / "bench.py").read_text()
+                                   + "\n\ndef _late():\n    from .engine.model import cpu_linear\n")
+    monkeypatch.setattr(G, "ROOT", root)
+    assert any({"kvql.registry", "kvql.factory", "kvql.query"} <= set(c) for c in _wide_circles())
+    assert ("kvql.bench", "kvql.engine.model.cpu_linear") in [(m, t) for m, t, _ in _engine_importers()]
+
+
+def test_the_registry_loads_specs_with_the_factory_it_does_not_import():
+    out = subprocess.run([sys.executable, "-c", "import kvql, kvql.registry, sys\n"
+                          "print(kvql.registry.load.__module__, 'kvql.factory' in sys.modules)"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["kvql", "False"]

@@ -1,5 +1,5 @@
 """The rules between a local model's cache options, in one place: checked by `kvql.model()` and every command
-before anything loads (`kvql.factory.check_options`) and by `LocalBackend` itself (a `kvql.Model` built from
+before anything loads (`kvql.factory.check`) and by `LocalBackend` itself (a `kvql.Model` built from
 a model already loaded). Imports nothing heavy."""
 
 from __future__ import annotations

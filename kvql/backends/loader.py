@@ -19,6 +19,7 @@ Specs:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -211,6 +212,19 @@ def _source(spec: str):
     return where, {}
 
 
+@contextlib.contextmanager
+def admitting(spec: str):
+    """Inside: the engine's refusal of the model loaded from `spec` (`UnsupportedModel`, from its config or at
+    `kvql.Model()`) is raised as a `ModelLoadError` naming the spec, so that callers above the backends catch one
+    error type and import nothing of the engine."""
+    from ..engine.model.admission import UnsupportedModel
+
+    try:
+        yield
+    except UnsupportedModel as e:
+        raise ModelLoadError(f"model {spec!r}: {e}") from None
+
+
 def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """Load `(model, tokenizer)` for `spec` in `dtype` (see `kvql.backends.dtype.resolve`)."""
     import torch
@@ -224,13 +238,11 @@ def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype
         config = AutoConfig.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load the config of model {spec!r} from {str(path)!r}: {e}") from e
-    from ..engine.model.admission import UnsupportedModel, check_config
+    from ..engine.model.admission import check_config
     from ..engine.decode.grammar import warm_up
 
-    try:
+    with admitting(spec):
         check_config(config)  # what the config alone rules out, before the weights load; the rest at Model()
-    except UnsupportedModel as e:
-        raise ModelLoadError(f"model {spec!r}: {e}") from None
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     try:

@@ -380,6 +380,19 @@ class LocalBackend(Backend):
     def cache_bytes(self) -> int:
         return self.engine.pool.bytes
 
+    def plain_copy(self):
+        """A copy of the transformers model as transformers runs it: kvql's fused modules and linear layers swapped
+        back, SDPA attention. What a baseline beside kvql runs (`kvql bench`); the engine's model is untouched."""
+        import copy
+
+        from ..engine.model import cpu_linear, fused_layers
+
+        plain = copy.deepcopy(self.hf_model)
+        fused_layers.restore(plain)
+        cpu_linear.restore(plain)
+        plain.set_attn_implementation("sdpa")
+        return plain
+
     def stats(self) -> dict:
         """Engine counters: prompt/cached/computed tokens, hit rate, cache bytes and budget, evictions, ...
         Where the cached prompt tokens came from: `ram_tokens` (KV found in the pool) + `disk_tokens` (KV read back

@@ -26,14 +26,14 @@ import sys
 import threading
 import time
 
+from ..arguments import DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, at_least, disk_options, non_negative, size
 from ..backends.dtype import DEFAULT, NAMES
+from ..registry import DEFAULT_MODEL
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `kvql serve`, each with a help text; argument types check them before anything loads."""
-    from ..cli import DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, at_least, directory, disk_options, non_negative, size
-
-    p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP.replace(", or http://HOST:PORT/v1", ""))
+    p.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP.replace(", or http://HOST:PORT/v1", ""))
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...; checked before the model loads")
     p.add_argument("--host", default="127.0.0.1",
                    help="the address to listen on (0.0.0.0: every interface; see --api-key and --allowed-host)")
@@ -104,21 +104,16 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
 
     import uvicorn
 
-    import kvql
-    from ..backends.dtype import name, resolve
-    from ..factory import check_options, size_text
+    from ..backends.dtype import name
+    from ..factory import check, make, size_text
     from . import connections
     from .app import create_app
 
-    check_options(device=args.device, dtype=args.dtype, cache_budget=args.cache_budget,
-                  cache_save_interval=args.cache_save_interval, disk_cache=args.disk_cache,
-                  disk_budget=args.disk_budget)  # the device, before the "loading" line
-    dtype = resolve(args.dtype, args.device)
-    print(f"kvql serve: loading {args.model} on {args.device} ({name(dtype)}) ...",
-          flush=True)
-    m = kvql.model(args.model, device=args.device, dtype=dtype, cache_budget=args.cache_budget,
-                   cache_save_interval=args.cache_save_interval, speculate=args.speculate,
-                   disk_cache=args.disk_cache, disk_budget=args.disk_budget)
+    options = check(args.model, device=args.device, dtype=args.dtype, cache_budget=args.cache_budget,
+                    cache_save_interval=args.cache_save_interval, speculate=args.speculate,
+                    disk_cache=args.disk_cache, disk_budget=args.disk_budget)  # the device, before the "loading" line
+    print(f"kvql serve: loading {args.model} on {args.device} ({name(options.dtype)}) ...", flush=True)
+    m = make(args.model, options)
     if args.max_model_len is not None:
         if args.max_model_len > m.context_length:
             _fail(f"--max-model-len {args.max_model_len} is over the model's context of {m.context_length} tokens")
