@@ -117,7 +117,7 @@ def tier_numbers(hf, tok, tokens: int, prompt_len: int, directory: Path, synthet
     saved = m.save_cache()
     save_s = time.perf_counter() - t0
     m.engine._state = held.lock
-    files = [p for p in m.engine.tree.tier.path.iterdir() if p.name.endswith(".safetensors")]
+    files = [p for p in m.engine.tier.path.iterdir() if p.name.endswith(".safetensors")]
     nbytes = sum(p.stat().st_size for p in files)
     m.close()
     del m
@@ -153,7 +153,7 @@ def restart_numbers(hf, tok, directory: Path, n_questions: int) -> dict:
     first = Model(hf, tok, name=MODEL, cache_budget=budget, disk_cache=directory, cache_save_interval=0)
     answers = first.generate(prompts, **opts)
     first.close()  # writes the pool's nodes to the tier
-    size = sum(p.stat().st_size for p in first.engine.tree.tier.path.iterdir())
+    size = sum(p.stat().st_size for p in first.engine.tier.path.iterdir())
     rows = {}
     for kind in ("warm", "cold"):
         gc.collect()

@@ -152,7 +152,7 @@ def bench_dtype(dtype_name: str, a, directory: Path) -> list[dict]:
                   f"{d_on['cpu']:6.1f} | {r['ratio']:5.2f}x {d_on['cpu'] / d_off['cpu']:5.2f}x "
                   f"{r['equal_count']:>2}/{len(a_on)} {os.getloadavg()[0]:4.1f}", flush=True)
         tier_stats = {k: v for k, v in on.stats().items() if k.startswith("tier_")}
-        on.engine.tree.tier.flush()
+        on.engine.tier.flush()
         on.close()
         del on
         gc.collect()

@@ -51,7 +51,7 @@ def leaves(model) -> list[tuple]:
 
 
 def tier_files(model):
-    return sorted(p for p in model.engine.tree.tier.path.iterdir() if p.name.endswith(SUFFIX))
+    return sorted(p for p in model.engine.tier.path.iterdir() if p.name.endswith(SUFFIX))
 
 
 def cache_warnings(caplog) -> list[str]:
@@ -98,7 +98,7 @@ def test_cache_dir_saves_on_close_and_the_next_start_serves_from_it(make_model, 
     before = a.generate(prompts, max_tokens=6)
     assert tier_files(a) == []  # nothing was evicted: memory alone held it until close
     a.close()
-    assert tier_files(a) and not list(a.engine.tree.tier.path.glob(".*.tmp"))  # no temporary left behind
+    assert tier_files(a) and not list(a.engine.tier.path.glob(".*.tmp"))  # no temporary left behind
     b = make_model(cache_dir=tmp_path, cache_save_interval=0)
     after = b.generate(prompts, max_tokens=6)
     assert [c.token_ids for c in after] == [c.token_ids for c in before]
@@ -138,8 +138,9 @@ def test_a_save_while_requests_run_writes_only_computed_tree_content(make_model,
         m.engine.step()
     assert m.stats()["running"] > 0
     saved = m.save_cache()
-    assert saved["tokens"] == sum(len(x.key) for x in m.engine.tree.nodes() if x.extent is not None)
-    assert m.engine.tree.unwritten() == []
+    policy = m.engine.memory.tier_policy
+    assert saved["tokens"] == sum(len(x.key) for x in m.engine.tree.nodes() if policy.extent(x) is not None)
+    assert policy.unwritten() == []
     want = expected(llama, tokenizer, prompts, 8)
     spelled = [p + w for p, w in zip(prompts, want)]
     for f in tier_files(m):
@@ -185,7 +186,7 @@ def test_an_idle_model_writes_its_cache_to_disk_every_interval(make_model, token
         time.sleep(0.01)
     assert m.engine.saves >= 1
     with m.engine._state:
-        assert m.engine.tree.unwritten() == [] and tier_files(m)
+        assert m.engine.memory.tier_policy.unwritten() == [] and tier_files(m)
 
 
 def test_save_cache_without_a_disk_tier_says_what_it_needs(make_model):
@@ -203,7 +204,7 @@ def test_a_second_model_on_a_directory_in_use_runs_from_memory_and_harms_nothing
     b = make_model(disk_cache=tmp_path, cache_save_interval=0)
     (line,) = cache_warnings(caplog)
     assert "in use" in line and "memory only" in line
-    assert b.engine.tree.tier is None and "tier_bytes" not in b.stats()
+    assert b.engine.tier is None and "tier_bytes" not in b.stats()
     assert [c.token_ids for c in b.generate(prompts, max_tokens=4)] == expected(llama, tokenizer, prompts, 4)
     b.close()  # writes nothing: it has no tier
     a.close()
@@ -225,7 +226,7 @@ def test_a_full_disk_starts_the_model_memory_only_with_one_warning(make_model, l
     b = make_model(disk_cache=tmp_path, cache_save_interval=0)  # no disk_budget: half the free space, none
     (line,) = cache_warnings(caplog)
     assert str(tmp_path) in line and "no free space" in line and "memory only" in line
-    assert b.engine.tree.tier is None
+    assert b.engine.tier is None
     assert [c.token_ids for c in b.generate(prompts, max_tokens=4)] == expected(llama, tokenizer, prompts, 4)
     b.close()
     assert {p: p.read_bytes() for p in tier_files(a)} == files  # the cache it found is kept for a later start
@@ -259,7 +260,7 @@ def test_a_tier_directory_that_cannot_be_written_starts_the_model_memory_only_wi
     a = make_model(disk_cache=tmp_path, cache_save_interval=0)  # DIR stays writable: only the model's directory
     a.generate(prompts, max_tokens=4)
     a.close()
-    directory = a.engine.tree.tier.path
+    directory = a.engine.tier.path
     if case == "read-only":
         before = sorted(p.name for p in directory.iterdir())
         read_only(directory, monkeypatch)
@@ -271,7 +272,7 @@ def test_a_tier_directory_that_cannot_be_written_starts_the_model_memory_only_wi
         b = make_model(disk_cache=tmp_path, cache_save_interval=0)
         (line,) = cache_warnings(caplog)
         assert str(directory) in line and "memory only" in line
-        assert b.engine.tree.tier is None
+        assert b.engine.tier is None
         assert [c.token_ids for c in b.generate(prompts, max_tokens=4)] == expected(llama, tokenizer, prompts, 4)
         b.close()
         if case == "read-only":
@@ -305,7 +306,7 @@ def test_a_cache_location_that_cannot_be_written_starts_kvql_model_memory_only_w
     m = kvql.model(str(model_dir), dtype="float32", disk_cache=location)
     try:
         (line,) = cache_warnings(caplog)
-        assert str(location) in line and "memory only" in line and m.engine.tree.tier is None
+        assert str(location) in line and "memory only" in line and m.engine.tier is None
         assert [c.token_ids for c in m.generate(prompts, max_tokens=4)] == expected(llama, tokenizer, prompts, 4)
     finally:
         m.close()
@@ -348,7 +349,7 @@ def test_a_process_killed_mid_write_leaves_a_tier_the_next_start_cleans_and_serv
         proc.kill()
     assert list(cache.glob(f"*/*{SUFFIX}")), "nothing was written before the kill"
     b = make_model(disk_cache=cache, cache_save_interval=0)  # the dead process's lock went with it
-    assert b.engine.tree.tier is not None and not list(b.engine.tree.tier.path.glob(".*.tmp"))
+    assert b.engine.tier is not None and not list(b.engine.tier.path.glob(".*.tmp"))
     b.check_integrity()
     served = []
     for k in range(0, 200):  # every prompt it spells is answered exactly

@@ -47,12 +47,12 @@ def reference(hf_model, tokenizer, prompts, max_tokens: int = OUT) -> list[list[
 
 def tier_files(model) -> list[Path]:
     """The tier's files on disk (written ones: call `settle` first)."""
-    return sorted(p for p in model.engine.tree.tier.path.iterdir() if p.name.endswith(SUFFIX))
+    return sorted(p for p in model.engine.tier.path.iterdir() if p.name.endswith(SUFFIX))
 
 
 def settle(model) -> None:
     """Wait until the tier's writer has written or deleted everything queued."""
-    model.engine.tree.tier.flush()
+    model.engine.tier.flush()
 
 
 def file_tokens(path: Path) -> list[int]:
@@ -315,11 +315,11 @@ def test_a_model_with_another_fingerprint_uses_none_of_the_files(tiered, tokeniz
     for p in prompts[:2]:
         m.generate([p], max_tokens=OUT)
     m.close()
-    mine = m.engine.tree.tier.path
+    mine = m.engine.tier.path
     files = sorted(p.name for p in mine.iterdir())
     hf = tiny_model(tokenizer, seed=1) if other == "weights" else tiny_model(tokenizer).to(torch.bfloat16)
     b = tiered(hf_model=hf)  # its own directory under disk_cache
-    theirs = b.engine.tree.tier.path
+    theirs = b.engine.tier.path
     assert theirs != mine and b.stats()["tier_tokens"] == 0
     b.close()
     for f in mine.iterdir():  # the first model's files copied into it: none is used
@@ -428,7 +428,7 @@ def test_eviction_stages_no_more_than_the_writer_allows_and_drops_the_rest(tiere
     for p in prompts:
         m._submit([p], max_tokens=OUT)
         m.engine.run_until_idle()
-    tier = m.engine.tree.tier
+    tier = m.engine.tier
     monkeypatch.setattr(disk_tier, "MAX_STAGED", 100 * tier._token_bytes)
     gate = threading.Event()
     write = tier._write

@@ -75,7 +75,7 @@ def written(make_model, tokenizer, tmp_path):
         a.generate([p], max_tokens=1)
     a.close()
     files = {}
-    for path in a.engine.tree.tier.path.glob(f"*{SUFFIX}"):
+    for path in a.engine.tier.path.glob(f"*{SUFFIX}"):
         with safe_open(str(path), framework="pt") as f:
             files[f.get_tensor("tokens")[0].item()] = path
     assert sorted(files) == [1, 2, 3]
@@ -250,7 +250,7 @@ def test_another_models_file_with_its_fingerprint_field_edited_is_a_miss(make_mo
     other = make_model(tiny_model(tokenizer, seed=1), disk_cache=tmp_path, cache_save_interval=0)  # its own directory
     other.generate([prompts[0]], max_tokens=1)
     other.close()
-    (theirs,) = other.engine.tree.tier.path.glob(f"*{SUFFIX}")
+    (theirs,) = other.engine.tier.path.glob(f"*{SUFFIX}")
     meta = {**metadata_of(theirs), "fingerprint": metadata_of(files[0])["fingerprint"]}  # its sha256 left as written
     files[0].unlink()
     save_file(tensors_of(theirs), str(files[0]), metadata=meta)

@@ -38,7 +38,7 @@ outputs; each drafted position is sampled as a decode step would sample it and t
 token that differs, so outputs are those without it (greedy: token for token; unseeded sampling: the same
 distribution; seeded requests are not drafted). `stats()` counts `drafted_tokens` and `accepted_tokens`.
 
-Disk tier (`disk_cache`, disk_tier.py; radix_cache.py and memory.py say how the tree and the scheduler use
+Disk tier (`disk_cache`, disk_tier.py; tier_policy.py and memory.py say how the tree and the scheduler use
 it; persistence.py how it is opened and saved): KV evicted from the pool is written to files and read back
 instead of computed again; at start the tree is rebuilt from the tier's files (every node on disk, read back
 when a request needs it), and `save_cache` (when idle every `save_interval` seconds, and at `close`) writes
@@ -313,8 +313,14 @@ class Engine(Persistence):
                 **self._tier_stats(),
             }
 
+    @property
+    def tier(self):
+        """The disk tier (`cache.disk_tier.DiskTier`) behind the cache, or None: memory only."""
+        policy = self.memory.tier_policy
+        return None if policy is None else policy.disk
+
     def _tier_stats(self) -> dict:
-        tier = self.tree.tier
+        tier = self.tier
         if tier is None:
             return {}
         return {"tier_tokens": self.tree.disk_tokens, "tier_bytes": tier.bytes, "tier_budget_bytes": tier.budget,

@@ -177,7 +177,7 @@ class Scheduler:
                     p.salt == req.salt and common_prefix_len(tokens, p.prompt_ids) - m >= self.dedup_min
                     for p in prefilling):
                 continue  # another request is computing our prefix: hit it next step
-            if self.tree.tier is not None and self.memory.load_prefix(req, reserve=len(self.running)):
+            if self.memory.tier_policy is not None and self.memory.load_prefix(req, reserve=len(self.running)):
                 continue  # its prefix is being read back from disk: admitted once it is in the pool
             n = self.memory.admit(req, budget, reserve=len(self.running))
             if n == 0:

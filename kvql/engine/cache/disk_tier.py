@@ -3,7 +3,8 @@ instead of being computed again (`kvql.model(..., disk_cache=DIR, disk_budget=..
 
 The radix tree stays the one index (radix_cache.py): a node's KV is in pool slots, in an `Extent` of a tier
 file, or both (a clean copy: evicting the node again writes nothing). This module only moves bytes and
-checks them; which node goes where is the tree's and `Memory`'s decision.
+checks them; which node goes where is the tier policy's decision (tier_policy.py), and when one is read back
+`Memory`'s.
 
 It is also how the cache survives restarts (one format: `disk_cache=DIR`, also spelled `cache_dir=DIR`): at
 start the tree is rebuilt from the files (every node on disk, read back when a request needs it), and the
@@ -48,14 +49,14 @@ tier, saying so: persistence.py). Temporary files of writes that never finished 
 a closed or dead tier's, and `scan` removes them.
 
 Contract:
-- `spill(items)` (engine thread, between steps): copies the K/V of each `(prefix, tokens, salt, slots)`
-  out of the pool into staging tensors, returns one `Extent` per item and queues the writes; the caller
-  may free the slots at once. The writer thread hashes and writes each file (temporary name, then
-  rename); until it is written, reads are served from its staging copy. `room(n)`: whether `n` more tokens
-  may be staged (at most MAX_STAGED bytes wait for the writer; past that the tree drops instead).
-- `read(items, slots)` (engine thread) -> `Load`: the reader thread checks each `(extent, prefix, tokens,
-  salt)` and copies its rows into its share of `slots` (rows of pool slots no one else writes: they are
-  allocated to the load). `Load.done` / `Load.ok` (per item, in order) are set when it is finished; `wait`.
+- `spill(items)` (engine thread, between steps): copies the K/V of each `SpillItem` out of the pool into
+  staging tensors, returns one `Extent` per item and queues the writes; the caller may free the slots at
+  once. The writer thread hashes and writes each file (temporary name, then rename); until it is written,
+  reads are served from its staging copy. `room(n)`: whether `n` more tokens may be staged (at most
+  MAX_STAGED bytes wait for the writer; past that the policy drops instead).
+- `read(items, slots)` (engine thread) -> `Load`: the reader thread checks each `ReadItem` and copies its
+  rows into its share of `slots` (rows of pool slots no one else writes: they are allocated to the load).
+  `Load.done` / `Load.ok` (per item, in order) are set when it is finished; `wait`.
 - `release(extent)`: one reference to a file fewer; the file is deleted (by the writer thread, after any
   write still queued for it) when none is left. `bytes` counts the live files' sizes on disk: a file staged
   for the writer counts at an upper bound of its size (`file_bytes`), replaced by its size once written (0 if
@@ -83,6 +84,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
@@ -141,11 +143,40 @@ class Extent:
     length: int
 
 
+class SpillItem(NamedTuple):
+    """A node's KV to write: the tokens on its tree path before it, its own, its partition, its pool slots."""
+
+    prefix: list[int]
+    tokens: list[int]
+    salt: str | None
+    slots: torch.Tensor
+
+
+class ReadItem(NamedTuple):
+    """A node's KV to read back from `extent`, checked against the tree path it is read for (module doc)."""
+
+    extent: Extent
+    prefix: list[int]
+    tokens: list[int]
+    salt: str | None
+
+
+class ScannedFile(NamedTuple):
+    """A usable file `scan` found: its modification time (the LRU order), size and what it holds."""
+
+    mtime_ns: int
+    path: Path
+    bytes: int
+    salt: str | None
+    prefix: list[int]
+    tokens: list[int]
+
+
 @dataclass
 class Load:
     """A read of several extents into pool slots (reader thread); `ok[i]` per item once `done` is set."""
 
-    items: list
+    items: list[ReadItem]
     slots: torch.Tensor
     done: threading.Event = field(default_factory=threading.Event)
     ok: list[bool] = field(default_factory=list)
@@ -286,8 +317,8 @@ class DiskTier:
         their K/V, both token lists (int64) and the header (the salt's JSON at most doubled by escaping)."""
         return n_tokens * self._token_bytes + 8 * (prefix_len + n_tokens) + HEADER_BYTES + 2 * len(json.dumps(salt))
 
-    def spill(self, items) -> list[Extent]:
-        """`items`: (prefix, tokens, salt, slots) per node; one Extent each (module doc)."""
+    def spill(self, items: list[SpillItem]) -> list[Extent]:
+        """One Extent per item (module doc)."""
         extents = []
         for prefix, tokens, salt, slots in items:
             k = self.pool.k[:, :, slots]  # a copy: the slots may be reused as soon as this returns
@@ -370,8 +401,8 @@ class DiskTier:
         return size
 
     # -- reading back --------------------------------------------------------------------------------
-    def read(self, items, slots: torch.Tensor) -> Load:
-        """`items`: (extent, prefix, tokens, salt) per node, in tree order; their rows go to `slots` in order."""
+    def read(self, items: list[ReadItem], slots: torch.Tensor) -> Load:
+        """`items` in tree order; their rows go to `slots` in order."""
         load = Load(list(items), slots)
         self._reads.put(load)
         return load
@@ -383,11 +414,12 @@ class DiskTier:
             if load is None:
                 return
             slots, at = load.slots.numpy(), 0
-            for extent, prefix, tokens, salt in load.items:
+            for item in load.items:
+                extent = item.extent
                 rows = slots[at:at + extent.length]
                 at += extent.length
                 try:
-                    k, v = self._check(extent, prefix, tokens, salt)
+                    k, v = self._check(item)
                     pool_k[:, :, rows] = _as_numpy(k)[:, :, extent.offset:extent.offset + extent.length]
                     pool_v[:, :, rows] = _as_numpy(v)[:, :, extent.offset:extent.offset + extent.length]
                     load.ok.append(True)
@@ -396,11 +428,13 @@ class DiskTier:
                                 extent.file.path.name, e)
                     self.failed_reads += 1
                     load.ok.append(False)
-            self.read_tokens += sum(e.length for (e, *_), ok in zip(load.items, load.ok) if ok)
+            self.read_tokens += sum(item.extent.length for item, ok in zip(load.items, load.ok) if ok)
             load.done.set()
 
-    def _check(self, extent: Extent, prefix: list[int], tokens: list[int], salt):
-        """The file's K/V if it is the KV of `prefix + tokens` under `salt` (module doc), else ValueError."""
+    def _check(self, item: ReadItem):
+        """The file's K/V if it is the KV of the item's `prefix + tokens` under its `salt` (module doc), else
+        ValueError."""
+        extent, prefix, tokens, salt = item
         with extent.file.lock:
             staged = extent.file.staging
         if staged is not None:
@@ -421,12 +455,12 @@ class DiskTier:
         return k, v
 
     # -- start and stop --------------------------------------------------------------------------------
-    def scan(self, vocab_size: int) -> list[tuple[int, Path, int, object, list[int], list[int]]]:
-        """Every usable file of this tier as (mtime_ns, path, bytes, salt, prefix, tokens), shortest prefix first,
-        then least recently used first. Removed (one log line each): temporary files of writes that never
-        finished, and files that are not this tier's (another format or fingerprint, a header over MAX_HEADER,
-        token ids outside `[0, vocab_size)`); what is not a regular file is left alone (one log line). Files are
-        opened as `read` opens them (`_open`); the KV is checked only when read back (`read`)."""
+    def scan(self, vocab_size: int) -> list[ScannedFile]:
+        """Every usable file of this tier, shortest prefix first, then least recently used first. Removed (one log
+        line each): temporary files of writes that never finished, and files that are not this tier's (another
+        format or fingerprint, a header over MAX_HEADER, token ids outside `[0, vocab_size)`); what is not a
+        regular file is left alone (one log line). Files are opened as `read` opens them (`_open`); the KV is
+        checked only when read back (`read`)."""
         found = []
         for path in self.path.iterdir():
             if path.name.startswith(".") and path.name.endswith(".tmp"):
@@ -444,10 +478,10 @@ class DiskTier:
             except Exception as e:  # noqa: BLE001 -- an unreadable file is deleted: it can serve nothing
                 log.warning("kvql disk tier: %s removed (%s)", path.name, e)
                 path.unlink(missing_ok=True)
-        found.sort(key=lambda f: (len(f[4]), f[0]))
+        found.sort(key=lambda f: (len(f.prefix), f.mtime_ns))
         return found
 
-    def _scan_one(self, path: Path, vocab_size: int):
+    def _scan_one(self, path: Path, vocab_size: int) -> ScannedFile:
         meta, tensors, st = _read(path, names=("prefix", "tokens"))
         if meta.get("kvql_format") != FORMAT or meta.get("fingerprint") != self.digest:
             raise ValueError("another format or model")
@@ -460,7 +494,7 @@ class DiskTier:
             raise ValueError(f"no tokens, or token ids outside the vocabulary [0, {vocab_size})")
         if not isinstance(salt, (str, type(None))):
             raise ValueError("a cache partition that is not a string")
-        return st.st_mtime_ns, path, st.st_size, salt, prefix.tolist(), tokens.tolist()
+        return ScannedFile(st.st_mtime_ns, path, st.st_size, salt, prefix.tolist(), tokens.tolist())
 
     def release_unused(self, file: TierFile) -> None:
         """A file `scan` found that the tree cannot use (no file holds its prefix, or others hold all its

@@ -19,21 +19,25 @@ Contract:
 - After `preempt` or `release` a request holds nothing: `kv_slots` empty, `node` None, `tree_len`
   and `num_computed` 0. With `keep` its computed KV stays in the tree, unlocked, for reuse.
 - `max_cached` (the request's) bounds what `admit` takes from the tree (invariant 3).
-- Disk tier (`tree.tier`, disk_tier.py): `load_prefix(req)` starts reading back the KV on disk that continues a
-  waiting request's cached prefix into newly allocated slots (held by the read, not by any request; the
-  pool node above them locked meanwhile) and says the request must wait; `install_loads()` (between steps)
-  hands finished reads to the tree, so the request's next `admit` matches them. A read that fails its
-  checks drops the nodes it was for: their tokens are computed, never wrong.
+- Disk tier (`tier_policy`, tier_policy.py; None without one, persistence.py opens it): `load_prefix(req)`
+  starts reading back the KV on disk that continues a waiting request's cached prefix into newly allocated
+  slots (held by the read, not by any request; the pool node above them locked meanwhile) and says the
+  request must wait; `install_loads()` (between steps) hands finished reads to the tree, so the request's
+  next `admit` matches them. A read that fails its checks drops the nodes it was for: their tokens are
+  computed, never wrong.
 """
 
 from __future__ import annotations
 
 import collections
+from typing import NamedTuple
 
 import torch
 
+from .disk_tier import Load
 from .kv_pool import KVPool
 from .radix_cache import Node, RadixCache
+from .tier_policy import TierPolicy
 from ..request import Request, State
 
 _NEXT = {
@@ -50,10 +54,20 @@ MAX_LOADS = 4
 """Reads back in flight at most: each holds its slots from its start; a request with more to read waits."""
 
 
+class ReadBack(NamedTuple):
+    """A read back in flight (`load_prefix`): the tier's load, the pool node above the nodes it reads (locked
+    until they are installed), and those nodes in path order."""
+
+    load: Load
+    node: Node
+    path: list[Node]
+
+
 class Memory:
     def __init__(self, pool: KVPool, tree: RadixCache):
         self.pool, self.tree = pool, tree
-        self.loads: list[tuple] = []  # (disk_tier.Load, the locked pool node above it, its nodes in path order)
+        self.tier_policy: TierPolicy | None = None
+        self.loads: list[ReadBack] = []
 
     # -- transitions -----------------------------------------------------------------------------
     def admit(self, req: Request, budget: int, reserve: int = 0) -> int:
@@ -70,64 +84,56 @@ class Memory:
         self._move(req, State.RUNNING)
         req.kv_slots, req.node = torch.cat([slots, new]), node
         req.tree_len = req.num_computed = slots.numel()
-        req.disk_tokens += self.tree.served_from_disk(node)
+        if self.tier_policy is not None:
+            req.disk_tokens += self.tier_policy.served(node)
         return n
 
     # -- the disk tier ---------------------------------------------------------------------------
     def load_prefix(self, req: Request, reserve: int = 0) -> bool:
         """Whether the waiting `req` must wait for KV read back from disk: a read of the nodes on disk that
         continue its cached prefix is in flight (one it starts now, or another request's). False: admit it."""
+        tier = self.tier_policy
         tokens = req.tokens[:req.max_cached()]
         slots, node = self.tree.match_prefix(tokens, req.salt)
-        path, busy = self.tree.disk_path(node, tokens, slots.numel())
+        path, busy = tier.disk_path(node, tokens, slots.numel())
         n = sum(len(x.key) for x in path)
         if busy or n < MIN_LOAD_TOKENS:
             return busy
         if len(self.loads) >= MAX_LOADS:
             return True  # wait for a read to finish: reading back is far cheaper than computing
-        for x in path:
-            x.loading = True  # before allocating: what the allocation evicts must not drop them
+        tier.reading(path, True)  # before allocating: what the allocation evicts must not drop them
         self.tree.lock(node)
         new = self._alloc(n, reserve)
         if new is None:
-            for x in path:
-                x.loading = False
+            tier.reading(path, False)
             self.tree.unlock(node)
             return False
-        items, pos = [], slots.numel()
-        for x in path:
-            items.append((x.extent, tokens[:pos], x.key, req.salt))
-            pos += len(x.key)
-        self.loads.append((self.tree.tier.read(items, new), node, path))
+        self.loads.append(ReadBack(tier.read(path, tokens, slots.numel(), req.salt, new), node, path))
         return True
 
     def install_loads(self) -> None:
         """Hand every finished read back to the tree (module doc); a node a request computed meanwhile keeps
         its computed copy, and the rows read for it are freed."""
-        for entry in [e for e in self.loads if e[0].done.is_set()]:
-            self.loads.remove(entry)
-            load, node, path = entry
+        tier = self.tier_policy
+        for read in [r for r in self.loads if r.load.done.is_set()]:
+            self.loads.remove(read)
             at, dropped = 0, False
-            for x, (extent, *_), ok in zip(path, load.items, load.ok):
-                rows, at = load.slots[at:at + extent.length], at + extent.length
-                if not dropped and x.loading and x.slots is None:
+            for x, item, ok in zip(read.path, read.load.items, read.load.ok):
+                rows, at = read.load.slots[at:at + item.extent.length], at + item.extent.length
+                if not dropped and x.slots is None and tier.pinned(x):
                     if ok:  # `x` may have lost leading tokens to a split since (its key is a suffix of theirs)
-                        x.loading = False
-                        self.tree.install(x, rows[rows.numel() - len(x.key):])
+                        tier.install(x, rows[rows.numel() - len(x.key):])
                         rows = rows[:rows.numel() - len(x.key)]
                     else:  # everything below it goes with it
-                        for y in path:
-                            y.loading = False
-                        self.tree.drop_disk(x)
+                        tier.miss(read.path, x)
                         dropped = True
-                x.loading = False
                 self.pool.free(rows)
-            self.tree.unlock(node)
+            self.tree.unlock(read.node)
 
     def wait_loads(self, timeout: float) -> None:
         """Block until a read back in flight finishes (or `timeout` seconds): a step with nothing else to do."""
         if self.loads:
-            self.loads[0][0].done.wait(timeout)
+            self.loads[0].load.done.wait(timeout)
 
     def extend(self, req: Request, n: int) -> bool:
         """Allocate slots for the RUNNING request's next `n` tokens; False (nothing changes) if the
@@ -213,7 +219,7 @@ class Memory:
         """Assert the engine's invariants over the pool, the tree and the requests (between steps).
         `full=False`: O(running requests) arithmetic only, for a health probe."""
         own = sum(r.kv_slots.numel() - r.tree_len for r in running)
-        loading = sum(load.slots.numel() for load, *_ in self.loads)
+        loading = sum(read.load.slots.numel() for read in self.loads)
         assert self.pool.num_free + self.tree.total_tokens + own + loading == self.pool.num_slots, (
             f"invariant 2: slots leaked or doubled: free {self.pool.num_free} + tree {self.tree.total_tokens} "
             f"+ running {own} + reading back {loading} != pool {self.pool.num_slots}")
@@ -240,6 +246,8 @@ class Memory:
                     self._check_holds_nothing(r)
         self._check_slots(running)
         self._check_locks_and_paths(running)
+        if self.tier_policy is not None:
+            self.tier_policy.check_integrity()
 
     @staticmethod
     def _check_holds_nothing(r: Request) -> None:
@@ -249,7 +257,7 @@ class Memory:
     def _check_slots(self, running: list[Request]) -> None:
         """Invariant 2, slot by slot: free, tree and running requests' own slots partition the pool."""
         free, tree = self.pool.free_slots(), self.tree.held_slots()
-        own = [r.kv_slots[r.tree_len:] for r in running] + [load.slots for load, *_ in self.loads]
+        own = [r.kv_slots[r.tree_len:] for r in running] + [read.load.slots for read in self.loads]
         every = torch.cat([free, tree, *own])
         assert every.numel() == self.pool.num_slots, (
             f"invariant 2: free {free.numel()} + tree {tree.numel()} + running {every.numel() - free.numel() - tree.numel()} "
@@ -278,8 +286,10 @@ class Memory:
             slots = torch.cat([n.slots for n in path]) if path else r.kv_slots[:0]
             assert torch.equal(slots, r.kv_slots[:r.tree_len]), (
                 f"invariant 1: request {r.rid}: kv_slots[:tree_len] are not the slots of its tree path")
-        for _, node, path in self.loads:  # a read back locks the pool node above the nodes it reads
-            assert all(x.loading or x.slots is not None for x in path), "a node read back is not marked so"
+        for read in self.loads:  # a read back locks the pool node above the nodes it reads
+            assert all(x.slots is not None or self.tier_policy.pinned(x) for x in read.path), \
+                "a node read back is not marked so"
+            node = read.node
             while node.parent is not None:
                 expected[id(node)] += 1
                 node = node.parent

@@ -1,13 +1,14 @@
 """Persistence of an engine's cache (`Persistence`, mixed into `kvql.engine.engine.Engine`): the disk tier
-opened at start and the tree rebuilt from its files, the pool's nodes written to it (`save_cache`: when idle
-every `save_interval` seconds, autosave.py, and at `close`), the fingerprint that names its directory. One format:
-the tier's files (disk_tier.py) are both the second cache tier and what a restart starts from.
+opened at start with its policy (tier_policy.py: the tree's hook and `Memory.tier_policy`) and the tree rebuilt
+from its files, the pool's nodes written to it (`save_cache`: when idle every `save_interval` seconds,
+autosave.py, and at `close`), the fingerprint that names its directory. One format: the tier's files
+(disk_tier.py) are both the second cache tier and what a restart starts from.
 
 Never fails a start over a cache: a directory another process holds (disk_tier.TierBusy), or one that cannot be
 created, read or written (disk_tier.TierUnavailable: a read-only or full disk, a file in its place) is one WARNING
 line (logger `kvql.cache`) and the engine runs with its memory budget alone; unusable files are misses
 (disk_tier.py). (A disk too full for the default `disk_budget` is told apart earlier: kvql.backends.local.)
-Uses the engine's state lock, tree, pool, runner and tokenizer."""
+Uses the engine's state lock, tree, memory, pool, runner and tokenizer."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from pathlib import Path
 
 from .. import openmp
 from .autosave import Autosave
-from .disk_tier import FORMAT, DiskTier, Extent, TierUnavailable
+from .disk_tier import FORMAT, DiskTier, TierUnavailable
 from .fingerprint import fingerprint
+from .tier_policy import TierPolicy
 
 log = logging.getLogger("kvql.cache")
 LEGACY = "kv-cache-*.safetensors"
@@ -44,31 +46,11 @@ class Persistence:
         except TierUnavailable as e:  # TierBusy among them
             log.warning("disk cache not used: %s; this model keeps its cache in memory only", e)
             return
-        self.tree.tier = tier
-        self._rebuild_from_tier()
+        policy = TierPolicy(tier, self.tree)
+        self.tree.hook = self.memory.tier_policy = policy
+        policy.rebuild(int(self.runner.model.config.get_text_config().vocab_size))
         if save_interval > 0:
             self._autosave = Autosave(self, save_interval)
-
-    def _rebuild_from_tier(self) -> None:
-        """Every file of the tier whose prefix the others spell becomes a node on disk (radix_cache.attach_disk);
-        least recently used first in the LRU order; files no node can use are deleted."""
-        tier, used = self.tree.tier, []
-        vocab = int(self.runner.model.config.get_text_config().vocab_size)
-        for mtime, path, nbytes, salt, prefix, tokens in tier.scan(vocab):
-            file = tier.adopt(path, nbytes)
-
-            def extent(offset, length, file=file):
-                file.refs += 1
-                return Extent(file, offset, length)
-
-            node = self.tree.attach_disk(prefix, tokens, salt, extent)
-            if node is None:
-                tier.release_unused(file)
-            else:
-                used.append((mtime, node))
-        for _, node in sorted(used, key=lambda u: u[0]):
-            self.tree.touch(node)
-        self.tree.reclaim_disk()
 
     @openmp.releases_caller
     def save_cache(self) -> dict:
@@ -76,20 +58,20 @@ class Persistence:
         nothing) and give the files the tree's LRU order; `{"tokens": written, "tier_bytes": ...}` once the files
         are on disk. Steps run between batches of at most disk_tier.MAX_STAGED bytes: holding the engine only
         while a batch is copied out of the pool. ValueError without a disk tier."""
-        tier = self.tree.tier
-        if tier is None or tier.closed:
+        policy = self.memory.tier_policy
+        if policy is None or policy.disk.closed:
             raise ValueError("save_cache needs an open disk tier: kvql.model(..., disk_cache=DIR)")
-        written = 0
+        tier, written = policy.disk, 0
         with self._state:
-            todo = self.tree.unwritten()
+            todo = policy.unwritten()
         while todo:
             with self._state:
-                n, todo = self.tree.write_back(todo)
-            written += n
+                staged = policy.write_back(todo)
+            written, todo = written + staged.tokens, staged.todo
             tier.flush()
         with self._state:
-            self.tree.reclaim_disk()
-            self.tree.order_files()
+            policy.reclaim()
+            policy.order()
         tier.flush()
         self.saves += 1
         return {"tokens": written, "tier_bytes": tier.bytes}
@@ -97,11 +79,11 @@ class Persistence:
     def _close_tier(self) -> None:
         """At `close` (holding the engine, its autosave stopped): finish reads in flight, write the pool's nodes,
         let go of the tier."""
-        tier = self.tree.tier
-        if tier is None or tier.closed:
+        policy = self.memory.tier_policy
+        if policy is None or policy.disk.closed:
             return
-        for load, *_ in self.memory.loads:
-            load.done.wait()
+        for read in self.memory.loads:
+            read.load.done.wait()
         self.memory.install_loads()
         self.save_cache()  # the next start finds what only the pool held
-        tier.close()
+        policy.disk.close()
