@@ -20,26 +20,9 @@ What a backend offers:
   token ids) after the prompt, under the raw model distribution.
 - `stats()`: the backend's counters (prompt, cached and computed tokens, hit rate where known).
 
-Generation options (every backend accepts these names; unknown ones raise TypeError; their defaults and
-the checks every backend shares are written once, in `kvql.backends.options.GenerateOptions`):
-    max_tokens=16, min_tokens=0 (vLLM's meaning: no end of sequence before that many tokens unless the
-    constraint allows nothing else, and stop strings count only where they end after those tokens' text;
-    see `kvql.engine.decode.masks`), stop (strings; the text
-    ends before the first one found, `stop_reason` names it), stop_fn (called with the generated ids and
-    text after each token or streamed chunk; True ends the sequence, the text is not cut: it may run past
-    the point where the function first said True), temperature=0.0, top_p=1.0, top_k=0,
-    repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, n=1, seed=None,
-    logprobs=None (the k most likely tokens at each step, by id), masked_logprobs=False (log-probabilities
-    of the constrained distribution), ignore_eos=False (end-of-sequence tokens do not end the output; under
-    a constraint its grammar's end still does, as in vLLM), cache_salt=None; at most one constraint:
-    regex, choices, json_schema, grammar (Lark, llguidance dialect: `&` and `~` allowed); and
-    grammar_prefix=0: the constraint's value began that many tokens before the end of the prompt (the
-    last `grammar_prefix` prompt tokens are the start of the constrained value; beam search uses it);
-    heal=False (token healing, needs `HEAL`): back up the prompt's last token(s) and generate them again, the
-    text constrained to start with theirs and then to meet the constraint (one grammar), so a token may
-    span the prompt's end ("A: " + " yes"); `text`, stops, `max_tokens` and `min_tokens` are the value's
-    (after that text; `Completion.healed` says what was backed up). Off by default: the prompt's last tokens
-    change. The rule of how many: `kvql.engine.decode.healing`.
+Generation options: `kvql.backends.options.GenerateOptions` is the one list of them (every backend accepts
+these names; unknown ones raise TypeError): each option's name, default, meaning and checks, and how it
+reaches the engine, a server's request body and the HTTP fields.
 `agenerate` (and the model objects' `generate` and `complete`) also take progress=False: True shows a tqdm bar of completions
 done / total on stderr, as vLLM's `LLM.generate(use_tqdm=True)` does; a callable is called as tqdm is
 (`functools.partial(tqdm, file=f)`, vLLM's other `use_tqdm` form). See `progress_bar`.
@@ -60,7 +43,7 @@ LOGPROBS = "logprobs"            # top-k log-probabilities by token id
 MASKED_LOGPROBS = "masked_logprobs"  # log-probabilities of the constrained distribution; grammar_prefix
 MIN_TOKENS = "min_tokens"
 STOP_FN = "stop_fn"
-SAMPLING = "sampling"            # top_k and the repetition / frequency / presence penalties
+SAMPLING = "sampling"            # top_k, min_p and repetition_penalty (OpenAI's API has none of them)
 CACHE_SALT = "cache_salt"
 TOKEN_GRAMMAR = "token_grammar"  # Lark grammars may name tokens by id (`<[123]>`, llguidance's syntax)
 HEAL = "heal"                    # token healing (the heal option)

@@ -63,6 +63,14 @@ def default_disk_budget(directory) -> int:
 _COMPILERS = {"regex": "regex", "choices": "choices", "json_schema": "json_schema", "grammar": "lark"}
 
 
+def engine_params(o: GenerateOptions, **by_hand) -> SamplingParams:
+    """The engine's parameters for one prompt under the checked options `o`: every option whose `engine` rule
+    (`kvql.backends.options.option`) is True, under its own name, and `by_hand`: what `LocalBackend._prepare`
+    made of the others (the mask, the stop function, `stop_after`) and of its own options (`prompt_logprobs`)."""
+    same = {name: getattr(o, name) for name, rule in GenerateOptions.rules("engine").items() if rule is True}
+    return SamplingParams(**same, **by_hand)
+
+
 class LocalBackend(Backend):
     """A causal LM behind kvql's engine: the local implementation of the backend contract
     (`kvql.backends.base`), with every capability. Thread-safe: calls from many threads or tasks share
@@ -183,10 +191,13 @@ class LocalBackend(Backend):
         return lambda ids, text: (bool(ids) and ids[-1] in eos) or (user is not None and user(ids, text))
 
     def _prepare(self, prompts, **options):
-        """Check every option and compile the constraint; nothing is queued yet. -> (ids, params, salt);
-        with `heal`, params is a list (one per prompt: each backs up its own tokens)."""
+        """Check every option and compile the constraint; nothing is queued yet. -> (ids, params, salt): each
+        prompt's token ids and the engine's parameters for it, one per prompt (with `heal`, each prompt backs up
+        its own tokens; else they share one)."""
         o, extra = GenerateOptions.read(options, LOCAL_OPTIONS)
         mask, logit_bias = extra.get("mask"), extra.get("logit_bias")
+        if mask is not None and not callable(mask):
+            raise TypeError("mask must be a callable (generated token ids -> bool tensor or None)")
         if mask is not None and o.constraint is not None:
             raise ValueError(f"give at most one of mask, {', '.join(base.CONSTRAINTS)}; got mask and {o.constraint[0]}")
         if o.heal and (mask is not None or o.grammar_prefix or logit_bias):
@@ -202,18 +213,15 @@ class LocalBackend(Backend):
         mask = masks.logit_bias(logit_bias, self.vocab_size, mask)
         if not o.heal:
             mask = masks.no_end_before(mask, o.min_tokens, self.eos_ids, self.vocab_size)
-        params = SamplingParams(max_tokens=o.max_tokens, temperature=float(o.temperature), top_p=float(o.top_p),
-                                top_k=o.top_k, repetition_penalty=float(o.repetition_penalty),
-                                frequency_penalty=float(o.frequency_penalty), presence_penalty=float(o.presence_penalty),
-                                n=o.n, seed=o.seed, stop=o.stop, stop_after=o.min_tokens, logprobs=o.logprobs, mask=mask,
-                                stop_fn=self._grammar_end(o), masked_logprobs=o.masked_logprobs, ignore_eos=o.ignore_eos,
-                                prompt_logprobs=extra.get("prompt_logprobs"))
-        params.validate()
+        params = engine_params(o, stop_after=o.min_tokens, mask=mask, stop_fn=self._grammar_end(o),
+                               prompt_logprobs=extra.get("prompt_logprobs"))
         if o.heal:
-            all_ids, params = self._heal(all_ids, params, o)
-        for i, ids in enumerate(all_ids):
-            self._check_fits(ids, params[i] if isinstance(params, list) else params, i)
-        return all_ids, params, o.cache_salt
+            all_ids, per_prompt = self._heal(all_ids, params, o)
+        else:
+            per_prompt = [params] * len(all_ids)
+        for i, (ids, p) in enumerate(zip(all_ids, per_prompt)):
+            self._check_fits(ids, p, i)
+        return all_ids, per_prompt, o.cache_salt
 
     def _heal(self, all_ids, params: SamplingParams, o: GenerateOptions):
         """heal=True: each prompt's healed ids and parameters (`kvql.engine.decode.healing`); a prompt with
@@ -242,8 +250,7 @@ class LocalBackend(Backend):
 
     def _enqueue(self, prepared, on_update=None) -> list[RequestGroup]:
         all_ids, params, cache_salt = prepared
-        return [self.engine.submit(ids, params[i] if isinstance(params, list) else params, index=i,
-                                   on_update=on_update, cache_salt=cache_salt)
+        return [self.engine.submit(ids, params[i], index=i, on_update=on_update, cache_salt=cache_salt)
                 for i, ids in enumerate(all_ids)]
 
     def _submit(self, prompts, on_update=None, **options) -> list[RequestGroup]:

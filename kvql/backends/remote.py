@@ -30,15 +30,18 @@ How each contract option travels (kvql serve and vLLM spell them alike; SGLang d
 - constraints: `structured_outputs.{regex, choice, json, grammar}` (Lark: vLLM's default backend
   falls back to llguidance for grammars xgrammar cannot read); SGLang: `regex`, `json_schema`
   (no Lark: `grammar` is refused there);
-- `min_tokens`, `stop`, `seed`, `top_k`, penalties, `ignore_eos`, `cache_salt`: fields of the same name
-  (SGLang's OpenAI endpoint also reads `min_tokens`; it reports the stop string as `matched_stop`);
 - `logprobs=k`: OpenAI's `logprobs` with `return_tokens_as_token_ids` (tokens spelled `token_id:N`);
 - `ascore`: `prompt_logprobs` on prompt + continuation;
 - `stop_fn`: the request is streamed, the function called on each chunk, and the stream closed
   (the server aborts the request) once it says stop;
 - `masked_logprobs` (beam search under a constraint) and `grammar_prefix`: no server returns the
   log-probabilities of the constrained distribution, so these are refused when a constraint or
-  `min_tokens` is given (without one, the raw distribution is the masked one).
+  `min_tokens` is given (without one, the raw distribution is the masked one);
+- every other option: the field of the same name, sent only when it is not at its default (`max_tokens`,
+  `temperature`, `top_p`, `n` always), refused where the server lacks what it needs (`top_k`, `min_p` and
+  `repetition_penalty` on an OpenAI-style server): each option's `remote` rule in
+  `kvql.backends.options.GenerateOptions` (SGLang's OpenAI endpoint also reads `min_tokens`; it reports the
+  stop string as `matched_stop`).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from . import base
 from .base import Backend, BackendError, StreamChunk, Unsupported
 from .bounded_http import (INTEGER, INTEGERS, LIST, NUMBER, OBJECT, STRING, Reply, Server, StatusError, error_message,
                            run_sync)
-from .options import GenerateOptions
+from .options import GenerateOptions, Sent
 from .server_tokenizer import ServerTokenizer
 
 QUICK_SECONDS = 30.0  # the deadline of requests that compute nothing (models, tokenizer, metrics), within timeout
@@ -77,6 +80,7 @@ _EXTRAS = {  # what each kind of server offers besides constraints
     "openai": {base.STOP_FN},
 }
 _CALLBACKS = ("mask",)  # Python functions that would have to run inside the server
+_DEFAULTS = GenerateOptions()  # an option at its default is not sent (the server's default is the same)
 
 
 class RemoteBackend(Backend):
@@ -187,44 +191,32 @@ class RemoteBackend(Backend):
         if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt
                                                 and all(isinstance(t, int) for t in prompt)):
             raise TypeError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
-        extra: dict = {}
+        spelled: dict = {}  # the constraint, as this server spells it
         for key, value in given.items():
             self.require(key, f"a {key} constraint")
             group, field = _SPELLINGS[self.kind][key]
             if self.kind == "sglang" and key == "json_schema" and not isinstance(value, str):
                 value = json.dumps(value)  # SGLang takes the schema as a string
-            (extra.setdefault(group, {}) if group else extra)[field] = value
+            (spelled.setdefault(group, {}) if group else spelled)[field] = value
         if o.masked_logprobs and (given or o.min_tokens):
             self.require(base.MASKED_LOGPROBS, "beam search under a constraint")
         if o.grammar_prefix and given:
             self.require(base.MASKED_LOGPROBS, "a constraint that starts inside the prompt (grammar_prefix)")
-        if o.min_tokens:
-            self.require(base.MIN_TOKENS, "min_tokens")
-            extra["min_tokens"] = o.min_tokens
         if o.stop_fn is not None:
             self.require(base.STOP_FN, "a stop function")
-        sampling = {"top_k": o.top_k, "repetition_penalty": o.repetition_penalty}
-        if o.top_k or o.repetition_penalty != 1.0:
-            self.require(base.SAMPLING, f"sampling options {sorted(k for k, v in sampling.items() if v)}")
-            extra.update({k: v for k, v in sampling.items() if v})
-        if o.ignore_eos:
-            extra["ignore_eos"] = True
-        if o.cache_salt is not None:
-            self.require(base.CACHE_SALT, "cache_salt (a per-tenant partition of the prefix cache)")
-            extra["cache_salt"] = o.cache_salt
+        body = {"model": self.name, "prompt": prompt}
+        for name, rule in GenerateOptions.rules("remote").items():  # those sent under their own names
+            value = getattr(o, name)
+            if isinstance(rule, Sent) and (rule.always or value != getattr(_DEFAULTS, name)):
+                if rule.needs is not None:
+                    self.require(rule.needs, f"the {name} option")
+                body[name] = list(value) if isinstance(value, tuple) else value
         if o.logprobs is not None:
             self.require(base.LOGPROBS, "log-probabilities by token id")
-            extra["return_tokens_as_token_ids"] = True
+            body.update(logprobs=o.logprobs, return_tokens_as_token_ids=True)
         if self.kind in ("kvql", "vllm", "sglang"):
-            extra["return_token_ids"] = True
-        body = dict(model=self.name, prompt=prompt, max_tokens=o.max_tokens, temperature=o.temperature,
-                    top_p=o.top_p, n=o.n, **extra)
-        for key, value in (("stop", list(o.stop) or None), ("seed", o.seed), ("logprobs", o.logprobs)):
-            if value is not None:
-                body[key] = value
-        for key, value in (("frequency_penalty", o.frequency_penalty), ("presence_penalty", o.presence_penalty)):
-            if value:  # sent only when set: not every server takes them
-                body[key] = value
+            body["return_token_ids"] = True
+        body.update(spelled)
         return body, o.stop_fn
 
     async def _complete(self, body: dict) -> Reply:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,10 +31,17 @@ The text is not cut: the caller decides where its value ends."""
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One prompt's request parameters, made by the engine's caller from options it has checked (kvql's local
+    backend translates the generation options of its contract, where each option is declared, defaulted and
+    checked). The engine checks only what keeps one request from failing others (`__post_init__`); a value
+    that makes sampling fail (a bad mask, a NaN temperature) fails its own request, inside the request's
+    error boundary (outputs.py)."""
+
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0                   # sample among the k most likely tokens only; 0: all
+    min_p: float = 0.0               # drop tokens below min_p times the top token's probability (vLLM's); 0: off
     repetition_penalty: float = 1.0  # >1 discourages tokens already in prompt or output (CTRL / HF semantics)
     frequency_penalty: float = 0.0   # subtracted per earlier occurrence in the output (OpenAI / vLLM semantics)
     presence_penalty: float = 0.0    # subtracted once if the token occurred in the output
@@ -51,33 +57,19 @@ class SamplingParams:
     ignore_eos: bool = False
     healing: object = None  # token healing (kvql.engine.decode.healing.Healing): its text starts the output, not `text`
 
-    def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:  # NaN fails this too
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0: no limit), got {self.top_k!r}")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: none), got {self.repetition_penalty!r}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+    def __post_init__(self):
+        """The values the engine thread uses outside a request's error boundary (making its `Request`,
+        scheduling it, scoring its prompt in a step's bookkeeping) must be of the kind it uses: a wrong one
+        would fail every request of the step. Ranges and meaning are the caller's to check."""
         k = self.prompt_logprobs
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20):
-            raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {k!r}")
-        if self.mask is not None and not callable(self.mask):
-            raise TypeError("mask must be a callable (generated token ids -> bool tensor or None)")
-        if self.stop_fn is not None and not callable(self.stop_fn):
-            raise TypeError("stop_fn must be a callable (generated token ids, text -> bool)")
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {k!r}")  # topk over the row
+        kinds = {"max_tokens": isinstance(self.max_tokens, int), "n": isinstance(self.n, int),
+                 "temperature": isinstance(self.temperature, (int, float)),
+                 "seed": self.seed is None or isinstance(self.seed, int),
+                 "stop": all(isinstance(s, str) for s in self.stop)}
+        if not all(kinds.values()):
+            raise TypeError(f"SamplingParams: {', '.join(k for k, ok in kinds.items() if not ok)} of the wrong kind")
 
 
 class RequestGroup:

@@ -31,9 +31,10 @@ Fields the `openai` client, LangChain and LiteLLM send, with OpenAI's meaning: `
 completions' `best_of` only equal to `n`, `suffix` only empty. `logit_bias` (token id -> bias in [-100, 100]): kvql has no additive logit
 bias, so only the two values OpenAI documents as absolute are taken, implemented exactly as a mask
 (kvql.engine.decode.masks): -100 bans the token, 100 restricts sampling to the tokens given 100; `{}` is no bias; any
-other value is a 400 naming the field. `min_p`: kvql's sampler has no min-p filter, and a mask cannot
-express one (it sees ids, not probabilities), so it is taken at 0 / null, or at any value with
-`temperature: 0` (greedy picks the most likely token, which min-p always keeps); else a 400.
+other value is a 400 naming the field. `min_p` (vLLM's and SGLang's, in [0, 1]; 0 / null: off): when sampling,
+tokens whose probability is below min_p times the most likely token's are removed (kvql.engine.decode.sampler).
+The fields that are generation options reach the model as `kvql.backends.options.GenerateOptions` says
+(`kvql.server.served.Served.options`).
 Any other field is refused with a 400 naming it: in particular the old `guided_*` fields, which
 some servers ignore silently (the message names the spelling kvql takes, `RENAMED`).
 """
@@ -112,7 +113,7 @@ class _Common(_Strict):
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's: -1, 0 or none: every token
-    min_p: float | None = Field(default=None, ge=0, le=1)  # 0 / none, or any with temperature 0 (see above)
+    min_p: float | None = Field(default=None, ge=0, le=1)  # vLLM's and SGLang's; 0 / none: off
     logit_bias: dict[str, float] | None = None  # token id -> -100 (banned) or 100 (only these); see above
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
@@ -268,9 +269,6 @@ def parse_request(raw: bytes, cls: type[_Common]) -> _Common:
         if value != accepted:
             raise RequestError(f"{field}: {json.dumps(value)} is not supported; kvql serve takes only "
                                f"{json.dumps(accepted)} ({instead})", field)
-    if req.min_p and req.temperature > 0:
-        raise RequestError(f"min_p {req.min_p} is not supported when sampling (temperature > 0): kvql's sampler "
-                           "has no min-p filter; use top_p or top_k, or min_p 0", "min_p")
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options is only allowed with stream: true", "stream_options")
     if getattr(req, "best_of", None) not in (None, req.n):

@@ -11,6 +11,7 @@ import hashlib
 import jinja2
 from fastapi import Request
 
+from ..backends.options import GenerateOptions
 from . import streaming, tools
 from .errors import request_errors, unless_disconnected
 from .logprobs import PROMPT_TOP
@@ -42,7 +43,8 @@ class Served:
         return req
 
     def options(self, request: Request, req, logprobs, prompt_tokens: int | None = None, constraint=None) -> dict:
-        """The request's fields as the model's generation options (`logprobs`: the top-k to return).
+        """The request's fields as the model's generation options (`logprobs`: the top-k to return): the HTTP
+        translation of `GenerateOptions` (each option's `http` rule says which field it is read from).
         Without max_tokens: a completion gets 16 tokens (OpenAI's and vLLM's default); a chat, whose
         `prompt_tokens` are given, the rest of what a request may hold (the context, or the cache budget where
         smaller), within the server's cap (as vLLM: a chat's answer runs to its end). `constraint`: generate
@@ -59,11 +61,11 @@ class Served:
                                "max_tokens")
         if req.min_tokens > max_tokens:
             raise RequestError(f"min_tokens must be at most max_tokens={max_tokens}, got {req.min_tokens}", "min_tokens")
-        opts = dict(max_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p, n=req.n,
-                    seed=req.seed, stop=req.stop, logprobs=logprobs, ignore_eos=req.ignore_eos,
-                    min_tokens=req.min_tokens, logit_bias=req.logit_bias or None,
-                    top_k=max(req.top_k or 0, 0), frequency_penalty=req.frequency_penalty,
-                    presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty)
+        # the options HTTP spells as Python does (a null field: the option's default), then the others
+        opts = {name: getattr(req, name) for name, rule in GenerateOptions.rules("http").items()
+                if rule is True and getattr(req, name) is not None}
+        opts.update(max_tokens=max(max_tokens, 1), logprobs=logprobs, top_k=max(req.top_k or 0, 0),  # vLLM's -1: 0
+                    logit_bias=req.logit_bias or None)
         constraints = constraint_options(req)
         if constraint and constraints:
             raise RequestError("tools (with tool_choice other than none) constrain the output themselves: they do not "

@@ -7,6 +7,8 @@ split across the thread pool), numpy's 1-55 us. Same results: ties and NaN go to
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -66,6 +68,15 @@ def _penalize(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return logits
 
 
+def _min_p(scaled: torch.Tensor, min_p: float) -> torch.Tensor:
+    """vLLM's and SGLang's min-p on a temperature-scaled row: a token whose probability is below `min_p` times
+    the most likely token's is removed. That ratio is exp(its logit - the top logit) whatever the row's
+    normalization, so the test is on logits: no softmax, and exact at min_p=1 (only the top logit and its
+    ties stay). Top-k keeps the top logit, so the two filters commute: applying it after top-k is vLLM's
+    order (min-p, then top-k and top-p, which renormalizes what is left)."""
+    return scaled.masked_fill(scaled < scaled.max() + math.log(min_p), float("-inf"))
+
+
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy, as in vLLM: `logits / t` overflows to inf for tiny `t`."""
 
@@ -120,8 +131,8 @@ def sample(logits: torch.Tensor, req: Request, draft: int | None = None) -> tupl
 
     Penalties first (repetition, frequency, presence; at their defaults the logits are untouched, so
     greedy output stays exact), then the mask. Greedy when temperature is below `GREEDY_BELOW` (ties
-    go to the lowest id, as in `torch.argmax`); otherwise temperature, then top-k, then nucleus
-    (top-p) filtering, then a draw from the request's own seeded generator.
+    go to the lowest id, as in `torch.argmax`); otherwise temperature, then top-k, then min-p (`_min_p`), then
+    nucleus (top-p) filtering, then a draw from the request's own seeded generator.
     Logprobs are those of the raw model distribution (before penalties, mask and temperature), or of
     the masked (and penalized) one with `masked_logprobs`.
     `draft`: a drafted token this row verifies (speculative decoding). Greedy: ignored (the caller compares).
@@ -144,6 +155,8 @@ def sample(logits: torch.Tensor, req: Request, draft: int | None = None) -> tupl
         if 0 < p.top_k < scaled.numel():
             kth = torch.topk(scaled, p.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))  # ties with the k-th stay in
+        if p.min_p > 0:
+            scaled = _min_p(scaled, p.min_p)
         probs = torch.softmax(scaled, dim=-1)
         if p.top_p < 1:
             sorted_probs, order = torch.sort(probs, descending=True)
