@@ -41,7 +41,7 @@ class Context(Holes, Nested):
         self._early: list[str] = []  # model text before the prompt exists
         self._shown = text if shown is None else shown  # the prompt as LMQL shows it (<lmql:user/> tags)
         self._role, self._roles_seen = role, roles_seen
-        self._holes = 0
+        self._holes = 0  # holes sampled so far: each one's seed differs (`Holes._seed`)
         self.variables: dict = {}
         self._hole_log: list[TraceHole] = []
         self._started = time.perf_counter()
@@ -50,12 +50,8 @@ class Context(Holes, Nested):
         self.computed_tokens = 0
         self.disk_tokens = 0  # of the cached ones, read back from the engine's disk tier (Completion.disk_tokens)
         self.requests = 0
-        self._filled_by: tuple[str, int, str] | None = None  # (hole, tokens, bound): a hole the budget ended
-        self._healed: tuple[int, str, list[int]] | None = None  # the last hole's healing, for its value's tokens
-        self._prepared = 0.0  # the last hole's backend time before its request was queued (Completion.prepare_seconds)
-        # the last hole's forced tokens for its trace: (their indices in the tokens its value is added with,
-        # how many of them are the value's own: see Completion.forced and .healed_output_tokens)
-        self._forced: tuple[list[int], int] = ([], 0)
+        # (hole, tokens, bound): a hole the budget ended, named when a later hole finds no room
+        self._filled_by: tuple[str, int, str] | None = None
 
     @functools.cached_property
     def buffer(self) -> Prompt:

@@ -19,9 +19,10 @@ from .constraints import INT_REGEX, And, Atom, Node
 from .decorators import Chain
 from .errors import InvalidCondition, QueryError, UnmetConstraint
 from .hole_plan import HolePlan, Stop, plan_for
+from .hole_result import HoleResult
 from .json_types import from_json
 from .program import Program
-from .trace import TraceHole, where_text
+from .trace import where_text
 from .value_check import fewest_tokens, longest_token
 
 FLOAT_REGEX = r" ?-?[0-9]+(\.[0-9]+)?"
@@ -65,78 +66,161 @@ def _constraint(plan: HolePlan, model, heal: bool = False) -> dict:
     return {"grammar": lark} if lark else {}
 
 
+def _stops(plan: HolePlan, guard: dict) -> dict:
+    """The request's stop option: the phrases, or, where the hole has a length lower bound, a `stop_fn`
+    guarded by it: stop phrases count once the length conditions hold (`guard["chars"]` is set to the
+    text's length when the value reaches min_tokens)."""
+    if not plan.stops:
+        return {}
+    if not (plan.min_tokens or plan.min_chars):
+        return {"stop": [s.phrase for s in plan.stops]}
+
+    def stop_fn(out, text):
+        if guard["chars"] is None and len(out) >= plan.min_tokens:
+            guard["chars"] = len(text)
+        return plan.stop_index(text, guard["chars"]) is not None
+    return {"stop_fn": stop_fn}
+
+
+def _is_query(type) -> bool:
+    """`[X: q]` names a query `q`, or a query defined as a method: the hole is a nested query."""
+    return isinstance(type, Program) or isinstance(getattr(type, "__func__", None), Program)
+
+
+def _typed(name: str, constraint, type):
+    """The hole's constraint with what its type adds: `[X: float]` a number's regex, `[P: Person]` (a
+    dataclass) `where type(P) is Person`; QueryError for a type a hole cannot have."""
+    if type is float:
+        return _and(constraint, Atom("regex", name, FLOAT_REGEX))
+    if isinstance(type, builtins.type) and dataclasses.is_dataclass(type):
+        return _and(constraint, Atom("type", name, type))
+    if type not in (None, int, str):
+        raise QueryError(f"[{name}: {getattr(type, '__name__', type)}]: a hole's type must be int, float, str, "
+                         "a dataclass or a query")
+    return constraint
+
+
+def _plan(name: str, constraint, type) -> HolePlan:
+    """The hole's plan (`constraint` already `_typed`); UnmetConstraint when no value can meet it, before
+    anything is generated."""
+    try:
+        plan = plan_for(constraint, name)
+    except InvalidCondition:
+        raise
+    except ValueError as e:
+        raise QueryError(f"constraint on {name}: {e}") from None
+    if type is int:
+        plan.require(INT_REGEX, f"[{name}: int]")
+        plan.as_int = True
+    plan.as_float = type is float
+    if not plan.satisfiable():
+        which = "its constraint can never hold" if len(plan.conditions) == 1 else "its constraints cannot all hold"
+        raise UnmetConstraint(name, f"{which}: {plan.describe()}")
+    return plan
+
+
+def _check_value(name: str, plan: HolePlan, out: HoleResult, max_tokens: int, bound: str) -> None:
+    """Raise UnmetConstraint unless the generated text behind `out.value` (see `HolePlan.constrained`)
+    meets every condition of the hole's grammar, or is a prefix of a value that does and a stop phrase
+    ended it: a stop phrase ends the value wherever it appears, also inside a value its grammar would
+    have continued (LMQL's rule: `STOPS_BEFORE(X, "b") and X == "abc"` gives "a"). Then its token lower
+    bound (`_check_min_tokens`). `max_tokens` and `bound` (see `Holes._budget`) say what cut a value short."""
+    state = plan.check(plan.constrained(out.full, out.guard))
+    if state == "no":  # the local mask only allows prefixes: a server that ignored the regex sent this
+        raise UnmetConstraint(name, f"the value {out.value!r} does not satisfy its constraint ({plan.describe()})",
+                              out.value)
+    if state != "complete" and plan.stop_index(out.full, out.guard) is None:
+        raise UnmetConstraint(name, f"the value {out.value!r} is incomplete: its constraint ({plan.describe()}) "
+                                    f"{_why_cut(out.tokens, max_tokens, bound)}", out.value)
+    _check_min_tokens(name, plan, out)
+
+
+def _why_cut(tokens, max_tokens, bound) -> str:
+    if len(tokens) >= max_tokens:
+        return f"needs more than the {tokens_text(max_tokens)} that {bound}"
+    return "was ended by the model"
+
+
+def _check_min_tokens(name: str, plan: HolePlan, out: HoleResult) -> None:
+    """A server lets a complete grammar end the value before min_tokens (vLLM's rule); kvql's engine
+    would have found no token to continue with: the value is refused here."""
+    n = len(out.tokens)
+    if plan.min_tokens and (out.tokens or not out.full) and n < plan.min_tokens:
+        raise UnmetConstraint(name, f"the value {out.value!r} has {tokens_text(n)}; {plan.floor} needs "
+                                    f"{plan.min_tokens}, and its constraint ({plan.describe()}) allowed no more",
+                              out.value)
+
+
+def _converted(name: str, plan: HolePlan, text: str):
+    """The generated text as the hole's type: an int, a float, or a dataclass read from its JSON."""
+    if plan.as_int or plan.as_float:
+        try:
+            return (int if plan.as_int else float)(text.strip())
+        except ValueError:
+            kind = "an integer" if plan.as_int else "a number"
+            raise QueryError(f"{name} should be {kind} but the model produced {text!r}") from None
+    if plan.value_type is not None:  # the grammar made it JSON under the type's schema
+        try:
+            return from_json(plan.value_type, json.loads(text))
+        except (ValueError, TypeError, KeyError) as e:
+            raise QueryError(f"{name}: cannot read {text!r} as a {plan.describe()}: {e}") from None
+    return text
+
+
 class Holes:
     """`hole(name, constraint, type, post)` and what it needs; the state it reads and writes is the
-    context's (`kvql.runtime.context.Context`)."""
+    context's (`kvql.runtime.context.Context`). A hole's own data passes from step to step as values
+    (its `HolePlan`, its budget, its `HoleResult`), never through attributes."""
 
     async def hole(self, name: str, constraint=None, type=None, post=()):
+        """The value of hole `name`: planned from its where clause and type, given its room under the
+        token budget, generated (sampled, or by beam search), logged in the trace, checked against its
+        clause and added to the prompt. QueryError / UnmetConstraint where no valid value can come."""
         fixed = Chain(post).pre(name, self.program_state())
         if fixed is not None:  # a pre-stage decorator supplied the value: the model is not asked
-            value, shown = fixed
-            self._append_value(shown, None, name)
-            self.variables[name] = value
-            return value
-        if isinstance(type, Program) or isinstance(getattr(type, "__func__", None), Program):  # a query, or a method
+            return self._supplied(name, *fixed)
+        if _is_query(type):
             return await self.nested(name, type, (), {}, post, constraint)
-        if type is float:
-            constraint = _and(constraint, Atom("regex", name, FLOAT_REGEX))
-        elif isinstance(type, builtins.type) and dataclasses.is_dataclass(type):
-            constraint = _and(constraint, Atom("type", name, type))  # [P: Person] is `where type(P) is Person`
-        elif type not in (None, int, str):
-            raise QueryError(f"[{name}: {getattr(type, '__name__', type)}]: a hole's type must be int, float, str, "
-                             "a dataclass or a query")
-        try:
-            plan = plan_for(constraint, name)
-        except InvalidCondition:
-            raise
-        except ValueError as e:
-            raise QueryError(f"constraint on {name}: {e}") from None
-        if type is int:
-            plan.require(INT_REGEX, f"[{name}: int]")
-            plan.as_int = True
-        plan.as_float = type is float
-        if not plan.satisfiable():
-            which = "its constraint can never hold" if len(plan.conditions) == 1 else \
-                "its constraints cannot all hold"
-            raise UnmetConstraint(name, f"{which}: {plan.describe()}")
-        heal = plan.heal or self.decoding.heal
-        if heal:
-            how = f"HEAL({name})" if plan.heal else "token_healing=True"
-            if self.decoding.beam:
-                raise QueryError(f"{name}: token healing ({how}) does not combine with the {self.decoding.name} "
-                                 "decoder (its beams extend the prompt token by token)")
-            try:
-                self.model.require(base.HEAL, f"token healing of {name} ({how})")
-            except base.Unsupported as e:
-                raise QueryError(str(e)) from None
+        constraint = _typed(name, constraint, type)
+        plan = _plan(name, constraint, type)
+        heal = self._heals(name, plan)
         self.buffer.ensure_start()
         prompt = self.buffer.flush()
         started = time.perf_counter()
         max_tokens, bound = self._budget(name, plan)
         self._check_room(name, plan, max_tokens, bound, heal)
         setup = time.perf_counter() - started  # the checks before the request (a first use reads the vocabulary)
-        self._healed, self._forced, self._prepared, self._drafts = None, ([], 0), 0.0, (0, 0)
         if self.decoding.beam:
-            value, tokens, full, guard = await self._beam(name, plan, prompt, max_tokens)
+            out = await self._beam(name, plan, prompt, max_tokens)
         else:
-            value, tokens, full, guard = await self._sample(name, plan, prompt, max_tokens, heal)
-        if len(tokens) >= max_tokens and plan.max_tokens != max_tokens:
-            self._filled_by = (name, len(tokens), bound)  # the budget, not the hole's own bound, ended it
-        # the row counts what the trace marks as this hole's: healed, also the tokens re-generating backed-up text
-        generated, healed = (len(self._healed[2]), self._healed[0]) if self._healed else (len(tokens), 0)
-        self._hole_log.append(TraceHole(name, str(value), where_text(constraint, name, plan), generated,
-                                        time.perf_counter() - started, self._forced[1], healed,
-                                        setup + self._prepared, *self._drafts))
-        checked = plan.constrained(full, guard)
-        self._check_value(name, plan, value, checked, plan.stop_index(full, guard) is not None,
-                          lambda: self._why_cut(tokens, max_tokens, bound))
-        if plan.min_tokens and (tokens or not full) and len(tokens) < plan.min_tokens:
-            # a server lets a complete grammar end the value before min_tokens (vLLM's rule); kvql's engine
-            # would have found no token to continue with
-            raise UnmetConstraint(name, f"the value {value!r} has {tokens_text(len(tokens))}; {plan.floor} needs "
-                                        f"{plan.min_tokens}, and its constraint ({plan.describe()}) allowed no more",
-                                  value)
-        return self._finish_hole(name, plan, value, tokens, post)
+            out = await self._sample(name, plan, prompt, max_tokens, heal)
+        if len(out.tokens) >= max_tokens and plan.max_tokens != max_tokens:
+            self._filled_by = (name, len(out.tokens), bound)  # the budget, not the hole's own bound, ended it
+        where = where_text(constraint, name, plan)
+        self._hole_log.append(out.trace_row(name, where, time.perf_counter() - started, setup))
+        _check_value(name, plan, out, max_tokens, bound)
+        return self._finish_hole(name, plan, out, post)
+
+    def _supplied(self, name: str, value, shown: str):
+        """A value a pre-stage decorator supplied: added to the prompt as `shown`, no tokens of the model's."""
+        self._append_value(shown, None, name)
+        self.variables[name] = value
+        return value
+
+    def _heals(self, name: str, plan: HolePlan) -> bool:
+        """Whether the hole is token-healed (its HEAL(name), or the call's token_healing=True); QueryError
+        where it cannot be (a beam decoder, a backend without healing)."""
+        if not (plan.heal or self.decoding.heal):
+            return False
+        how = f"HEAL({name})" if plan.heal else "token_healing=True"
+        if self.decoding.beam:
+            raise QueryError(f"{name}: token healing ({how}) does not combine with the {self.decoding.name} "
+                             "decoder (its beams extend the prompt token by token)")
+        try:
+            self.model.require(base.HEAL, f"token healing of {name} ({how})")
+        except base.Unsupported as e:
+            raise QueryError(str(e)) from None
+        return True
 
     def _budget(self, name: str, plan: HolePlan) -> tuple[int, str]:
         """-> (the most tokens the hole may take, the bound that sets it, in words)."""
@@ -188,56 +272,20 @@ class Holes:
             raise UnmetConstraint(name, f"its constraint ({plan.describe()}) needs at least {plan.min_chars} "
                                         f"characters; the {tokens_text(max_tokens)} that {bound} hold at most {room}")
 
-    @staticmethod
-    def _check_value(name: str, plan: HolePlan, value: str, checked: str, stopped: bool, why_cut) -> None:
-        """Raise UnmetConstraint unless the generated text behind `value` (`checked`, see
-        `HolePlan.constrained`) meets every condition of the hole's grammar, or is a prefix of a value
-        that does and a stop phrase ended it (`stopped`): a stop phrase ends the value wherever it
-        appears, also inside a value its grammar would have continued (LMQL's rule: `STOPS_BEFORE(X, "b")
-        and X == "abc"` gives "a"). `why_cut()` says what ended an incomplete value (the token cap, max_len)."""
-        state = plan.check(checked)
-        if state == "complete" or (stopped and state != "no"):
-            return
-        if state == "no":  # the local mask only allows prefixes: a server that ignored the regex sent this
-            raise UnmetConstraint(name, f"the value {value!r} does not satisfy its constraint ({plan.describe()})",
-                                  value)
-        raise UnmetConstraint(name, f"the value {value!r} is incomplete: its constraint ({plan.describe()}) "
-                                    f"{why_cut()}", value)
-
-    @staticmethod
-    def _why_cut(tokens, max_tokens, bound) -> str:
-        if len(tokens) >= max_tokens:
-            return f"needs more than the {tokens_text(max_tokens)} that {bound}"
-        return "was ended by the model"
-
-    def _finish_hole(self, name, plan, value, tokens, post):
-        text = value
+    def _finish_hole(self, name: str, plan: HolePlan, out: HoleResult, post):
+        """The value the program sees (typed, then through the hole's decorators), added to the prompt:
+        with the model's own tokens unless typing or a decorator changed its text."""
         chain = Chain(post)
         if chain.streams:  # a healed value's first token also spells prompt text: shown whole at the end
-            self._stream(chain, name, text, None if self._healed else tokens)
-        if plan.as_int or plan.as_float:
-            try:
-                value = (int if plan.as_int else float)(value.strip())
-            except ValueError:
-                kind = "an integer" if plan.as_int else "a number"
-                raise QueryError(f"{name} should be {kind} but the model produced {value!r}") from None
-        elif plan.value_type is not None:  # the grammar made it JSON under the type's schema
-            try:
-                value = from_json(plan.value_type, json.loads(value))
-            except (ValueError, TypeError, KeyError) as e:
-                raise QueryError(f"{name}: cannot read {value!r} as a {plan.describe()}: {e}") from None
+            self._stream(chain, name, out.value, None if out.healed else out.tokens)
+        value = _converted(name, plan, out.value)
         # a typed value stays in the prompt as the JSON the model wrote
-        shown = text if plan.value_type is not None else str(value)
+        shown = out.value if plan.value_type is not None else str(value)
         if chain:  # [@f @g X] is f(g(X)), as Python applies stacked decorators
             value, shown = chain.post(value, shown, self.program_state())
-        changed = plan.as_int or plan.as_float or shown != text
-        healed, self._healed = self._healed, None
-        (forced, _), self._forced = self._forced, ([], 0)
-        if healed is not None:  # the backed-up prompt tokens go, the tokens generated in their place come
-            k, prefix, generated = healed
-            self._append_value(shown, None if changed else generated, name, (k, prefix), forced)
-        else:
-            self._append_value(shown, None if changed else tokens, name, forced=forced)
+        changed = plan.as_int or plan.as_float or shown != out.value
+        # healed, the backed-up prompt tokens go and the tokens generated in their place come
+        self._append_value(shown, None if changed else out.added, name, out.healed_prefix, out.forced)
         self.variables[name] = value
         return value
 
@@ -262,52 +310,43 @@ class Holes:
         base_seed = self.decoding.seed if self.decoding.seed is not None else random.getrandbits(32)
         return hash((base_seed, self.run_index, self._holes)) & 0x7FFFFFFF
 
-    async def _sample(self, name, plan, prompt, max_tokens, heal: bool = False):
-        """-> (value, the value's token ids, generated text up to where the value ended, guard chars)."""
+    async def _sample(self, name: str, plan: HolePlan, prompt, max_tokens: int, heal: bool = False) -> HoleResult:
+        """One request for the hole's value: sampled (greedy under argmax), under its constraint."""
         greedy = self.decoding.name == "argmax"
         seed = self._seed()
         self._holes += 1
-        guard = {"chars": 0 if not plan.min_tokens else None}
+        guard = {"chars": 0 if not plan.min_tokens else None}  # set by `_stops`' stop_fn once min_tokens are out
         constraint = _constraint(plan, self.model, heal)
         options = dict(max_tokens=max_tokens, temperature=0.0 if greedy else self.decoding.temperature, seed=seed,
-                       **self.decoding.sampling, **constraint)
+                       **self.decoding.sampling, **constraint, **_stops(plan, guard))
         if heal:
             options["heal"] = True
         if plan.min_tokens:
             options["min_tokens"] = plan.min_tokens
-        if plan.stops and (plan.min_tokens or plan.min_chars):
-            def stop_fn(out, text):  # guarded: stop phrases count once the length conditions hold
-                if guard["chars"] is None and len(out) >= plan.min_tokens:
-                    guard["chars"] = len(text)
-                return plan.stop_index(text, guard["chars"]) is not None
-            options["stop_fn"] = stop_fn
-        elif plan.stops:
-            options["stop"] = [s.phrase for s in plan.stops]
+        c = await self._request(name, plan, prompt, options, bool(constraint))
+        self.count([c])
+        self.sent(len(self.buffer) - c.healed_prompt_tokens, c.cached_tokens)
+        return HoleResult.sampled(c, plan, guard["chars"])
+
+    async def _request(self, name: str, plan: HolePlan, prompt, options: dict, constrained: bool):
+        """The backend's one completion; its refusals as the query's errors: a constrained request the
+        mask left without a token is the hole's UnmetConstraint."""
         try:
             (c,) = await self.model.agenerate([prompt], **options)
         except base.Unsupported as e:
             raise QueryError(f"{name}: {e}") from None
         except ValueError as e:
-            if isinstance(e, base.BackendError) or (not constraint and not plan.min_tokens):
+            if isinstance(e, base.BackendError) or (not constrained and not plan.min_tokens):
                 raise QueryError(f"while generating {name}: {e}") from e
             # the mask left no token: the value took a path that its conditions together cannot finish
             bounds = [b for b in (plan.floor, plan.cap) if b]
             raise UnmetConstraint(name, "no token could continue its value under all its constraints "
                                         f"({' and '.join(plan.conditions + bounds)}): {e}") from e
-        self.count([c])
-        self._prepared = c.prepare_seconds  # the backend's share: options checked, constraint compiled
-        self.sent(len(self.buffer) - c.healed_prompt_tokens, c.cached_tokens)
-        tokens = c.token_ids[c.healed_output_tokens:]  # the value's: a token spanning the healed text counts
-        if c.healed_prompt_tokens:
-            self._healed = (c.healed_prompt_tokens, c.healed, list(c.token_ids))
-        # indices into the tokens the value is added with: all generated ones when healed, else `tokens`
-        own = [i - c.healed_output_tokens for i in c.forced if i >= c.healed_output_tokens]
-        self._forced = (list(c.forced) if c.healed_prompt_tokens else own, len(own))
-        self._drafts = (c.drafted_tokens, len(c.accepted))
-        full = c.text + c.stop_reason if isinstance(c.stop_reason, str) else c.text
-        return plan.cut(full, guard["chars"]), tokens, full, guard["chars"]
+        return c
 
-    async def _beam(self, name, plan, prompt, max_tokens):
+    async def _beam(self, name: str, plan: HolePlan, prompt, max_tokens: int) -> HoleResult:
+        """The hole's value by beam search (`kvql.runtime.beam`): one search per (prompt, hole), shared by
+        the call's runs, each of which takes the beam of its index."""
         try:
             self.model.require(base.TOKEN_IDS, f"the {self.decoding.name} decoder (it extends token sequences)")
             self.model.require(base.LOGPROBS, f"the {self.decoding.name} decoder (top-k log-probabilities)")
@@ -316,11 +355,12 @@ class Holes:
         key = (tuple(prompt), name, repr(plan), max_tokens)
         shared = self.decoding.shared
         if key not in shared:
-            shared[key] = asyncio.ensure_future(beam_search(self, plan, prompt, max_tokens, _constraint(plan, self.model)))
+            search = beam_search(self, plan, prompt, max_tokens, _constraint(plan, self.model))
+            shared[key] = asyncio.ensure_future(search)
         try:
             beams = await shared[key]
         except base.Unsupported as e:
             raise QueryError(f"{name}: {e}") from None
         value, tokens, _ = beams[min(self.run_index, len(beams) - 1)]
-        guard = self.guard_chars(plan, tokens)
-        return value, tokens, self.model.tokenizer.decode(tokens, skip_special_tokens=True), guard
+        full = self.model.tokenizer.decode(tokens, skip_special_tokens=True)
+        return HoleResult(value, tokens, full, self.guard_chars(plan, tokens), added=tokens)
