@@ -196,11 +196,17 @@ def test_repetition_penalty_changes_greedy_output(m):
     assert greedy(repetition_penalty=50.0) != greedy()
 
 
+def test_min_p_of_one_keeps_only_the_most_likely_token(m):
+    assert greedy(decoder="sample", min_p=1.0, temperature=1.5, seed=3) == greedy()
+
+
 def test_invalid_sampling_option_is_refused_at_definition(m):
     with pytest.raises(ValueError, match="top_k"):
         lmql.query('"[X]"', top_k=-1)
     with pytest.raises(ValueError, match="repetition_penalty"):
         lmql.query('"[X]"', repetition_penalty=0)
+    with pytest.raises(ValueError, match="min_p"):
+        lmql.query('"[X]"', min_p=1.5)
 
 
 def test_openai_and_cache_options_are_accepted_without_effect(m):

@@ -6,14 +6,15 @@ the `Decoding` every run of one call shares.
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
+
+from ..backends.options import GenerateOptions
 
 DEFAULT_MAX_LEN = 2048
 
 DECODERS = ("argmax", "sample", "beam", "beam_search", "beam_sample", "best_k", "var", "beam_var")
-SAMPLING_OPTIONS = ("top_k", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+SAMPLING_OPTIONS = ("top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 IGNORED_OPTIONS = ("chunksize", "verbose", "cache", "openai_chunksize", "openai_nonstop", "chunk_timeout",
                    "distribution_batch_size")
 """LMQL options about OpenAI requests, LMQL's own caches, logging and batching: accepted, no effect
@@ -40,7 +41,7 @@ class Decoding:
     max_len: int = DEFAULT_MAX_LEN
     seed: int | None = None
     shared: dict = field(default_factory=dict)  # beam searches shared by the n runs of one call
-    sampling: dict = field(default_factory=dict)  # top_k, top_p and the penalties, for the engine
+    sampling: dict = field(default_factory=dict)  # top_k, top_p, min_p and the penalties, for the backend
     width: int = 1
     sampled: bool = False
     heal: bool = False  # token_healing=True: every hole is healed, as HEAL(V) heals one (the backend contract's heal option)
@@ -86,18 +87,7 @@ def decoding(name: str, opts: dict) -> Decoding:
 
 
 def _check_sampling(temperature: float, sampling: dict) -> None:
-    """ValueError for a sampling option no backend accepts (the backends check again when generating)."""
-    def bad(name, value, want):
-        raise ValueError(f"{name} must be {want}, got {value!r}")
-
-    if not math.isfinite(temperature) or temperature < 0:
-        bad("temperature", temperature, "a finite number >= 0")
-    top_p, top_k = sampling.get("top_p", 1.0), sampling.get("top_k", 0)
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        bad("top_p", top_p, "in (0, 1]")
-    if not isinstance(top_k, int) or top_k < 0:
-        bad("top_k", top_k, "an integer >= 0 (0: no limit)")
-    for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
-        value = sampling.get(name, 1.0 if name == "repetition_penalty" else 0.0)
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or (name == "repetition_penalty" and value <= 0):
-            bad(name, value, "a finite number" + (" > 0 (1: none)" if name == "repetition_penalty" else ""))
+    """ValueError (TypeError for a value of the wrong kind) for a sampling option no backend accepts, naming it:
+    the backend contract's own check (`GenerateOptions`), at the query's definition rather than at its first
+    hole."""
+    GenerateOptions(temperature=temperature, **sampling)
