@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without install
 from kvql.backends.loader import load_hf  # noqa: E402
 from kvql import Model  # noqa: E402
 from kvql.engine.cache.fingerprint import fingerprint
-from kvql.engine.cache.disk_tier import FORMAT
+from kvql.engine.cache.tier_file import FORMAT
 from kvql.engine.cache.kv_pool import KVPool
 
 spec = importlib.util.spec_from_file_location("fewshot_qa", ROOT / "benchmarks" / "fewshot_qa.py")

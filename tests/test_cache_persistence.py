@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 import kvql
 from conftest import free_port, random_prompts, reference_greedy, save_model, start_server, tiny_model
-from kvql.engine.cache.disk_tier import SUFFIX
+from kvql.engine.cache.tier_file import SUFFIX
 from kvql.engine.cache.memory import MIN_LOAD_TOKENS
 
 

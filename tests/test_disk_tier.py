@@ -20,7 +20,7 @@ from safetensors import safe_open
 import kvql
 from conftest import reference_greedy, tiny_model
 from kvql.engine.cache import disk_tier, memory
-from kvql.engine.cache.disk_tier import SUFFIX
+from kvql.engine.cache.tier_file import SUFFIX
 from kvql.engine.cache.kv_pool import KVPool
 
 LENGTH = 60  # tokens per prompt: more than 1/3 of the 150-token pools below

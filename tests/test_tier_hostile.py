@@ -29,8 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import random_prompts, reference_greedy, tiny_model
-from kvql.engine.cache import disk_tier
-from kvql.engine.cache.disk_tier import SUFFIX
+from kvql.engine.cache import tier_file
+from kvql.engine.cache.tier_file import SUFFIX
 
 
 def craft(path: Path, meta: dict | None = None, **tensors) -> None:
@@ -44,7 +44,7 @@ def craft(path: Path, meta: dict | None = None, **tensors) -> None:
         salt = json.loads(meta["salt"])
     except ValueError:
         salt = None
-    save_file(data, str(path), metadata={**meta, "sha256": disk_tier._hash(old_meta["fingerprint"], salt, data)})
+    save_file(data, str(path), metadata={**meta, "sha256": tier_file.sha256(old_meta["fingerprint"], salt, data)})
 
 
 def tensors_hash(data: dict) -> str:
@@ -150,7 +150,7 @@ def test_a_crafted_file_whose_kv_does_not_fit_is_a_miss_when_read_back(make_mode
 
 def test_an_oversized_header_is_refused_before_it_is_parsed(make_model, llama, tokenizer, tmp_path, caplog, written):
     prompts, files = written
-    craft(files[0], meta={"padding": "x" * (disk_tier.MAX_HEADER + 1)})
+    craft(files[0], meta={"padding": "x" * (tier_file.MAX_HEADER + 1)})
     m, warnings = restart(make_model, tmp_path, caplog)
     assert len(warnings) == 1 and "header" in warnings[0] and not files[0].exists()
     assert answers_exactly(m, llama, tokenizer, prompts)[1:] == [len(p) - 1 for p in prompts[1:]]

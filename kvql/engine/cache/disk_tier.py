@@ -13,34 +13,9 @@ seconds (persistence.py).
 
 Files: `DIR/<16 hex digits of the fingerprint's SHA-256>/<sequence>-<random>.kv.safetensors` (fingerprint.py:
 one directory per model, dtype, device and tokenizer, so models sharing `DIR` never read each other's KV), one
-per spilled node, never rewritten and never reused under another name:
-
-    prefix  I64 [P]   the tokens on the node's tree path before it (from its partition's root)
-    tokens  I64 [N]   the node's own tokens
-    k, v    [layers, kv_heads, N, head_dim] (the pool's dtype)
-    metadata: kvql_format (FORMAT), fingerprint (its full digest), salt (JSON: the cache partition),
-              sha256 (`_hash`: of everything above, keyed by the fingerprint's digest)
-
-A file thus says by itself which KV it holds (the tokens it follows, its own tokens, its partition), so a
-restart rebuilds the tree from the files alone (`scan`) and a file read back is checked against the tree
-path it is read for: its sha256 must be the one this model would write for the file's tokens under the
-partition the tree reads it for, with the file's dtypes and shapes; prefix and tokens must be the tree's
-path there, K/V the pool's dtype and geometry; else the read fails and the tokens are computed again. A
-file's modification time orders the LRU across restarts: a read back touches it, and `order` (at a save)
-sets every file's in the tree's LRU order.
-
-What the directory is trusted for: whoever can write to it can change answers (the hash is no secret: a file
-crafted with it recomputed is used), as with the model's own files; kvql creates it private (0700). What the
-checks make sure is that an accident is a miss, never a wrong token: a file of another model, dtype, device,
-tokenizer or format (hashed under another digest: editing its fingerprint field does not make it this model's),
-of another partition, a damaged or partial copy, tokens reordered by a tool that recomputed a checksum of its
-own; files of an earlier FORMAT live in another directory (the format is part of the fingerprint) and one
-moved here is removed at start. And that no file, hostile or not, crashes or freezes the process: files are
-opened without following links and without blocking, used only when the descriptor is a regular file's
-(`_open`: a FIFO under a file's name is a miss, not a reader blocked in `open`), and copied into memory
-(`_read`: never mapped, as a file rewritten under a mapping kills the process with SIGBUS; one rewritten under
-a read gives bytes that fail the checks). Reads run on the reader thread, which holds no lock the engine waits
-on; touching a file never follows a link.
+per spilled node, never rewritten and never reused under another name; what a file holds, how it is checked
+and read without trusting it: tier_file.py. A file's modification time orders the LRU across restarts: a read
+back touches it, and `order` (at a save) sets every file's in the tree's LRU order.
 
 One model at a time uses a directory: its tier holds an exclusive lock on `DIR/<digest>/lock` (flock, let go by
 `close` or the process's end) while it is open; another opening it, in this process or another, gets `TierBusy`;
@@ -71,15 +46,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import itertools
 import json
 import logging
-import math
 import os
 import queue
 import secrets
-import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -89,22 +61,11 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import save_file
 
+from . import tier_file
 from .fingerprint import digest as fingerprint_digest
 
-FORMAT = "kvql-kv-tier-2"
-"""2: the sha256 covers the header too, keyed by the fingerprint (`_hash`); 1 hashed the tensors' bytes only."""
-SUFFIX = ".kv.safetensors"
 MAX_STAGED = 512 * 2**20
 """Bytes of spilled KV that may wait for the writer thread; past that, eviction drops (as without a tier)."""
-MAX_HEADER = 1 << 20
-"""Bytes a file's safetensors header may have (`scan` removes a file with more: one holds 4 tensors and a salt)."""
-HEADER_BYTES = 1024
-"""Bound of a file's safetensors header (8-byte length, tensor entries, metadata) besides its salt (`file_bytes`)."""
-NAMES = ("prefix", "tokens", "k", "v")
-"""The tensors of a tier file (module doc), in the order `_hash` covers them."""
-_DTYPES = {"I64": torch.int64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-"""The safetensors dtypes a tier file may hold: token ids, and K/V in a pool's dtype."""
-
 log = logging.getLogger("kvql.cache")
 
 
@@ -119,10 +80,6 @@ class TierUnavailable(RuntimeError):
 
 class TierBusy(TierUnavailable):
     """Another model has this tier's directory open (module doc)."""
-
-
-class NotAFile(ValueError):
-    """What is under a tier file's name is not a regular file: a symbolic link, a FIFO, a directory..."""
 
 
 class TierFile:
@@ -182,86 +139,6 @@ class Load:
     ok: list[bool] = field(default_factory=list)
 
 
-def _hash(digest: str, salt, tensors: dict[str, torch.Tensor]) -> str:
-    """A file's sha256: over one JSON document (self-delimiting) of FORMAT, the fingerprint's `digest`, the `salt`
-    and each of NAMES' dtype and shape, then their bytes in that order. The reader computes it with its own
-    digest and the salt the tree reads the file for, so a file of another model or partition fails it whatever
-    its header says. It proves no authorship: anyone who knows the digest (no secret) can compute it."""
-    header = [FORMAT, digest, salt] + [[n, str(tensors[n].dtype), list(tensors[n].shape)] for n in NAMES]
-    h = hashlib.sha256(json.dumps(header).encode())
-    for n in NAMES:
-        h.update(tensors[n].contiguous().reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
-def _open(path: Path) -> tuple[int, os.stat_result]:
-    """A descriptor of `path` opened for reading, and its status: never through a symbolic link (O_NOFOLLOW),
-    never blocking (O_NONBLOCK: a FIFO's open returns at once), NotAFile unless it is a regular file (checked on
-    the descriptor itself: nothing can be swapped in between)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        if not stat.S_ISREG(os.lstat(path).st_mode):  # a link (ELOOP), a socket (ENXIO)...
-            raise NotAFile("not a regular file") from None
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise NotAFile("not a regular file")
-    return fd, st
-
-
-def _read_into(fd: int, buf) -> None:
-    """Fill the writable buffer `buf` with the next bytes of `fd`; ValueError if the file ends first (it changed
-    under the read)."""
-    view, got = memoryview(buf).cast("B"), 0
-    while got < len(view):
-        n = os.readv(fd, [view[got:]])
-        if n == 0:
-            raise ValueError(f"the file ended {len(view) - got:,} bytes early (changed while it was read)")
-        got += n
-
-
-def _read(path: Path, names=NAMES, max_bytes: int | None = None) -> tuple[dict, dict, os.stat_result]:
-    """(metadata, {name: tensor} for `names`, status) of the tier file at `path`, opened by `_open` and copied into
-    memory (module doc: never mapped). Only the bytes up to the last of `names` are read. ValueError (NotAFile one
-    of them) or OSError unless it is a safetensors file of at most `max_bytes` holding `names` in `_DTYPES`."""
-    fd, st = _open(path)
-    try:
-        if max_bytes is not None and st.st_size > max_bytes:
-            raise ValueError(f"{st.st_size:,} bytes, more than the {max_bytes:,} written")
-        raw = bytearray(8)
-        _read_into(fd, raw)
-        n = int.from_bytes(raw, "little")
-        if n > MAX_HEADER or n + 8 > st.st_size:
-            raise ValueError(f"a {n:,}-byte header in a {st.st_size:,}-byte file")
-        raw = bytearray(n)
-        _read_into(fd, raw)
-        header = json.loads(raw)
-        spans = {name: _span(header, name, st.st_size - 8 - n) for name in names}
-        ends = {name: begin + math.prod(shape) * dtype.itemsize for name, (dtype, shape, begin) in spans.items()}
-        data = torch.empty(max(ends.values()), dtype=torch.uint8)  # (not zeroed first, as a bytearray would be)
-        _read_into(fd, data.numpy())
-    finally:
-        os.close(fd)
-    tensors = {name: data[begin:ends[name]].view(dtype).reshape(shape) for name, (dtype, shape, begin) in spans.items()}
-    return header.get("__metadata__") or {}, tensors, st
-
-
-def _span(header: dict, name: str, size: int) -> tuple[torch.dtype, list[int], int]:
-    """(dtype, shape, offset) of tensor `name` in a safetensors header whose data has `size` bytes; ValueError
-    unless its dtype is in `_DTYPES` and its bytes lie within the data, aligned to its elements."""
-    entry = header.get(name)
-    dtype = _DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
-    if dtype is None:
-        raise ValueError(f"no tensor {name!r} of a dtype a tier file holds")
-    shape, (begin, end) = [int(d) for d in entry["shape"]], entry["data_offsets"]
-    if (min(shape, default=0) < 0 or not 0 <= begin <= end <= size or begin % dtype.itemsize
-            or end - begin != math.prod(shape) * dtype.itemsize):
-        raise ValueError(f"tensor {name!r} of shape {shape} at bytes [{begin}, {end}) of {size}")
-    return dtype, shape, begin
-
-
 def _as_numpy(t: torch.Tensor):
     """A numpy view of a CPU tensor of any dtype (bfloat16 as int16): numpy copies take no OpenMP threads."""
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
@@ -315,7 +192,7 @@ class DiskTier:
     def file_bytes(self, prefix_len: int, n_tokens: int, salt) -> int:
         """An upper bound of the size of the file `spill` writes for `n_tokens` after `prefix_len` under `salt`:
         their K/V, both token lists (int64) and the header (the salt's JSON at most doubled by escaping)."""
-        return n_tokens * self._token_bytes + 8 * (prefix_len + n_tokens) + HEADER_BYTES + 2 * len(json.dumps(salt))
+        return n_tokens * self._token_bytes + 8 * (prefix_len + n_tokens) + tier_file.HEADER_BYTES + 2 * len(json.dumps(salt))
 
     def spill(self, items: list[SpillItem]) -> list[Extent]:
         """One Extent per item (module doc)."""
@@ -324,7 +201,7 @@ class DiskTier:
             k = self.pool.k[:, :, slots]  # a copy: the slots may be reused as soon as this returns
             v = self.pool.v[:, :, slots]
             nbytes = len(tokens) * self._token_bytes
-            name = f"{next(self._seq)}-{secrets.token_hex(4)}{SUFFIX}"
+            name = f"{next(self._seq)}-{secrets.token_hex(4)}{tier_file.SUFFIX}"
             staging = (torch.tensor(prefix, dtype=torch.long), torch.tensor(tokens, dtype=torch.long), k, v)
             file = TierFile(self.path / name, self.file_bytes(len(prefix), len(tokens), salt), refs=1, staging=staging)
             with self._lock:
@@ -391,9 +268,9 @@ class DiskTier:
         """Write `file` from its staging copy (temporary name, then rename); its size (0: released before)."""
         if file.refs == 0:  # released before it was written
             return 0
-        tensors = dict(zip(NAMES, file.staging))
-        meta = {"kvql_format": FORMAT, "fingerprint": self.digest, "salt": json.dumps(salt),
-                "sha256": _hash(self.digest, salt, tensors)}
+        tensors = dict(zip(tier_file.NAMES, file.staging))
+        meta = {"kvql_format": tier_file.FORMAT, "fingerprint": self.digest, "salt": json.dumps(salt),
+                "sha256": tier_file.sha256(self.digest, salt, tensors)}
         tmp = file.path.with_name(f".{file.path.name}.tmp")
         save_file(tensors, str(tmp), metadata=meta)
         size = tmp.stat().st_size
@@ -440,10 +317,10 @@ class DiskTier:
         if staged is not None:
             p, t, k, v = staged
         else:  # at most the bytes it was written with: a file grown since is not read into memory
-            meta, tensors, _ = _read(extent.file.path, max_bytes=extent.file.bytes)
-            if meta.get("sha256") != _hash(self.digest, salt, tensors):
+            meta, tensors, _ = tier_file.read(extent.file.path, max_bytes=extent.file.bytes)
+            if meta.get("sha256") != tier_file.sha256(self.digest, salt, tensors):
                 raise ValueError("checksum mismatch: not this model's file, or not of this cache partition, or damaged")
-            p, t, k, v = (tensors[name] for name in NAMES)
+            p, t, k, v = (tensors[name] for name in tier_file.NAMES)
             want_k = (self.pool.k.shape[0], self.pool.k.shape[1], t.numel(), self.pool.k.shape[3])
             if {k.dtype, v.dtype} != {self.pool.k.dtype} or tuple(k.shape) != want_k or tuple(v.shape) != want_k:
                 raise ValueError(f"K/V of shapes {tuple(k.shape)} {tuple(v.shape)} and dtypes {k.dtype} {v.dtype}, "
@@ -458,9 +335,9 @@ class DiskTier:
     def scan(self, vocab_size: int) -> list[ScannedFile]:
         """Every usable file of this tier, shortest prefix first, then least recently used first. Removed (one log
         line each): temporary files of writes that never finished, and files that are not this tier's (another
-        format or fingerprint, a header over MAX_HEADER, token ids outside `[0, vocab_size)`); what is not a
-        regular file is left alone (one log line). Files are opened as `read` opens them (`_open`); the KV is
-        checked only when read back (`read`)."""
+        format or fingerprint, a header over tier_file.MAX_HEADER, token ids outside `[0, vocab_size)`); what is
+        not a regular file is left alone (one log line). Files are opened as `read` opens them
+        (`tier_file.open_regular`); the KV is checked only when read back (`read`)."""
         found = []
         for path in self.path.iterdir():
             if path.name.startswith(".") and path.name.endswith(".tmp"):
@@ -469,11 +346,11 @@ class DiskTier:
                 except OSError:  # a directory of that name: not the writer's
                     pass
                 continue
-            if not path.name.endswith(SUFFIX):
+            if not path.name.endswith(tier_file.SUFFIX):
                 continue
             try:
                 found.append(self._scan_one(path, vocab_size))
-            except NotAFile as e:  # a FIFO, a link, a directory: not a file the tier wrote; left alone
+            except tier_file.NotAFile as e:  # a FIFO, a link, a directory: not a file the tier wrote; left alone
                 log.warning("kvql disk tier: %s ignored (%s)", path.name, e)
             except Exception as e:  # noqa: BLE001 -- an unreadable file is deleted: it can serve nothing
                 log.warning("kvql disk tier: %s removed (%s)", path.name, e)
@@ -482,8 +359,8 @@ class DiskTier:
         return found
 
     def _scan_one(self, path: Path, vocab_size: int) -> ScannedFile:
-        meta, tensors, st = _read(path, names=("prefix", "tokens"))
-        if meta.get("kvql_format") != FORMAT or meta.get("fingerprint") != self.digest:
+        meta, tensors, st = tier_file.read(path, names=("prefix", "tokens"))
+        if meta.get("kvql_format") != tier_file.FORMAT or meta.get("fingerprint") != self.digest:
             raise ValueError("another format or model")
         prefix, tokens = tensors["prefix"], tensors["tokens"]
         salt = json.loads(meta["salt"])

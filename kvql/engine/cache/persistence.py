@@ -17,7 +17,8 @@ from pathlib import Path
 
 from .. import openmp
 from .autosave import Autosave
-from .disk_tier import FORMAT, DiskTier, TierUnavailable
+from .disk_tier import DiskTier, TierUnavailable
+from .tier_file import FORMAT
 from .fingerprint import fingerprint
 from .tier_policy import TierPolicy
 
