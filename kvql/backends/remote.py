@@ -54,10 +54,10 @@ from typing import AsyncIterator
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..completion import Completion, TokenLogprob
-from . import base
+from ..completion import Completion
+from . import base, completions_reply
 from .base import Backend, BackendError, StreamChunk, Unsupported
-from .bounded_http import (INTEGER, INTEGERS, LIST, NUMBER, OBJECT, STRING, Reply, Server, StatusError, error_message,
+from .bounded_http import (INTEGER, INTEGERS, LIST, OBJECT, STRING, Reply, Server, StatusError, error_message,
                            run_sync)
 from .options import GenerateOptions, Sent
 from .server_tokenizer import ServerTokenizer
@@ -264,14 +264,14 @@ class RemoteBackend(Backend):
         if stop_fn is not None:
             return await self._streamed(body, stop_fn)
         reply = await self._complete(body)
-        prompt_tokens, cached = _usage(reply)
+        prompt_tokens, cached = completions_reply.usage(reply)
         return [Completion(text=reply.get(choice, "text", STRING, where),
                            token_ids=reply.get(choice, "token_ids", INTEGERS, where, default=[]),
                            finish_reason=reply.get(choice, "finish_reason", STRING, where, default="length"),
                            prompt_tokens=prompt_tokens, cached_tokens=cached, sample=sample,
-                           logprobs=_logprobs(reply, choice, where) if body.get("logprobs") is not None else None,
-                           stop_reason=_stop_reason(reply, choice, where))
-                for sample, (where, choice) in enumerate(_choices(reply, body["n"]))]
+                           logprobs=completions_reply.logprobs(reply, choice, where) if body.get("logprobs") is not None else None,
+                           stop_reason=completions_reply.stop_reason(reply, choice, where))
+                for sample, (where, choice) in enumerate(completions_reply.choices(reply, body["n"]))]
 
     async def _stream(self, body: dict) -> AsyncIterator[tuple[int, str, list[int], str | None]]:
         """The choices of `body` streamed, checked: (sample, text, token ids, finish reason or None). A sample
@@ -357,14 +357,14 @@ class RemoteBackend(Backend):
             body = {"model": self.name, "prompt": prompt_ids + ids, "max_tokens": 1, "temperature": 0.0,
                     "prompt_logprobs": 0, "return_token_ids": True}
             reply = await self._complete(body)
-            ((where, choice),) = _choices(reply, 1)
+            ((where, choice),) = completions_reply.choices(reply, 1)
             found = reply.get(choice, "prompt_logprobs", LIST, where, default=None)
             rows, at = (found, where + ".prompt_logprobs") if found is not None else \
                 (reply.get(reply.body, "prompt_logprobs", LIST, default=None), "prompt_logprobs")  # or beside choices
             if rows is None or len(rows) != len(body["prompt"]):
                 raise reply.wrong(at, rows, f"a list of {len(body['prompt'])} rows, one per prompt token")
-            lps = [_prompt_logprob(reply, rows, at, len(prompt_ids) + j, t) for j, t in enumerate(ids)]
-            prompt_tokens, cached = _usage(reply)
+            lps = [completions_reply.prompt_logprob(reply, rows, at, len(prompt_ids) + j, t) for j, t in enumerate(ids)]
+            prompt_tokens, cached = completions_reply.usage(reply)
             return lps, Completion(reply.get(choice, "text", STRING, where), [],
                                    reply.get(choice, "finish_reason", STRING, where, default="length"),
                                    prompt_tokens, cached)
@@ -438,79 +438,3 @@ def _tokenizer(given, served_name: str):
         if given is not None:
             raise ValueError(f"cannot load tokenizer {given!r}: {e}") from None
         return None
-
-
-def _choices(reply: Reply, n: int) -> list[tuple[str, dict]]:
-    """The `n` choices of a completions answer in sample order, each with where it is in the answer."""
-    choices = reply.get(reply.body, "choices", LIST)
-    if len(choices) != n:
-        raise reply.wrong("choices", choices, f"a list of {n} choice{'s' if n > 1 else ''}")
-    found: dict[int, tuple[str, dict]] = {}
-    for k, choice in enumerate(choices):
-        where = f"choices[{k}]"
-        reply.check(choice, OBJECT, where)
-        i = reply.get(choice, "index", INTEGER, where)
-        if not 0 <= i < n or i in found:
-            raise reply.wrong(where + ".index", i, f"a sample number below {n}, each once")
-        found[i] = where, choice
-    return [found[i] for i in range(n)]
-
-
-def _stop_reason(reply: Reply, choice: dict, where: str) -> str | None:
-    """The stop string that ended a choice: vLLM's and kvql's `stop_reason`, SGLang's `matched_stop` (both
-    name a stop token by its id instead: no string then)."""
-    for key in ("stop_reason", "matched_stop"):
-        reason = choice.get(key)
-        if isinstance(reason, str):
-            return reason
-        if reason is not None and type(reason) is not int:
-            raise reply.wrong(f"{where}.{key}", reason, "a string, a token id or null")
-    return None
-
-
-def _usage(reply: Reply) -> tuple[int, int]:
-    """(prompt tokens, of them cached) of a completions answer; 0 where the server does not say."""
-    usage = reply.get(reply.body, "usage", OBJECT, default={})
-    details = reply.get(usage, "prompt_tokens_details", OBJECT, "usage", default={})
-    return (reply.get(usage, "prompt_tokens", INTEGER, "usage", default=0),
-            reply.get(details, "cached_tokens", INTEGER, "usage.prompt_tokens_details", default=0))
-
-
-def _token_id(reply: Reply, token, where: str) -> int:
-    """A token named by id (`return_tokens_as_token_ids`): "token_id:N"."""
-    digits = token[len("token_id:"):] if isinstance(token, str) and token.startswith("token_id:") else ""
-    if not (digits.isascii() and digits.isdigit()):
-        raise reply.wrong(where, token, "'token_id:N' (return_tokens_as_token_ids)")
-    return int(digits)
-
-
-def _logprobs(reply: Reply, choice: dict, where: str) -> list[TokenLogprob]:
-    """OpenAI's `logprobs` of a choice: a token, its log-probability and the top-k alternatives per step."""
-    lp = reply.get(choice, "logprobs", OBJECT, where)
-    where += ".logprobs"
-    tokens = reply.get(lp, "tokens", LIST, where)
-    values = reply.get(lp, "token_logprobs", LIST, where)
-    tops = reply.get(lp, "top_logprobs", LIST, where, default=[None] * len(tokens))
-    for key, found in (("token_logprobs", values), ("top_logprobs", tops)):
-        if len(found) != len(tokens):
-            raise reply.wrong(f"{where}.{key}", found, f"a list of {len(tokens)}, one per token")
-    out = []
-    for j, (token, value, top) in enumerate(zip(tokens, values, tops)):
-        top = {} if top is None else reply.check(top, OBJECT, f"{where}.top_logprobs[{j}]")
-        out.append(TokenLogprob(_token_id(reply, token, f"{where}.tokens[{j}]"),
-                                float(reply.check(value, NUMBER, f"{where}.token_logprobs[{j}]")),
-                                {_token_id(reply, k, f"{where}.top_logprobs[{j}]"):
-                                 float(reply.check(x, NUMBER, f"{where}.top_logprobs[{j}][{k!r}]"))
-                                 for k, x in top.items()}))
-    return out
-
-
-def _prompt_logprob(reply: Reply, rows: list, where: str, position: int, token: int) -> float:
-    """The log-probability of prompt token `token` at `position` in vLLM's prompt_logprobs rows:
-    {token id (a string in JSON): {"logprob", "rank", "decoded_token"}} (or the number alone)."""
-    row = reply.check(rows[position], OBJECT, f"{where}[{position}]")
-    where = f"{where}[{position}][{str(token)!r}]"
-    entry = row.get(str(token))
-    if isinstance(entry, dict):
-        return float(reply.get(entry, "logprob", NUMBER, where))
-    return float(reply.check(entry, NUMBER, where))
