@@ -265,3 +265,21 @@ def test_kernels_build_into_kvql_cache_dir_and_export_their_limits(monkeypatch, 
     assert paged_attention.available()
     assert paged_attention.LIBRARY.limits == {"kvql_max_group": 16, "kvql_max_dim": 256}  # read from the library
     assert not paged_attention.supports("cpu", torch.float32, 34, 2, 64)  # 17 query heads per KV head
+
+
+def test_a_replaced_norm_weight_is_followed(tokenizer):
+    """A swapped module keeps its description between calls (`_described`), and describes itself again when a
+    parameter it reads is replaced: norms, q/k norms and the MLP compute with the new weights."""
+    import families as F
+
+    model_type, overrides = F.FAMILIES["qwen3"]
+    hf = F.build(model_type, overrides, len(tokenizer), tokenizer.eos_token_id, seed=8)
+    twin = F.build(model_type, overrides, len(tokenizer), tokenizer.eos_token_id, seed=8)  # never swapped
+    ids = torch.randint(0, len(tokenizer), (1, 13), generator=torch.Generator().manual_seed(5))
+    fused_layers.prepare(hf)
+    _logits(hf, ids)  # described now
+    for model in (hf, twin):
+        layer = model.model.layers[1]
+        for norm in (layer.input_layernorm, layer.self_attn.q_norm):
+            norm.weight = torch.nn.Parameter(norm.weight.detach() * 0.5 + 0.25)
+    torch.testing.assert_close(_logits(hf, ids), _logits(twin, ids), rtol=1e-5, atol=1e-4)

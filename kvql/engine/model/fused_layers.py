@@ -185,11 +185,11 @@ def attention_steps(attn: torch.nn.Module, src: str) -> AttentionSteps:
     return AttentionSteps(project, q, k, step.Cols("qkv", (heads + kv) * d, kv * d), heads, kv, d)
 
 
-def mlp_steps(mlp: torch.nn.Module, src: str, dst: str) -> list:
-    """A swapped gated MLP's steps: the stacked gate/up GEMM, the gated activation, down."""
+def mlp_steps(mlp: torch.nn.Module, src: str, dst: str, direct: bool = False) -> list:
+    """A swapped gated MLP's steps: the stacked gate/up GEMM, the gated activation, down (`direct`: `step.Gemm`'s)."""
     n = mlp.gate_proj.out_features
     return [step.Gemm(src, "gate_up", 2 * n, stacked(mlp)), step.GatedAct("gate_up", "act", n, _activation(mlp)),
-            step.Gemm("act", dst, mlp.down_proj.out_features, mlp.down_proj)]
+            step.Gemm("act", dst, mlp.down_proj.out_features, mlp.down_proj, direct)]
 
 
 # activation module classes -> fused_ops.ACTIVATIONS (GELUTanh: gelu_pytorch_tanh; NewGELU: gelu_new, the same formula)
@@ -223,11 +223,25 @@ def stacked_parts(model: torch.nn.Module) -> list[torch.nn.Linear]:
             for name in _PARTS.get(kind(type(m).kvql_original)[0], ())]
 
 
+_DESCRIBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _described(module: torch.nn.Module, sources: tuple, describe):
+    """`describe()` for a swapped module's forward, described again only when one of `sources` (the objects the
+    description reads: its stacked GEMM, its norms' weights) is no longer the one it was described from (a
+    parameter replaced), not at every call: a description costs as much as a small kernel."""
+    hit = _DESCRIBED.get(module)
+    if hit is None or len(hit[0]) != len(sources) or any(a is not b for a, b in zip(hit[0], sources)):
+        hit = _DESCRIBED[module] = sources, describe()
+    return hit[1]
+
+
 class _Norm:
     def forward(self, hidden_states):
         if _plain(hidden_states, self) or self.weight.dtype != hidden_states.dtype or not hidden_states.is_contiguous():
             return super().forward(hidden_states)
-        return norm_step(self, "", "").apply(hidden_states)
+        eps = self.eps if kind(self.kvql_original)[1] else self.variance_epsilon
+        return _described(self, (self.weight, eps), lambda: norm_step(self, "", "")).apply(hidden_states)
 
 
 class _MLP:
@@ -236,7 +250,8 @@ class _MLP:
             return super().forward(x)
         env = step.Env()
         env["x"] = x
-        return step.run(mlp_steps(self, "x", "out"), env)["out"]
+        steps = _described(self, (stacked(self), self.down_proj, self.act_fn), lambda: mlp_steps(self, "x", "out"))
+        return step.run(steps, env)["out"]
 
 
 class _Attention:
@@ -246,7 +261,8 @@ class _Attention:
         if (_plain(hidden_states, self) or cos is None or cos.shape[:-1] != shape or cos.dtype != hidden_states.dtype
                 or not cos.is_contiguous() or not sin.is_contiguous() or not self._kvql_fits(hidden_states)):
             return super().forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
-        steps = attention_steps(self, "h")
+        norms = (self.q_norm.weight, self.k_norm.weight) if isinstance(self, _QKNormAttention) else ()
+        steps = _described(self, (stacked(self), *norms), lambda: attention_steps(self, "h"))
         d = steps.head_dim
         env = step.Env()
         env["h"] = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -295,6 +311,7 @@ def prepare(model: torch.nn.Module, max_reduction: int | None = None) -> int:
             if type(module).kvql_max_reduction != max_reduction:  # its GEMMs sliced as now asked
                 _swap(module, type(module).__mro__[1], max_reduction)
                 _STACKED.pop(module, None)
+                _DESCRIBED.pop(module, None)
             continue
         if _kernelized(module):
             continue
@@ -327,5 +344,6 @@ def restore(model: torch.nn.Module) -> int:
         if hasattr(type(module), "kvql_original"):
             module.__class__ = type(module).kvql_original
             _STACKED.pop(module, None)
+            _DESCRIBED.pop(module, None)
             restored += 1
     return restored

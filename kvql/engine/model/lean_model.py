@@ -90,14 +90,15 @@ def _describe_layer(layer, gemma: bool) -> Layer:
              step.WriteKV(a.k, a.v, index, a.kv_heads, a.head_dim),
              step.Attend(a.q, "att", index, a.heads, a.kv_heads, a.head_dim, attn.scaling or a.head_dim ** -0.5,
                          window),
-             step.Gemm("att", "o", hidden, attn.o_proj)]
+             step.Gemm("att", "o", hidden, attn.o_proj, direct=True)]  # no hooks: `build`
     if gemma:
         steps += [norm(layer.post_attention_layernorm, "o", "o_norm"), step.Add("x", "o_norm"),
-                  norm(layer.pre_feedforward_layernorm, "x", "h"), *fused_layers.mlp_steps(layer.mlp, "h", "m"),
+                  norm(layer.pre_feedforward_layernorm, "x", "h"),
+                  *fused_layers.mlp_steps(layer.mlp, "h", "m", direct=True),
                   norm(layer.post_feedforward_layernorm, "m", "m_norm"), step.Add("x", "m_norm")]
     else:
         steps += [step.Add("x", "o"), norm(layer.post_attention_layernorm, "x", "h"),
-                  *fused_layers.mlp_steps(layer.mlp, "h", "m"), step.Add("x", "m")]
+                  *fused_layers.mlp_steps(layer.mlp, "h", "m", direct=True), step.Add("x", "m")]
     return Layer(steps, getattr(attn, "layer_type", None) if gemma else None)
 
 
@@ -154,14 +155,14 @@ class LeanModel:
                 program = self._programs[t] = _Program.build(self, t, pool, threads)
             if program is not None:
                 return program.run(ids, positions, write_slots, plan.paged, rows)
-        env = step.Env(pool, write_slots, plan.paged)
-        env["x"] = self.embedding(ids)
-        rotations = self.rotations(env["x"], positions)
+        x = self.embedding(ids)
+        rotations = self.rotations(x, positions)
         for layer in self.layers:
+            env = step.Env(pool, write_slots, plan.paged)  # a layer's intermediates go with it
+            env["x"] = x
             env.cos, env.sin = rotations[layer.layer_type]
-            step.run(layer.steps, env)
-        self.final.run(env)
-        return self.logits(env["h"].index_select(0, rows))
+            x = step.run(layer.steps, env)["x"]
+        return self.logits(self.final.apply(x).index_select(0, rows))
 
 
 class _Gemm(NamedTuple):

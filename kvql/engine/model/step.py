@@ -88,14 +88,17 @@ class HeadNorm:
 @dataclass(frozen=True)
 class Gemm:
     """`dst = src @ w.T (+ bias)` by `linear`: a `cpu_linear.Stacked` (q/k/v or gate/up as one GEMM), a
-    `cpu_linear.Linear` or a plain `nn.Linear`."""
+    `cpu_linear.Linear` or a plain `nn.Linear`. `direct`: a module's `forward` is called, not the module (its
+    hooks skipped: where the forward running the steps allows none, which saves `Module.__call__`'s cost)."""
     src: str
     dst: str
     width: int
     linear: object
+    direct: bool = False
 
     def run(self, env: Env) -> None:
-        env[self.dst] = self.linear(env[self.src])
+        linear = self.linear
+        env[self.dst] = (linear.forward if self.direct else linear)(env[self.src])
 
 
 @dataclass(frozen=True)
