@@ -86,3 +86,17 @@ def test_a_layer_type_the_engine_does_not_compute_is_refused_by_name():
     with pytest.raises(UnsupportedModel, match="indexed_attention"):
         check_config(CONFIG_MAPPING["gemma3_text"](**fields))
     check_config(CONFIG_MAPPING["gemma3_text"](**{**F.COMMON, **F.FAMILIES["gemma3"][1]}))  # its own kinds pass
+
+
+def test_the_numerical_check_refuses_a_variant_the_config_check_missed(tokenizer, monkeypatch):
+    """Chunked attention with the config's refusal switched off: the check at load runs its tokens past the
+    longest chunk the config declares, through a cached prefix and one-token steps, and refuses the model,
+    naming the first token whose logits differ (the chunk's end): a variant it does not compute is never
+    admitted."""
+    import kvql
+    from kvql.engine.model import admission
+
+    monkeypatch.setattr(admission, "check_config", lambda config: None)
+    hf = F.build("llama4_text", {**F.MOE, "attention_chunk_size": 32}, len(tokenizer), tokenizer.eos_token_id)
+    with pytest.raises(admission.UnsupportedModel, match="from token 32 of 40 on"):
+        kvql.Model(hf, tokenizer, cache_budget=1 << 20)

@@ -241,21 +241,29 @@ class ModelRunner:
     @torch.inference_mode()
     def verify(self) -> None:
         """UnsupportedModel unless logits computed over KV read back from the pool equal one plain forward of
-        the same tokens (admission.verify); uses pool slots while it runs and returns them."""
-        first, rest = admission.VERIFY_TOKENS
-        n = first + rest
-        vocab = int(self.model.config.get_text_config().vocab_size)
+        the same tokens (admission.verify_plan: a first part, a chunk over it, one-token steps, past every
+        window and chunk); uses pool slots while it runs and returns them."""
+        config = self.model.config
+        first, rest = admission.verify_plan(config, self.geometry, self.pool.num_free)
+        n = first + rest + admission.VERIFY_DECODES
+        if rest < 1:
+            return  # a pool smaller than the check: requests are refused by size anyway
+        vocab = int(config.get_text_config().vocab_size)
         ids = [(7 * i + 3) % vocab for i in range(n)]
         slots = self.pool.alloc(n)
-        if slots is None:
-            return  # a pool smaller than the check: requests are refused by size anyway
         counters = self.forward_seconds, self.forward_tokens  # the check is not the engine's work
         try:
             none = torch.empty(0, dtype=torch.long, device=self.device)
             self.forward([Segment(ids[:first], 0, none, slots[:first], False)])
-            got = self.forward([Segment(ids[first:], first, slots[:first], slots[first:], True, all_logits=True)])[0]
+            rows = min(rest, admission.VERIFY_ROWS)
+            end = first + rest
+            got = self.forward([Segment(ids[first:end], first, slots[:first], slots[first:end], True,
+                                        logits_from=end - rows)])
+            for i in range(end, n):
+                got += self.forward([Segment(ids[i:i + 1], i, slots[:i], slots[i:i + 1], True)])
         finally:
             self.pool.free(slots)
             self.forward_seconds, self.forward_tokens = counters
-        want = self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0, first:].float()
-        admission.compare(self.model.config.model_type, got, want, self.pool.k.dtype)
+        rows += admission.VERIFY_DECODES
+        want = self.model(input_ids=torch.tensor([ids], device=self.device), logits_to_keep=rows).logits[0].float()
+        admission.compare(config.model_type, torch.cat(got), want, self.pool.k.dtype, offset=n - rows)
