@@ -47,12 +47,16 @@ def at_least(minimum: int, at_most: int | None = None):
     return count
 
 
-def seconds(text: str) -> float:
-    """`--timeout 30`: a number of seconds > 0."""
+def _number(text: str) -> float:
     try:
-        x = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def seconds(text: str) -> float:
+    """`--timeout 30`: a number of seconds > 0."""
+    x = _number(text)
     if not 0 < x < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return x
@@ -60,10 +64,7 @@ def seconds(text: str) -> float:
 
 def non_negative(text: str) -> float:
     """Seconds, a temperature: a number >= 0 (not NaN)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    x = _number(text)
     if not x >= 0:
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
     return x
