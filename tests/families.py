@@ -56,6 +56,7 @@ REFUSED = {
     "jamba": ("jamba", {**MOE, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
                         "mamba_d_state": 4}, "recurrent"),
     "lfm2": ("lfm2", {"layer_types": ["conv", "full_attention"], "block_ff_dim": 128}, "recurrent"),
+    "jetmoe": ("jetmoe", {"num_local_experts": 4, "num_experts_per_tok": 2, "kv_channels": 16}, "after cache.update"),
     # admitted before and computed without the chunks: wrong once a prompt passed a chunk (issue 42)
     "llama4": ("llama4_text", {**MOE, "attention_chunk_size": WINDOW}, "chunked attention"),
 }

@@ -187,6 +187,11 @@ def probe(hf_model, forward) -> Geometry:
         if call["sinks"]:
             raise UnsupportedModel(f"{name!r}: layer {i} uses attention sinks ({', '.join(call['sinks'])}), "
                                    f"which kvql's attention does not compute")
+        if (call["kv_heads"], call["head_dim"]) != (k_shape[1], k_shape[-1]):
+            raise UnsupportedModel(f"{name!r}: layer {i} writes keys of {k_shape[1]} heads of {k_shape[-1]} to the "
+                                   f"cache but attends over {call['kv_heads']} of {call['head_dim']} (it transforms "
+                                   f"the cached K/V after cache.update, as JetMoE repeats them per attention "
+                                   f"expert), where the engine's attention reads the pool as written")
         if call["v_dim"] != call["head_dim"] or k_shape[1:] != v_shape[1:]:
             raise UnsupportedModel(f"{name!r}: layer {i} has keys {k_shape} and values {v_shape} of different "
                                    f"shapes")

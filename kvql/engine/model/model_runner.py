@@ -50,7 +50,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                                                         **kwargs})
         t = query.shape[2]
         causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
-        return _eager(query, key, value, causal, scaling, softcap, query.shape[1] // key.shape[1]).transpose(1, 2), None
+        out = _eager(query, key, value, causal, scaling, softcap, query.shape[1] // key.shape[1])
+        return out.transpose(1, 2).contiguous(), None  # [batch, tokens, heads, head_dim], as transformers returns it
     _, heads, t, d = query.shape
     k_pool, v_pool = key[0], value[0]  # [kv_heads, slots, head_dim]
     kv_heads = k_pool.shape[0]
