@@ -52,6 +52,8 @@ def rows(tok) -> list[str]:
         window = (f"{sum(map(bool, windows))} of {len(layers)} layers" if any(windows) else "none")
         if any(x.softcap for x in layers):
             window += ", soft-capped scores"
+        if any(x.sinks for x in layers):
+            window += ", attention sinks (gather + SDPA path only)"
         out.append(f"| {name} | `{F.FAMILIES[name][0]}` | {cells[0]}; {cells[1]} | "
                    f"{'yes (12/12)' if not bf16 else f'**no** ({12 - len(bf16)}/12)'} | {r['fused']} | {window} |")
     for name, (model_type, _, _) in F.REFUSED.items():

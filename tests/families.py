@@ -48,6 +48,8 @@ FAMILIES = {
     "smollm3": ("smollm3", {}),
     "glm": ("glm", {"head_dim": 16}),
     "glm4": ("glm4", {"head_dim": 16}),
+    # attention sinks (a logit per head in each softmax's denominator), alternating sliding windows, MoE
+    "gpt_oss": ("gpt_oss", {**MOE, "head_dim": 16, "sliding_window": WINDOW, "layer_types": SLIDING}),
 }
 
 REFUSED = {

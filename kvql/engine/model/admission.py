@@ -50,13 +50,15 @@ class UnsupportedModel(ValueError):
 @dataclass(frozen=True)
 class Layer:
     """What one attention layer computes: `heads` query heads over `kv_heads` K/V heads of `head_dim`,
-    each query seeing its last `window` positions (None: all), scores soft-capped at `softcap` (None: not)."""
+    each query seeing its last `window` positions (None: all), scores soft-capped at `softcap` (None: not),
+    `sinks`: a learned logit per query head in each softmax's denominator (gpt-oss's `s_aux`)."""
 
     heads: int
     kv_heads: int
     head_dim: int
     window: int | None = None
     softcap: float | None = None
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,9 +186,6 @@ def probe(hf_model, forward) -> Geometry:
                                f"token-granular KV (a hybrid model)")
     layers = []
     for (i, k_shape, v_shape), call in zip(p.updates, p.calls):
-        if call["sinks"]:
-            raise UnsupportedModel(f"{name!r}: layer {i} uses attention sinks ({', '.join(call['sinks'])}), "
-                                   f"which kvql's attention does not compute")
         if (call["kv_heads"], call["head_dim"]) != (k_shape[1], k_shape[-1]):
             raise UnsupportedModel(f"{name!r}: layer {i} writes keys of {k_shape[1]} heads of {k_shape[-1]} to the "
                                    f"cache but attends over {call['kv_heads']} of {call['head_dim']} (it transforms "
@@ -195,9 +194,14 @@ def probe(hf_model, forward) -> Geometry:
         if call["v_dim"] != call["head_dim"] or k_shape[1:] != v_shape[1:]:
             raise UnsupportedModel(f"{name!r}: layer {i} has keys {k_shape} and values {v_shape} of different "
                                    f"shapes")
+        unread = sorted(set(call["sinks"]) - {"s_aux"})
+        if unread:
+            raise UnsupportedModel(f"{name!r}: layer {i} passes attention sinks as {', '.join(unread)}, which "
+                                   f"kvql's attention does not read (it reads gpt-oss's s_aux)")
         window = int(call["window"]) if call["window"] else None
         softcap = float(call["softcap"]) if call["softcap"] else None
-        layers.append(Layer(int(call["heads"]), int(call["kv_heads"]), int(call["head_dim"]), window, softcap))
+        layers.append(Layer(int(call["heads"]), int(call["kv_heads"]), int(call["head_dim"]), window, softcap,
+                            bool(call["sinks"])))
     shapes = {(x.heads, x.kv_heads, x.head_dim) for x in layers}
     if len(shapes) > 1:
         raise UnsupportedModel(f"{name!r}: its layers differ in (heads, KV heads, head dim): {sorted(shapes)}; "

@@ -39,25 +39,28 @@ ATTENTION = "kvql"
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvql_plan=None,
-               sliding_window=None, softcap=None, **kwargs):
-    """Attention over pool K/V following `kvql_plan`, with the layer's own `scaling`, `sliding_window` and
-    `softcap` (the keywords transformers' attention modules pass); the model's own attention when called by
-    ordinary transformers code (no plan), so the same model object still works with `generate`."""
+               sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """Attention over pool K/V following `kvql_plan`, with the layer's own `scaling`, `sliding_window`, `softcap`
+    and attention sinks `s_aux` (gpt-oss: a logit per query head in each softmax's denominator; the keywords
+    transformers' attention modules pass); the model's own attention when called by ordinary transformers code
+    (no plan), so the same model object still works with `generate`."""
     if kvql_plan is None:
-        return _plain(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, kwargs)
+        return _plain(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
+                      {**kwargs, **({} if s_aux is None else {"s_aux": s_aux})})
     if isinstance(kvql_plan, admission.Probe):
         admission.record(kvql_plan, query, key, value, {"sliding_window": sliding_window, "softcap": softcap,
-                                                        **kwargs})
+                                                        "s_aux": s_aux, **kwargs})
         t = query.shape[2]
         causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
-        out = _eager(query, key, value, causal, scaling, softcap, query.shape[1] // key.shape[1])
+        sinks = None if s_aux is None else s_aux.view(-1, 1, 1)
+        out = _eager(query, key, value, causal, scaling, softcap, query.shape[1] // key.shape[1], sinks)
         return out.transpose(1, 2).contiguous(), None  # [batch, tokens, heads, head_dim], as transformers returns it
     _, heads, t, d = query.shape
     k_pool, v_pool = key[0], value[0]  # [kv_heads, slots, head_dim]
     kv_heads = k_pool.shape[0]
     g = heads // kv_heads
     out = query.new_empty(t, heads, v_pool.shape[-1])
-    if kvql_plan.paged is not None:  # a paged plan has nothing else: every segment read in place
+    if kvql_plan.paged is not None:  # a paged plan has nothing else: every segment read in place (no sinks)
         paged_attention.attend(query[0], k_pool, v_pool, out, kvql_plan.paged, scaling or d ** -0.5,
                                sliding_window, softcap)
         return out[None], None
@@ -66,10 +69,10 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         span = slice(c.offset, c.offset + c.rows * c.q_len)
         q, k, v = (x[0, :, span].unflatten(1, (c.rows, c.q_len)).transpose(0, 1)
                    for x in (query, *kvql_plan.fresh))
-        if sliding_window or softcap:
+        if sliding_window or softcap or s_aux is not None:
             i = torch.arange(c.q_len, device=query.device)
             mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - (sliding_window or c.q_len))
-            o = _eager(q, k, v, mask, scaling, softcap, g)
+            o = _eager(q, k, v, mask, scaling, softcap, g, None if s_aux is None else s_aux.view(-1, 1, 1))
         else:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                                                  enable_gqa=g > 1)
@@ -84,8 +87,10 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         q = q.reshape(b.rows, kv_heads, g * b.q_len, d)
         k, v = (x.view(kv_heads, b.rows, b.k_len, -1).transpose(0, 1) for x in _gather(b, k_pool, v_pool))
         mask = b.window_mask(sliding_window, g)
-        if softcap:
-            o = _eager(q, k, v, mask, scaling, softcap, 1)
+        if softcap or s_aux is not None:  # a sink per query head: per row of the packed query axis
+            sinks = None if s_aux is None else s_aux.view(kv_heads, g, 1).repeat_interleave(b.q_len, 1).view(
+                kv_heads, g * b.q_len, 1)
+            o = _eager(q, k, v, mask, scaling, softcap, 1, sinks)
         else:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
         o = o.view(b.rows, kv_heads, g, b.q_len, -1).permute(0, 3, 1, 2, 4).reshape(b.rows * b.q_len, heads, -1)
@@ -93,22 +98,28 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out[None], None
 
 
-def _eager(q, k, v, mask, scaling, softcap, groups: int):
-    """Attention written out (for what SDPA cannot do: soft-capped scores): `q [.., heads, Q, d]` over
-    `k`/`v [.., heads / groups, K, d]`, boolean `mask` broadcast to `[.., Q, K]`; softmax in float32."""
+def _eager(q, k, v, mask, scaling, softcap, groups: int, sinks=None):
+    """Attention written out (for what SDPA cannot do: soft-capped scores, sinks): `q [.., heads, Q, d]` over
+    `k`/`v [.., heads / groups, K, d]`, boolean `mask` broadcast to `[.., Q, K]`; softmax in float32. `sinks`
+    (broadcast to `[.., heads, Q, 1]`): one more logit in each row's softmax, whose weight goes to no value
+    (gpt-oss's attention sinks, as its eager attention computes them)."""
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scaling or q.shape[-1] ** -0.5)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    scores = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(weights.to(q.dtype), v)
 
 
 def _plain(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, kwargs):
     """A transformers call with no plan: SDPA as transformers' `sdpa` implementation, or, where SDPA cannot
-    compute the layer (soft-capped scores), the model's own eager attention with the mask made additive."""
-    if softcap is None:
+    compute the layer (soft-capped scores, sinks), the model's own eager attention with the mask made additive."""
+    if softcap is None and "s_aux" not in kwargs:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       sliding_window=sliding_window, **kwargs)
     eager = sys.modules[type(module).__module__].eager_attention_forward
@@ -198,8 +209,9 @@ class ModelRunner:
             cpu_linear.prepare(hf_model, max_reduction=max_reduction, skip=fused_layers.stacked_parts(hf_model))
         # the same forward without transformers' module calls, where the model's structure allows (lean_model.py)
         self.lean = lean_model.build(hf_model) if self.device.type == "cpu" else None
+        # the paged kernel has no sinks: a model with them attends by gathering (`_attention`)
         self.paged = paged_attention.supports(self.device, pool.k.dtype, geometry.heads, geometry.kv_heads,
-                                              pool.k.shape[-1])
+                                              pool.k.shape[-1]) and not any(x.sinks for x in geometry.layers)
         self.forward_seconds = 0.0
         self.forward_tokens = 0
 
