@@ -53,7 +53,7 @@ def rows(tok) -> list[str]:
         if any(x.softcap for x in layers):
             window += ", soft-capped scores"
         if any(x.sinks for x in layers):
-            window += ", attention sinks (gather + SDPA path only)"
+            window += ", attention sinks"
         out.append(f"| {name} | `{F.FAMILIES[name][0]}` | {cells[0]}; {cells[1]} | "
                    f"{'yes (12/12)' if not bf16 else f'**no** ({12 - len(bf16)}/12)'} | {r['fused']} | {window} |")
     for name, (model_type, _, _) in F.REFUSED.items():

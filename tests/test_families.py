@@ -67,8 +67,8 @@ def test_a_model_whose_cached_logits_differ_is_refused(tokenizer, monkeypatch):
     from kvql.engine.model.kernels import paged_attention
 
     attend = paged_attention.attend
-    monkeypatch.setattr(paged_attention, "attend", lambda q, k, v, o, s, scale, window=None, softcap=None:
-                        attend(q, k, v, o, s, scale, None, softcap))
+    monkeypatch.setattr(paged_attention, "attend", lambda q, k, v, o, s, scale, window=None, softcap=None,
+                        sinks=None: attend(q, k, v, o, s, scale, None, softcap, sinks))
     monkeypatch.setattr(lean_model, "build", lambda hf: None)  # its bound calls would not go through `attend`
     hf = F.build(*F.FAMILIES["mistral"], len(tokenizer), tokenizer.eos_token_id)
     with pytest.raises(admission.UnsupportedModel, match="differ from the model's own forward"):

@@ -62,6 +62,27 @@ def test_matches_float64_sdpa_over_gathered_slots(dtype, tol, d):
                                    atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("d", [64, 40])
+def test_attention_sinks_match_float64_attention_with_a_logit_per_head(d):
+    """gpt-oss's sinks: one more logit per query head in each softmax, its weight going to no value; decode
+    rows (read in place) and prefill blocks alike. Without them the rows differ (the sinks are not ignored)."""
+    k_pool, v_pool, query, idx, slots = _case(torch.float32, seed=3, d=d)
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(4)) * 2
+    segs = pa.Segments(*idx, torch.cat(slots))
+    out = torch.full((query.shape[1], H, d), float("nan"))
+    pa.attend(query, k_pool, v_pool, out, segs, d ** -0.5, sinks=sinks)
+    plain = _run(query, k_pool, v_pool, *idx, slots)
+    for (past, n), start, s in zip(SPEC, idx[0], slots):
+        q = query[:, start:start + n].double()  # [H, n, d]
+        k, v = (x[:, s].double().repeat_interleave(H // KV, 0) for x in (k_pool, v_pool))
+        scores = (q @ k.transpose(1, 2)) * d ** -0.5
+        scores = scores.masked_fill(torch.arange(past + n)[None] > torch.arange(past, past + n)[:, None], -torch.inf)
+        scores = torch.cat([scores, sinks.double()[:, None, None].expand(H, n, 1)], -1)
+        ref = torch.softmax(scores, -1)[..., :-1] @ v
+        torch.testing.assert_close(out[start:start + n].double(), ref.transpose(0, 1), atol=2e-6, rtol=2e-6)
+        assert not torch.allclose(out[start:start + n], plain[start:start + n], atol=1e-4)
+
+
 @pytest.mark.parametrize("d", [64, 128, 40, 256])  # specialized, padded, and Gemma 3's (no specialization)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_independent_of_batch_mates_and_of_chunking(dtype, d):

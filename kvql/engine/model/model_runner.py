@@ -60,9 +60,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     kv_heads = k_pool.shape[0]
     g = heads // kv_heads
     out = query.new_empty(t, heads, v_pool.shape[-1])
-    if kvql_plan.paged is not None:  # a paged plan has nothing else: every segment read in place (no sinks)
+    if kvql_plan.paged is not None:  # a paged plan has nothing else: every segment read in place
         paged_attention.attend(query[0], k_pool, v_pool, out, kvql_plan.paged, scaling or d ** -0.5,
-                               sliding_window, softcap)
+                               sliding_window, softcap, None if s_aux is None else s_aux.float().contiguous())
         return out[None], None
     c: Causal
     for c in kvql_plan.causal:  # no past: causal attention over the fresh K/V, read in place
@@ -209,9 +209,8 @@ class ModelRunner:
             cpu_linear.prepare(hf_model, max_reduction=max_reduction, skip=fused_layers.stacked_parts(hf_model))
         # the same forward without transformers' module calls, where the model's structure allows (lean_model.py)
         self.lean = lean_model.build(hf_model) if self.device.type == "cpu" else None
-        # the paged kernel has no sinks: a model with them attends by gathering (`_attention`)
         self.paged = paged_attention.supports(self.device, pool.k.dtype, geometry.heads, geometry.kv_heads,
-                                              pool.k.shape[-1]) and not any(x.sinks for x in geometry.layers)
+                                              pool.k.shape[-1])
         self.forward_seconds = 0.0
         self.forward_tokens = 0
 

@@ -34,8 +34,8 @@ from . import build
 DTYPES = build.DTYPES
 SIGNATURES = {"kvql_paged_attention": (build.I32, [
     build.PTR, build.I64, build.I64, build.PTR, build.PTR, build.I64, build.I64, build.PTR, build.I64, build.I64,
-    build.I32, build.I32, build.I32, build.I32, build.F32, build.I64, build.F32, build.I64, build.PTR, build.PTR,
-    build.PTR, build.PTR, build.PTR, build.I64, build.I32])}
+    build.I32, build.I32, build.I32, build.I32, build.F32, build.I64, build.F32, build.PTR, build.I64, build.PTR,
+    build.PTR, build.PTR, build.PTR, build.PTR, build.I64, build.I32])}
 LIBRARY = build.Library("paged_attention", "KVQL_PAGED_ATTENTION", "gathering K/V instead", SIGNATURES,
                         flags=["-ffp-contract=off"],
                         limits=("kvql_max_group", "kvql_max_dim"))
@@ -66,14 +66,18 @@ class Segments:
 
 
 def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
-           segs: Segments, scale: float, window: int | None = None, softcap: float | None = None) -> None:
+           segs: Segments, scale: float, window: int | None = None, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> None:
     """`query [heads, T, head_dim]` (any strides, last dim contiguous), `k_pool`/`v_pool` `[kv_heads, slots,
     head_dim]` (last dim contiguous, same strides), `out [T, heads, head_dim]` contiguous; all one dtype
     of DTYPES on the CPU. Writes the rows of `segs`' tokens into `out` (module doc). `window`: each token
     sees only its last `window` keys (itself included; transformers' sliding window), `softcap`: scores
-    become `softcap * tanh(score / softcap)` (Gemma 2's attention logit soft-capping)."""
+    become `softcap * tanh(score / softcap)` (Gemma 2's attention logit soft-capping), `sinks` (`[heads]`
+    float32, contiguous): one more logit per head in each softmax, whose weight goes to no value (gpt-oss's
+    attention sinks)."""
     if not segs.count:
         return
+    assert sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.numel() == query.shape[0])
     lib = LIBRARY.get()
     heads, _, d = query.shape
     kv_heads = k_pool.shape[0]
@@ -83,7 +87,7 @@ def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out:
         k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0), k_pool.stride(1),
         out.data_ptr(), out.stride(0), out.stride(1),
         heads, kv_heads, d, DTYPES[query.dtype], scale, int(window or 0), float(softcap or 0.0),
-        segs.count, segs.q_start.data_ptr(), segs.q_len.data_ptr(), segs.key_start.data_ptr(),
+        None if sinks is None else sinks.data_ptr(), segs.count, segs.q_start.data_ptr(), segs.q_len.data_ptr(), segs.key_start.data_ptr(),
         segs.n_keys.data_ptr(), segs.slots.data_ptr(), segs.max_keys, torch.get_num_threads())
     if rc:
         raise RuntimeError(f"paged attention failed: shape out of range (heads {heads}, kv_heads {kv_heads}, "
