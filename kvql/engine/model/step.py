@@ -132,7 +132,8 @@ class WriteKV:
 @dataclass(frozen=True)
 class Attend:
     """`dst` = attention of query `q` (`heads` heads) over pool layer `layer`'s keys and values of each
-    segment (`paged_attention.attend`), with the layer's `scaling`, sliding `window` and score `softcap`."""
+    segment (`paged_attention.attend`), with the layer's `scaling`, sliding `window`, score `softcap` and
+    attention `sinks` (`[heads]` float32: a logit per head in each softmax's denominator)."""
     q: Cols
     dst: str
     layer: int
@@ -142,6 +143,7 @@ class Attend:
     scaling: float
     window: int | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -152,7 +154,8 @@ class Attend:
         t, d = q.shape[0], self.head_dim
         out = q.new_empty(t, self.heads, d)
         paged_attention.attend(q.view(t, self.heads, d).transpose(0, 1), env.pool.k[self.layer],
-                               env.pool.v[self.layer], out, env.segs, self.scaling, self.window, self.softcap)
+                               env.pool.v[self.layer], out, env.segs, self.scaling, self.window, self.softcap,
+                               self.sinks)
         env[self.dst] = out.view(t, self.width)
 
 
