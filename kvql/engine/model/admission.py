@@ -184,24 +184,7 @@ def probe(hf_model, forward) -> Geometry:
         raise UnsupportedModel(f"{name!r}: only {len(p.updates)} of its {n_layers} layers are attention layers "
                                f"with a KV cache; the others keep a recurrent state, which is not a prefix of "
                                f"token-granular KV (a hybrid model)")
-    layers = []
-    for (i, k_shape, v_shape), call in zip(p.updates, p.calls):
-        if (call["kv_heads"], call["head_dim"]) != (k_shape[1], k_shape[-1]):
-            raise UnsupportedModel(f"{name!r}: layer {i} writes keys of {k_shape[1]} heads of {k_shape[-1]} to the "
-                                   f"cache but attends over {call['kv_heads']} of {call['head_dim']} (it transforms "
-                                   f"the cached K/V after cache.update, as JetMoE repeats them per attention "
-                                   f"expert), where the engine's attention reads the pool as written")
-        if call["v_dim"] != call["head_dim"] or k_shape[1:] != v_shape[1:]:
-            raise UnsupportedModel(f"{name!r}: layer {i} has keys {k_shape} and values {v_shape} of different "
-                                   f"shapes")
-        unread = sorted(set(call["sinks"]) - {"s_aux"})
-        if unread:
-            raise UnsupportedModel(f"{name!r}: layer {i} passes attention sinks as {', '.join(unread)}, which "
-                                   f"kvql's attention does not read (it reads gpt-oss's s_aux)")
-        window = int(call["window"]) if call["window"] else None
-        softcap = float(call["softcap"]) if call["softcap"] else None
-        layers.append(Layer(int(call["heads"]), int(call["kv_heads"]), int(call["head_dim"]), window, softcap,
-                            bool(call["sinks"])))
+    layers = [_layer(name, i, k_shape, v_shape, call) for (i, k_shape, v_shape), call in zip(p.updates, p.calls)]
     shapes = {(x.heads, x.kv_heads, x.head_dim) for x in layers}
     if len(shapes) > 1:
         raise UnsupportedModel(f"{name!r}: its layers differ in (heads, KV heads, head dim): {sorted(shapes)}; "
@@ -209,6 +192,26 @@ def probe(hf_model, forward) -> Geometry:
     if layers[0].heads % layers[0].kv_heads:
         raise UnsupportedModel(f"{name!r}: {layers[0].heads} query heads over {layers[0].kv_heads} KV heads")
     return Geometry(tuple(layers))
+
+
+def _layer(name: str, i: int, k_shape: tuple, v_shape: tuple, call: dict) -> Layer:
+    """Layer `i` as the probe saw it: what it wrote through cache.update (`k_shape`, `v_shape`) and what its
+    attention call received (`call`); UnsupportedModel where the engine cannot attend as the layer does."""
+    if (call["kv_heads"], call["head_dim"]) != (k_shape[1], k_shape[-1]):
+        raise UnsupportedModel(f"{name!r}: layer {i} writes keys of {k_shape[1]} heads of {k_shape[-1]} to the "
+                               f"cache but attends over {call['kv_heads']} of {call['head_dim']} (it transforms "
+                               f"the cached K/V after cache.update, as JetMoE repeats them per attention "
+                               f"expert), where the engine's attention reads the pool as written")
+    if call["v_dim"] != call["head_dim"] or k_shape[1:] != v_shape[1:]:
+        raise UnsupportedModel(f"{name!r}: layer {i} has keys {k_shape} and values {v_shape} of different shapes")
+    unread = sorted(set(call["sinks"]) - {"s_aux"})
+    if unread:
+        raise UnsupportedModel(f"{name!r}: layer {i} passes attention sinks as {', '.join(unread)}, which "
+                               f"kvql's attention does not read (it reads gpt-oss's s_aux)")
+    window = int(call["window"]) if call["window"] else None
+    softcap = float(call["softcap"]) if call["softcap"] else None
+    return Layer(int(call["heads"]), int(call["kv_heads"]), int(call["head_dim"]), window, softcap,
+                 bool(call["sinks"]))
 
 
 def verify_plan(config, geometry: Geometry, room: int) -> tuple[int, int]:
