@@ -59,6 +59,10 @@ REFUSED = {
                         "mamba_d_state": 4}, "recurrent"),
     "lfm2": ("lfm2", {"layer_types": ["conv", "full_attention"], "block_ff_dim": 128}, "recurrent"),
     "jetmoe": ("jetmoe", {"num_local_experts": 4, "num_experts_per_tok": 2, "kv_channels": 16}, "after cache.update"),
+    # MLA: transformers caches the compressed latent and expands it after cache.update (issue 42: cache the latent)
+    "deepseek_v3": ("deepseek_v3", {**MOE, "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                                    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                                    "v_head_dim": 16, "n_group": 1, "topk_group": 1}, "expands a cached latent"),
     # admitted before and computed without the chunks: wrong once a prompt passed a chunk (issue 42)
     "llama4": ("llama4_text", {**MOE, "attention_chunk_size": WINDOW}, "chunked attention"),
 }

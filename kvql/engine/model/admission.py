@@ -200,8 +200,9 @@ def _layer(name: str, i: int, k_shape: tuple, v_shape: tuple, call: dict) -> Lay
     if (call["kv_heads"], call["head_dim"]) != (k_shape[1], k_shape[-1]):
         raise UnsupportedModel(f"{name!r}: layer {i} writes keys of {k_shape[1]} heads of {k_shape[-1]} to the "
                                f"cache but attends over {call['kv_heads']} of {call['head_dim']} (it transforms "
-                               f"the cached K/V after cache.update, as JetMoE repeats them per attention "
-                               f"expert), where the engine's attention reads the pool as written")
+                               f"what it cached after cache.update: JetMoE repeats K/V per attention expert, "
+                               f"DeepSeek's MLA expands a cached latent), where the engine's attention reads the "
+                               f"pool as written")
     if call["v_dim"] != call["head_dim"] or k_shape[1:] != v_shape[1:]:
         raise UnsupportedModel(f"{name!r}: layer {i} has keys {k_shape} and values {v_shape} of different shapes")
     unread = sorted(set(call["sinks"]) - {"s_aux"})
