@@ -148,11 +148,14 @@ def original(module: torch.nn.Module) -> type:
     return getattr(type(module), "kvql_original", type(module))
 
 
+def _eps(norm: torch.nn.Module) -> float:
+    """An RMSNorm module's epsilon, under the name its form gives it (Gemma's `eps`, Llama's `variance_epsilon`)."""
+    return norm.eps if kind(original(norm))[1] else norm.variance_epsilon
+
+
 def norm_step(norm: torch.nn.Module, src: str, dst: str) -> step.Norm:
     """An RMSNorm module `kind` knows, as a step: its weight, epsilon and form read now."""
-    plus_one = kind(original(norm))[1]
-    return step.Norm(src, dst, norm.weight.shape[0], norm.weight, norm.eps if plus_one else norm.variance_epsilon,
-                     plus_one)
+    return step.Norm(src, dst, norm.weight.shape[0], norm.weight, _eps(norm), kind(original(norm))[1])
 
 
 @dataclass(frozen=True)
@@ -240,8 +243,7 @@ class _Norm:
     def forward(self, hidden_states):
         if _plain(hidden_states, self) or self.weight.dtype != hidden_states.dtype or not hidden_states.is_contiguous():
             return super().forward(hidden_states)
-        eps = self.eps if kind(self.kvql_original)[1] else self.variance_epsilon
-        return _described(self, (self.weight, eps), lambda: norm_step(self, "", "")).apply(hidden_states)
+        return _described(self, (self.weight, _eps(self)), lambda: norm_step(self, "", "")).apply(hidden_states)
 
 
 class _MLP:

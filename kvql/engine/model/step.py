@@ -3,15 +3,15 @@
 A step reads and writes buffers named in an `Env` (each `[rows, width]`, one row per token of the step);
 `run(steps, env)` runs a list of them with torch calls of kvql's kernels. Three forwards use the same lists:
 a swapped transformers module runs its own module's steps (`fused_layers`), the lean forward runs a whole
-model's (`lean_model.describe`: per layer its steps, in the order transformers computes them), and the lean
+model's (`lean_model._describe_layer`: per layer its steps, in the order transformers computes them), and the lean
 forward's C step program is compiled from those lists (`lean_model._Program`), one kind of C call per step
 type. So a change to how a layer computes is one edit here or in the description, and a new kind of layer
 (a recurrent mixer with its state, latent K/V, attention sinks, chunks) is a new step type: its `run` here,
 its compiled form in `_Program`.
 
 Contract of every step: `run(env)` computes exactly what the transformers module it stands for computes
-through kvql's kernels (`fused_ops`, `paged_attention`, `cpu_linear`), writing its `dst` (a new tensor) or,
-for `Rope` / `Add` / `WriteKV`, updating in place; the compiled program calls the same kernels with the same
+through kvql's kernels (`fused_ops`, `paged_attention`, `cpu_linear`), binding its `dst` to a new tensor, or
+updating in place (`Rope` a buffer, `WriteKV` the pool); the compiled program calls the same kernels with the same
 arguments in the same order, so all three forwards agree bit for bit. `width` of a step that writes a buffer
 is that buffer's width, known when the step is described (the program allocates its buffers from it).
 """
