@@ -15,7 +15,7 @@ from llguidance import regex_to_lark
 
 from ..backends.options import JSON_SPACING
 from .constraints import ANY, INT_REGEX, And, Atom, Node, Not, Or, describe, finite_values, first_invalid
-from .errors import ConstraintError, InvalidCondition
+from .errors import ConstraintError, InvalidCondition, QueryError
 from .json_types import type_schema
 from .value_check import matcher
 
@@ -215,6 +215,18 @@ class HolePlan:
         `REGEX(X, "[a-z]+[.]") and STOPS_BEFORE(X, ".")` gives a value without the dot."""
         hit = self.stop_index(text, guard_chars)
         return text if hit is None else text[:hit[0]] + hit[1].phrase
+
+
+def hole_plan(constraint, name: str) -> HolePlan:
+    """`plan_for`, as a hole of a query asks for it: a constraint that cannot be planned (a bad regex, a condition
+    over several variables) is a QueryError naming the hole; an `InvalidCondition` (a condition LMQL itself
+    rejects, with its own message) passes as it is."""
+    try:
+        return plan_for(constraint, name)
+    except InvalidCondition:
+        raise
+    except ValueError as e:
+        raise QueryError(f"constraint on {name}: {e}") from None
 
 
 def plan_for(constraint, name: str) -> HolePlan:

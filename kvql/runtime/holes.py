@@ -17,8 +17,8 @@ from ..backends import base  # the contract only: no torch, no engine
 from .beam import beam_search
 from .constraints import INT_REGEX, And, Atom, Node
 from .decorators import Chain
-from .errors import InvalidCondition, QueryError, UnmetConstraint
-from .hole_plan import HolePlan, Stop, plan_for
+from .errors import QueryError, UnmetConstraint
+from .hole_plan import HolePlan, Stop, hole_plan
 from .hole_result import HoleResult
 from .json_types import from_json
 from .program import Program
@@ -103,12 +103,7 @@ def _typed(name: str, constraint, type):
 def _plan(name: str, constraint, type) -> HolePlan:
     """The hole's plan (`constraint` already `_typed`); UnmetConstraint when no value can meet it, before
     anything is generated."""
-    try:
-        plan = plan_for(constraint, name)
-    except InvalidCondition:
-        raise
-    except ValueError as e:
-        raise QueryError(f"constraint on {name}: {e}") from None
+    plan = hole_plan(constraint, name)
     if type is int:
         plan.require(INT_REGEX, f"[{name}: int]")
         plan.as_int = True

@@ -6,10 +6,9 @@ from __future__ import annotations
 import math
 
 from ..backends import base  # the contract only: no torch, no engine
-from .constraints import ConstraintError
 from .decorators import Chain
-from .errors import InvalidCondition, QueryError, UnmetConstraint
-from .hole_plan import HolePlan, plan_for
+from .errors import QueryError, UnmetConstraint
+from .hole_plan import HolePlan, hole_plan
 from .holes import stop_name, tokens_text
 from .program import Program
 from .result import LMQLResult
@@ -23,12 +22,7 @@ class Nested:
         """Run `query` (a `Program`) inside this prompt; its own prompt text is removed afterwards and its
         return value (or, without a return, the text it added) is inserted instead. The statement's
         `where` conditions on the hole are checked on that value (see `_check_nested`)."""
-        try:
-            plan = plan_for(constraint, name)
-        except InvalidCondition:
-            raise
-        except ConstraintError as e:
-            raise QueryError(f"constraint on {name}: {e}") from None
+        plan = hole_plan(constraint, name)
         if plan.heal:
             raise QueryError(f"cannot heal [{name}: {getattr(query, 'name', 'query')}] (HEAL({name})): a nested "
                              "query's value is what it returns; heal the holes inside it")
