@@ -59,11 +59,12 @@ def test_the_context_is_the_models_own_not_the_window(tokenizer):
     assert m.context_length == 512 and hf.config.sliding_window == F.WINDOW
 
 
-def test_a_model_whose_cached_logits_differ_is_refused(tokenizer, monkeypatch):
+def test_a_ragged_path_whose_cached_logits_differ_gives_way_to_the_models_own_forward(tokenizer, monkeypatch):
     """The load-time check compares logits over KV read back from the pool with the plain forward: an engine
-    that ignored a layer's window (here: made to) would be caught there, before any request."""
+    whose ragged attention ignored a layer's window (here: made to) is caught there, before any request, and the
+    model runs on its own forward instead, exact."""
     import kvql
-    from kvql.engine.model import admission, lean_model
+    from kvql.engine.model import lean_model
     from kvql.engine.model.kernels import paged_attention
 
     attend = paged_attention.attend
@@ -71,32 +72,69 @@ def test_a_model_whose_cached_logits_differ_is_refused(tokenizer, monkeypatch):
                         sinks=None: attend(q, k, v, o, s, scale, None, softcap, sinks))
     monkeypatch.setattr(lean_model, "build", lambda hf: None)  # its bound calls would not go through `attend`
     hf = F.build(*F.FAMILIES["mistral"], len(tokenizer), tokenizer.eos_token_id)
-    with pytest.raises(admission.UnsupportedModel, match="differ from the model's own forward"):
-        kvql.Model(hf, tokenizer, cache_budget=1 << 20)
+    m = kvql.Model(hf, tokenizer, cache_budget=1 << 20)
+    try:
+        assert "the ragged path's check failed" in m.engine.runner.geometry.own
+        assert "differ from the model's own forward" in m.engine.runner.geometry.own
+        ps = F.prompts(len(tokenizer), seed=2, long=True)
+        want = F.reference("mistral", F.FAMILIES["mistral"][1], tokenizer, ps, 8)
+        assert [c.token_ids for c in m.generate(ps, max_tokens=8)] == want
+    finally:
+        m.close()
 
 
-def test_a_layer_type_the_engine_does_not_compute_is_refused_by_name():
-    """A config naming a layer kind kvql's attention does not know is refused before its weights load, never
-    admitted and computed as full attention (what happened to Llama 4's chunked layers)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from kvql.engine.model.admission import UnsupportedModel, check_config
-
-    fields = {**F.COMMON, **F.FAMILIES["gemma3"][1], "layer_types": ["sliding_attention", "indexed_attention"]}
-    with pytest.raises(UnsupportedModel, match="indexed_attention"):
-        check_config(CONFIG_MAPPING["gemma3_text"](**fields))
-    check_config(CONFIG_MAPPING["gemma3_text"](**{**F.COMMON, **F.FAMILIES["gemma3"][1]}))  # its own kinds pass
-
-
-def test_the_numerical_check_refuses_a_variant_the_config_check_missed(tokenizer, monkeypatch):
-    """Chunked attention with the config's refusal switched off: the check at load runs its tokens past the
-    longest chunk the config declares, through a cached prefix and one-token steps, and refuses the model,
-    naming the first token whose logits differ (the chunk's end): a variant it does not compute is never
-    admitted."""
+def test_a_model_that_keeps_state_outside_its_cache_is_refused(tokenizer):
+    """A deliberately unsupported variant (its logits depend on how often it ran: state no cache holds) fails
+    the check on both paths and is refused, naming both, never admitted."""
     import kvql
     from kvql.engine.model import admission
 
-    monkeypatch.setattr(admission, "check_config", lambda config: None)
-    hf = F.build("llama4_text", {**F.MOE, "attention_chunk_size": 32}, len(tokenizer), tokenizer.eos_token_id)
-    with pytest.raises(admission.UnsupportedModel, match="from token 32 of 40 on"):
+    hf = F.build(*F.FAMILIES["llama"], len(tokenizer), tokenizer.eos_token_id)
+    calls = []
+
+    def drift(module, args, output):
+        calls.append(1)
+        return output + len(calls)
+
+    hf.lm_head.register_forward_hook(drift)
+    with pytest.raises(admission.UnsupportedModel) as e:
         kvql.Model(hf, tokenizer, cache_budget=1 << 20)
+    assert str(e.value).count("differ from the model's own forward") == 2
+    assert "on the ragged path" in str(e.value) and "on its own forward" in str(e.value)
+
+
+def test_attention_the_ragged_path_does_not_compute_is_named_from_the_config():
+    """A config naming a layer kind the ragged path's attention does not know, or chunked attention, sends the
+    model to its own forward before its weights load (`own_reason`), never computed as full attention (what
+    happened to Llama 4's chunked layers); recurrent layers are refused outright."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from kvql.engine.model.admission import UnsupportedModel, check_config, own_reason
+
+    fields = {**F.COMMON, **F.FAMILIES["gemma3"][1], "layer_types": ["sliding_attention", "indexed_attention"]}
+    assert "indexed_attention" in own_reason(CONFIG_MAPPING["gemma3_text"](**fields))
+    assert own_reason(CONFIG_MAPPING["gemma3_text"](**{**F.COMMON, **F.FAMILIES["gemma3"][1]})) is None
+    llama4 = CONFIG_MAPPING["llama4_text"](**{**F.COMMON, **F.FAMILIES["llama4"][1]})
+    assert "chunked attention" in own_reason(llama4)
+    with pytest.raises(UnsupportedModel, match="recurrent"):
+        check_config(CONFIG_MAPPING["lfm2"](**{**F.COMMON, **F.REFUSED["lfm2"][1]}))
+
+
+def test_the_numerical_check_catches_a_variant_the_config_check_missed(tokenizer, monkeypatch):
+    """Chunked attention with the config's reading switched off: the check at load runs its tokens past the
+    longest chunk the config declares, through a cached prefix and one-token steps, and finds the first token
+    whose logits differ on the ragged path (the chunk's end); the model then runs on its own forward, exact."""
+    import kvql
+    from kvql.engine.model import admission
+
+    monkeypatch.setattr(admission, "own_reason", lambda config: None)
+    overrides = {**F.MOE, "attention_chunk_size": 32}
+    hf = F.build("llama4_text", overrides, len(tokenizer), tokenizer.eos_token_id)
+    m = kvql.Model(hf, tokenizer, cache_budget=1 << 20)
+    try:
+        assert "from token 32 of 40 on" in m.engine.runner.geometry.own
+        ps = [p * 3 for p in F.prompts(len(tokenizer), seed=4, count=3, long=True)]  # past the chunk of 32
+        want = F.reference("llama4_text", overrides, tokenizer, ps, 6)
+        assert [c.token_ids for c in m.generate(ps, max_tokens=6)] == want
+    finally:
+        m.close()

@@ -116,7 +116,7 @@ class LocalBackend(Backend):
             disk_cache = None
         geometry = model_runner.read_geometry(hf_model)  # UnsupportedModel (a ValueError) says why not
         slot_bytes = KVPool.slot_bytes(num_layers=len(geometry.layers), kv_heads=geometry.kv_heads,
-                                       head_dim=geometry.head_dim, dtype=hf_model.dtype)
+                                       head_dim=geometry.head_dim, v_dim=geometry.v_dim, dtype=hf_model.dtype)
         if budget < slot_bytes:
             raise ValueError(f"cache_budget {budget} bytes holds no token ({slot_bytes} bytes per token)")
         self.engine = Engine(hf_model, tokenizer, num_slots=budget // slot_bytes, max_batch_tokens=max_batch_tokens,

@@ -98,7 +98,7 @@ class Engine(Persistence):
         self.device = next(hf_model.parameters()).device
         geometry = geometry or model_runner.read_geometry(hf_model)
         self.pool = KVPool(num_layers=len(geometry.layers), kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
-                           num_slots=num_slots, dtype=hf_model.dtype, device=self.device)
+                           v_dim=geometry.v_dim, num_slots=num_slots, dtype=hf_model.dtype, device=self.device)
         self.tree = RadixCache(self.pool.free, self.device)
         self.memory = Memory(self.pool, self.tree)
         self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens,

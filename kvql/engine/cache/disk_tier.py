@@ -170,8 +170,7 @@ class DiskTier:
         self.bytes = 0  # the live files' sizes (module doc)
         self.staged_bytes = 0
         self.written_tokens = self.read_tokens = self.failed_reads = 0
-        layers, kv_heads, _, head_dim = pool.k.shape
-        self._token_bytes = 2 * layers * kv_heads * head_dim * pool.k.element_size()
+        self._token_bytes = pool.token_bytes
         self._seq = itertools.count(time.time_ns())
         self._writes: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
@@ -321,10 +320,10 @@ class DiskTier:
             if meta.get("sha256") != tier_file.sha256(self.digest, salt, tensors):
                 raise ValueError("checksum mismatch: not this model's file, or not of this cache partition, or damaged")
             p, t, k, v = (tensors[name] for name in tier_file.NAMES)
-            want_k = (self.pool.k.shape[0], self.pool.k.shape[1], t.numel(), self.pool.k.shape[3])
-            if {k.dtype, v.dtype} != {self.pool.k.dtype} or tuple(k.shape) != want_k or tuple(v.shape) != want_k:
+            want_k, want_v = ((*x.shape[:2], t.numel(), x.shape[3]) for x in (self.pool.k, self.pool.v))
+            if {k.dtype, v.dtype} != {self.pool.k.dtype} or tuple(k.shape) != want_k or tuple(v.shape) != want_v:
                 raise ValueError(f"K/V of shapes {tuple(k.shape)} {tuple(v.shape)} and dtypes {k.dtype} {v.dtype}, "
-                                 f"not {want_k} {self.pool.k.dtype}")
+                                 f"not {want_k} {want_v} {self.pool.k.dtype}")
             os.utime(extent.file.path, follow_symlinks=False)  # its mtime orders the LRU at the next start (`scan`)
         own = t.tolist()
         if p.tolist() + own[:extent.offset] != prefix or own[extent.offset:extent.offset + extent.length] != tokens:

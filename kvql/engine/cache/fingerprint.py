@@ -36,8 +36,9 @@ def fingerprint(hf_model, tokenizer, pool, file_format: str) -> dict[str, str]:
                 h.update(sample.contiguous().view(torch.uint8).numpy())
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
     layers, kv_heads, _, head_dim = pool.k.shape
+    kv = f"{layers}x{kv_heads}x{head_dim}" + (f"+{pool.v.shape[-1]}" if pool.v.shape[-1] != head_dim else "")
     return {"format": file_format, "model": h.hexdigest(), "dtype": str(pool.k.dtype).removeprefix("torch."),
-            "device": pool.device.type, "kv": f"{layers}x{kv_heads}x{head_dim}",
+            "device": pool.device.type, "kv": kv,
             "tokenizer": hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()}
 
 

@@ -14,16 +14,16 @@ import torch
 
 
 class KVPool:
-    """`k[layer]` and `v[layer]` are `[kv_heads, num_slots, head_dim]` views into one tensor each."""
+    """`k[layer]` is `[kv_heads, num_slots, head_dim]`, `v[layer]` `[kv_heads, num_slots, v_dim]` (`v_dim`:
+    `head_dim` unless given: MLA's cached latent has a value part of its own width), views into one tensor each."""
 
     def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, num_slots: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, v_dim: int | None = None):
         if num_slots < 1:
             raise ValueError("a KV pool needs at least one slot")
-        shape = (num_layers, kv_heads, num_slots, head_dim)
         # torch.empty: pages are touched only when a slot is written, yet the size is fixed here.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k = torch.empty((num_layers, kv_heads, num_slots, head_dim), dtype=dtype, device=device)
+        self.v = torch.empty((num_layers, kv_heads, num_slots, v_dim or head_dim), dtype=dtype, device=device)
         self.num_slots = num_slots
         self.device = torch.device(device)
         # the free list, first in first out, as a ring: `_count` slots from `_head` (wrapping). Taking and
@@ -33,9 +33,15 @@ class KVPool:
         self._count = num_slots
 
     @staticmethod
-    def slot_bytes(*, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def slot_bytes(*, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   v_dim: int | None = None) -> int:
         """Bytes one token occupies (K and V, all layers)."""
-        return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return num_layers * kv_heads * (head_dim + (v_dim or head_dim)) * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one slot occupies (K and V, all layers)."""
+        return (self.k[:, :, 0].numel() + self.v[:, :, 0].numel()) * self.k.element_size()
 
     @property
     def bytes(self) -> int:

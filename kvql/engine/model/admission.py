@@ -1,29 +1,36 @@
-"""Admission: whether a transformers model runs on the engine, judged by what its forward does, not by its name.
+"""Admission: whether and how a transformers model runs on the engine, judged by what its forward does, not by
+its name.
 
-The engine needs three things of a model: every attention layer writes its new K/V through
-`cache.update(key, value, layer_idx)` of the cache object it is given, then calls the attention function
-registered with transformers' `AttentionInterface` (with the keyword arguments of the forward passed
-through), and nothing else in the model carries state from one token to the next. Most decoder-only
-families of transformers 5.x are written that way (Llama, Qwen, Gemma, Phi, OLMo, Granite, Cohere,
-StarCoder2, GPT-2, GPT-NeoX, GPT-J, GLM, their MoE variants); recurrent and hybrid models (Mamba, Jamba,
-LFM2, Qwen3-Next, RecurrentGemma: a recurrent state is not a prefix of token-granular KV), encoder-decoder
-models and models whose attention bypasses the interface (Falcon: in transformers 5.24 it cannot set its
-attention implementation, in 5.25 its layers do not pass the forward's keyword arguments on) are not. Where
-the config declares recurrent layers (`layer_types` naming a kind that transformers' own cache serves with
-a recurrent state), and where it declares attention kvql does not compute (chunked attention:
-`attention_chunk_size`; any `layer_types` kind but full and sliding attention), the model is refused before
-its weights load (`check_config`): never admitted and computed as something else.
+The engine runs a model one of two ways (`Geometry.own`):
+- **ragged** (the fast path): every attention layer writes its new K/V through `cache.update(key, value,
+  layer_idx)` of the cache object it is given, then calls the attention function registered with transformers'
+  `AttentionInterface` (with the forward's keyword arguments passed through), which attends over the pool as
+  written, for every request of a batch in one forward. Most decoder-only families of transformers 5.x are
+  written that way (Llama, Qwen, Gemma, Phi, OLMo, Granite, Cohere, StarCoder2, GPT-2, GPT-NeoX, GPT-J, GLM,
+  gpt-oss, their MoE variants).
+- **own** (the exact fallback): the model's own forward, one request at a time, over a transformers
+  `DynamicCache` filled with the request's cached K/V from the pool, its new tokens' K/V copied back to their
+  slots (model_runner.py). Whatever the model attends with (ALiBi, chunked attention, K/V transformed after
+  `cache.update`, attention that bypasses the interface, a cached latent: DeepSeek's MLA) is the model's own
+  code; the pool holds what the model caches, per token, whatever its shape (`Layer.v_dim`).
+
+`check_config` refuses, before the weights load, what neither way serves: encoder-decoder models and layers
+whose cache in transformers is a recurrent (or convolutional) state (Mamba, Jamba, LFM2, Qwen3-Next: not a
+prefix of token-granular KV). `own_reason` names what the config alone shows the ragged path does not compute
+(chunked attention: `attention_chunk_size`; a `layer_types` kind but full and sliding attention).
 
 `probe(model)` runs one forward of a few tokens with a recording cache and records, per layer, what the
-attention function receives: query heads, KV heads, head dim, the layer's sliding window and logit
-soft-cap. The result (`Geometry`) sizes the KV pool and tells the attention path each layer's variant; a
-model that does not behave as above is refused with `UnsupportedModel`, whose message says why.
+attention function receives: query heads, KV heads, head dim, the layer's sliding window, logit soft-cap and
+sinks (`Geometry`, which sizes the KV pool and tells the attention path each layer's variant); where the model
+does not behave as the ragged path needs, it raises `UnsupportedModel` saying why, and `own_geometry` reads what
+the model's own forward caches per layer instead (refusing with both reasons where that fails too).
 
-`verify(runner)` then checks the whole path numerically, once per engine: the logits of a sequence whose
-first part is computed and written to the pool, then a chunk over it read back as cached KV, then a few
-one-token steps (`verify_plan`), must equal those of one plain forward of the same tokens (to rounding). The
-sequence runs past every window and chunk the model declares. This catches anything the probe cannot see
-(state kept outside the cache, attention arguments or masks the engine ignores: attention sinks, chunks).
+`verify` (model_runner.ModelRunner.verify) then checks the chosen path numerically, once per engine: the logits
+of a sequence whose first part is computed and written to the pool, then a chunk over it read back as cached KV,
+then a few one-token steps (`verify_plan`), must equal those of one plain forward of the same tokens (to
+rounding). The sequence runs past every window and chunk the model declares. This catches anything the probe
+cannot see (state kept outside the cache, attention arguments or masks the ragged path ignores); a ragged path
+that fails it falls back to the model's own forward, checked the same way.
 """
 
 from __future__ import annotations
@@ -51,7 +58,8 @@ class UnsupportedModel(ValueError):
 class Layer:
     """What one attention layer computes: `heads` query heads over `kv_heads` K/V heads of `head_dim`,
     each query seeing its last `window` positions (None: all), scores soft-capped at `softcap` (None: not),
-    `sinks`: a learned logit per query head in each softmax's denominator (gpt-oss's `s_aux`)."""
+    `sinks`: a learned logit per query head in each softmax's denominator (gpt-oss's `s_aux`). `v_dim`: the
+    width of what the layer caches as values, where it differs from its keys' (`own` geometries: MLA's latent)."""
 
     heads: int
     kv_heads: int
@@ -59,13 +67,20 @@ class Layer:
     window: int | None = None
     softcap: float | None = None
     sinks: bool = False
+    v_dim: int | None = None
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """The model's attention layers, in `layer_idx` order. The pool holds one K/V shape for all of them."""
+    """The model's attention layers, in `layer_idx` order. The pool holds one K/V shape for all of them. `own`:
+    None where the ragged path runs the model, else why the model's own forward does (module doc)."""
 
     layers: tuple[Layer, ...]
+    own: str | None = None
+
+    @property
+    def v_dim(self) -> int:
+        return self.layers[0].v_dim or self.head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -111,7 +126,7 @@ def record(probe: Probe, query, key, value, kwargs) -> None:
 
 
 def check_config(config) -> None:
-    """Refusals that the config alone shows, before any weights are loaded."""
+    """Refusals that the config alone shows, before any weights are loaded (module doc)."""
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel(f"{config.model_type!r} is an encoder-decoder model; kvql's engine runs "
                                f"decoder-only language models")
@@ -120,16 +135,20 @@ def check_config(config) -> None:
         raise UnsupportedModel(f"{config.model_type!r}: its config declares layers of type {', '.join(stateful)}, "
                                f"whose cache in transformers is a recurrent (or convolutional) state, which is not "
                                f"a prefix of token-granular KV")
+
+
+def own_reason(config) -> str | None:
+    """Why the config alone shows that the ragged path's attention would compute the model otherwise than the
+    model does (so that its own forward runs it), or None."""
     text = config.get_text_config()
     chunk = getattr(text, "attention_chunk_size", None)
     if chunk:
-        raise UnsupportedModel(f"{config.model_type!r}: chunked attention (attention_chunk_size={chunk}: a token "
-                               f"attends only within its chunk), which kvql's attention does not compute")
+        return f"chunked attention (attention_chunk_size={chunk}: a token attends only within its chunk)"
     unknown = sorted({t for t in getattr(text, "layer_types", None) or [] if t not in ATTENTION_LAYER_TYPES}, key=str)
     if unknown:
-        raise UnsupportedModel(f"{config.model_type!r}: its config declares layers of type "
-                               f"{', '.join(map(str, unknown))}, which kvql's attention does not compute (it computes "
-                               f"{' and '.join(ATTENTION_LAYER_TYPES)})")
+        return (f"layers of type {', '.join(map(str, unknown))} (the ragged path computes "
+                f"{' and '.join(ATTENTION_LAYER_TYPES)})")
+    return None
 
 
 def recurrent_layer_types(config) -> list[str]:
@@ -148,7 +167,6 @@ def probe(hf_model, forward) -> Geometry:
     """The geometry of `hf_model` (module doc), or UnsupportedModel. `forward(probe, cache, ids, positions)`
     runs the model's forward with the engine's attention function and `kvql_plan=probe`."""
     config = hf_model.config
-    check_config(config)
     name = config.model_type
     if not type(hf_model)._can_set_attn_implementation():
         raise UnsupportedModel(f"{name!r}: its attention does not go through transformers' AttentionInterface "
@@ -213,6 +231,35 @@ def _layer(name: str, i: int, k_shape: tuple, v_shape: tuple, call: dict) -> Lay
     softcap = float(call["softcap"]) if call["softcap"] else None
     return Layer(int(call["heads"]), int(call["kv_heads"]), int(call["head_dim"]), window, softcap,
                  bool(call["sinks"]))
+
+
+def own_geometry(hf_model, forward, reason: str) -> Geometry:
+    """The geometry of `hf_model` run by its own forward (module doc): what each layer caches per token, read
+    from the transformers `DynamicCache` that `forward(cache, ids, positions)` filled; `reason`: why the ragged
+    path does not run it. UnsupportedModel where the model caches anything but one K/V pair of one shape per
+    layer and token (a recurrent state, layers of different shapes)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    name = hf_model.config.model_type
+    cache = DynamicCache()
+    try:
+        forward(cache, torch.arange(1, PROBE_TOKENS + 1) % int(hf_model.config.get_text_config().vocab_size),
+                torch.arange(PROBE_TOKENS))
+    except Exception as e:  # noqa: BLE001 -- any failure of the forward is the reason for refusing
+        raise UnsupportedModel(f"{name!r}: {reason}; and its own forward over a transformers DynamicCache failed "
+                               f"({type(e).__name__}: {e})") from e
+    shapes = {(type(layer) is DynamicLayer and getattr(layer, "keys", None) is not None
+               and (tuple(layer.keys.shape), tuple(layer.values.shape))) for layer in cache.layers}
+    if not cache.layers or len(shapes) != 1 or not next(iter(shapes)):
+        raise UnsupportedModel(f"{name!r}: {reason}; and what its own forward caches is not one K/V pair of one "
+                               f"shape per layer and token ({sorted(map(str, shapes))})")
+    k, v = next(iter(shapes))
+    if k[0] != 1 or k[2] != PROBE_TOKENS or v[:3] != k[:3]:
+        raise UnsupportedModel(f"{name!r}: {reason}; and its own forward caches keys {k} and values {v} for "
+                               f"{PROBE_TOKENS} tokens, not one head set per token")
+    layer = Layer(k[1], k[1], k[3], v_dim=v[3] if v[3] != k[3] else None)
+    return Geometry((layer,) * len(cache.layers), own=reason)
 
 
 def verify_plan(config, geometry: Geometry, room: int) -> tuple[int, int]:

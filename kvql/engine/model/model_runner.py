@@ -174,18 +174,45 @@ class PoolCache:
 
 
 def read_geometry(hf_model) -> admission.Geometry:
-    """The attention layers of `hf_model` as the engine runs them (admission.probe), or UnsupportedModel.
-    Sets the model's attention implementation to the engine's (a plain forward of it runs as before)."""
-    if type(hf_model)._can_set_attn_implementation():
-        hf_model.set_attn_implementation(ATTENTION)
+    """How the engine runs `hf_model` (admission's module doc): the ragged path's geometry where its probe
+    admits the model (the model's attention implementation then set to the engine's: a plain forward of it runs
+    as before), else what the model's own forward caches (`Geometry.own` says why); UnsupportedModel where
+    neither serves it."""
+    config = hf_model.config
+    admission.check_config(config)
+    reason = admission.own_reason(config)
+    if reason is None:
+        original = config._attn_implementation
+        if type(hf_model)._can_set_attn_implementation():
+            hf_model.set_attn_implementation(ATTENTION)
 
+        @torch.inference_mode()
+        def forward(probe, cache, ids, positions):
+            dev = next(hf_model.parameters()).device
+            hf_model(input_ids=ids[None].to(dev), position_ids=positions[None].to(dev),
+                     attention_mask=_NO_MASK.to(dev), cache=cache, kvql_plan=probe, logits_to_keep=1)
+
+        try:
+            return admission.probe(hf_model, forward)
+        except admission.UnsupportedModel as e:
+            reason = str(e).removeprefix(f"{config.model_type!r}: ")
+        if type(hf_model)._can_set_attn_implementation():
+            hf_model.set_attn_implementation(original)
+
+    return _own_geometry(hf_model, reason)
+
+
+def _own_geometry(hf_model, reason: str) -> admission.Geometry:
     @torch.inference_mode()
-    def forward(probe, cache, ids, positions):
-        dev = next(hf_model.parameters()).device
-        hf_model(input_ids=ids[None].to(dev), position_ids=positions[None].to(dev), attention_mask=_NO_MASK.to(dev),
-                 cache=cache, kvql_plan=probe, logits_to_keep=1)
+    def own(cache, ids, positions):
+        _own_forward(hf_model, cache, ids.to(next(hf_model.parameters()).device), 1)
 
-    return admission.probe(hf_model, forward)
+    return admission.own_geometry(hf_model, own, reason)
+
+
+def _own_forward(hf_model, cache, ids: torch.Tensor, keep: int):
+    """The model's own forward of `ids` after what `cache` holds (positions follow its length)."""
+    return hf_model(input_ids=ids[None], cache=cache, use_cache=True, logits_to_keep=keep)
 
 
 class ModelRunner:
@@ -196,10 +223,20 @@ class ModelRunner:
         self.device = pool.device
         self.geometry = geometry = geometry or read_geometry(hf_model)
         self.groups = geometry.heads // geometry.kv_heads
-        hf_model.set_attn_implementation(ATTENTION)
         # batch-invariant attention (attention_plan's module doc): on in reduced precision, where a
         # merged cluster's reduction order changes outputs; fp32 merges shared prefixes (cheaper)
         self.batch_invariant = pool.k.dtype != torch.float32
+        self.lean, self.paged = None, False
+        if geometry.own is None:
+            self._prepare_ragged()
+        elif self.device.type == "cpu":  # its own forward, with a GEMM row that never depends on its batch
+            cpu_linear.prepare(hf_model, max_reduction=cpu_linear.MAX_REDUCTION if self.batch_invariant else None)
+        self.forward_seconds = 0.0
+        self.forward_tokens = 0
+
+    def _prepare_ragged(self) -> None:
+        hf_model, pool, geometry = self.model, self.pool, self.geometry
+        hf_model.set_attn_implementation(ATTENTION)
         if self.device.type == "cpu":
             # prepacked weights; in reduced precision a GEMM row then never depends on its batch (cpu_linear.py)
             max_reduction = cpu_linear.MAX_REDUCTION if self.batch_invariant else None
@@ -211,14 +248,14 @@ class ModelRunner:
         self.lean = lean_model.build(hf_model) if self.device.type == "cpu" else None
         self.paged = paged_attention.supports(self.device, pool.k.dtype, geometry.heads, geometry.kv_heads,
                                               pool.k.shape[-1])
-        self.forward_seconds = 0.0
-        self.forward_tokens = 0
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> list[torch.Tensor | None]:
         """Run the batch; return, per segment, its float32 logits: those of its last `logit_rows`
         tokens (`[len(token_ids), vocab]` with `all_logits`, `[1, vocab]` with `needs_logits` alone),
         or None when it wants none."""
+        if self.geometry.own is not None:
+            return self._own(segments)
         dev = self.device
         ids, pos, rows, spans = [], [], [], []
         for s in segments:
@@ -250,11 +287,57 @@ class ModelRunner:
         self.forward_tokens += len(ids)
         return [logits[a:b] if b > a else None for a, b in spans]
 
-    @torch.inference_mode()
+    def _own(self, segments: list[Segment]) -> list[torch.Tensor | None]:
+        """`forward` by the model's own forward, one segment at a time (admission's module doc): a DynamicCache
+        holding the segment's past K/V read from the pool, its new tokens' K/V written back to their slots."""
+        from transformers import DynamicCache
+
+        k_pool, v_pool = self.pool.k, self.pool.v
+        out = []
+        started = time.perf_counter()
+        for s in segments:
+            past = s.past_slots.to(self.device)
+            cache = DynamicCache(ddp_cache_data=[(k_pool[i].index_select(1, past)[None], v_pool[i].index_select(
+                1, past)[None]) for i in range(k_pool.shape[0])]) if s.start else DynamicCache()
+            ids = torch.tensor(s.token_ids, device=self.device)
+            logits = _own_forward(self.model, cache, ids, max(s.logit_rows, 1)).logits[0].float()
+            new = s.new_slots.to(self.device)
+            for i, layer in enumerate(cache.layers):
+                k_pool[i].index_copy_(1, new, layer.keys[0, :, s.start:])
+                v_pool[i].index_copy_(1, new, layer.values[0, :, s.start:])
+            out.append(logits[-s.logit_rows:] if s.logit_rows else None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.forward_seconds += time.perf_counter() - started
+        self.forward_tokens += sum(len(s.token_ids) for s in segments)
+        return out
+
     def verify(self) -> None:
         """UnsupportedModel unless logits computed over KV read back from the pool equal one plain forward of
         the same tokens (admission.verify_plan: a first part, a chunk over it, one-token steps, past every
-        window and chunk); uses pool slots while it runs and returns them."""
+        window and chunk); uses pool slots while it runs and returns them. A ragged path that fails the check
+        gives way to the model's own forward (where it caches what the pool holds), checked the same way."""
+        try:
+            self._verify()
+        except admission.UnsupportedModel as e:
+            if self.geometry.own is not None:
+                raise
+            name = f"{self.model.config.model_type!r}: "
+            reason = str(e).removeprefix(name)
+            own = _own_geometry(self.model, f"the ragged path's check failed: {reason}")
+            if (own.kv_heads, own.head_dim, own.v_dim, len(own.layers)) != (
+                    self.geometry.kv_heads, self.geometry.head_dim, self.geometry.v_dim, len(self.geometry.layers)):
+                raise admission.UnsupportedModel(f"{name}{reason}; and its own forward caches other shapes than "
+                                                 f"its attention layers write") from e
+            self.geometry, self.lean, self.paged = own, None, False
+            try:
+                self._verify()
+            except admission.UnsupportedModel as again:
+                raise admission.UnsupportedModel(f"{name}on the ragged path: {reason}; and on its own forward: "
+                                                 f"{str(again).removeprefix(name)}") from again
+
+    @torch.inference_mode()
+    def _verify(self) -> None:
         config = self.model.config
         first, rest = admission.verify_plan(config, self.geometry, self.pool.num_free)
         n = first + rest + admission.VERIFY_DECODES
