@@ -1,7 +1,7 @@
 """Writes docs/models.md's table of model families from the checks tests/test_families.py asserts (tests/families.py):
 for each tiny random model, fp32 greedy equal to transformers.generate cold / warm / staggered on both CPU
-attention paths, bf16 batched equal to alone, how many modules run the fused layers, its sliding windows;
-for refused families the engine's reason. Run: `.venv/bin/python scripts/family_table.py` (about a minute;
+attention paths, bf16 batched equal to alone, the path that runs it (ragged, or the model's own forward and why),
+how many modules run the fused layers, its sliding windows; for refused families the engine's reason. Run: `.venv/bin/python scripts/family_table.py` (about a minute;
 rewrites the part of docs/models.md between the `families` markers, prints the table)."""
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ def mark(ok: bool) -> str:
 
 
 def rows(tok) -> list[str]:
-    out = ["| family | model type | fp32 cold / warm / staggered (paged kernel; gather + SDPA) | bf16 batched = alone "
-           "| fused modules | sliding window |", "|---|---|---|---|---|---|"]
+    out = ["| family | model type | fp32 cold / warm / staggered (paged kernel; gather + SDPA: the ragged path) "
+           "| bf16 batched = alone | path | fused modules | sliding window |", "|---|---|---|---|---|---|---|"]
     for name in F.FAMILIES:
         cells = []
-        for path in ("1", "0"):
+        for path in ("1", "0") if name not in F.OWN else ("1",):  # the own forward: no attention path of kvql's
             os.environ["KVQL_PAGED_ATTENTION"] = path
             r = F.check_exact(name, tok)
             cells.append(" / ".join(mark(r[k] == r["reference"]) for k in ("cold", "warm", "staggered")))
@@ -54,11 +54,14 @@ def rows(tok) -> list[str]:
             window += ", soft-capped scores"
         if any(x.sinks for x in layers):
             window += ", attention sinks"
-        out.append(f"| {name} | `{F.FAMILIES[name][0]}` | {cells[0]}; {cells[1]} | "
-                   f"{'yes (12/12)' if not bf16 else f'**no** ({12 - len(bf16)}/12)'} | {r['fused']} | {window} |")
+        own = r["geometry"].own
+        path = "ragged" if own is None else "own forward: " + own.split(" (")[0].split(";")[0].replace("|", "\\|")
+        out.append(f"| {name} | `{F.FAMILIES[name][0]}` | {'; '.join(cells)} | "
+                   f"{'yes (12/12)' if not bf16 else f'**no** ({12 - len(bf16)}/12)'} | {path} | {r['fused']} | "
+                   f"{window} |")
     for name, (model_type, _, _) in F.REFUSED.items():
         reason = F.check_refused(name, tok).replace("|", "\\|")
-        out.append(f"| {name} | `{model_type}` | refused: {reason} | | | |")
+        out.append(f"| {name} | `{model_type}` | refused: {reason} | | | | |")
     return out
 
 

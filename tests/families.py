@@ -2,8 +2,8 @@
 that tests/test_families.py asserts and scripts/family_table.py reports in docs/models.md.
 
 `FAMILIES`: family name -> (transformers model type, config fields besides the common tiny sizes). Windowed
-families get a window of `WINDOW` keys, so that the test prompts run past it. `REFUSED`: families the engine
-refuses, with the words its error must contain.
+families get a window of `WINDOW` keys, so that the test prompts run past it. `OWN`: the families admission runs
+on the model's own forward. `REFUSED`: families the engine refuses, with the words its error must contain.
 """
 
 from __future__ import annotations
@@ -67,11 +67,36 @@ FAMILIES = {
                                     "topk_group": 1}),
 }
 
-REFUSED = {
-    "mamba": ("mamba", {"state_size": 4}, "recurrent"),
+# recurrent layers (own forward; states carried per request, snapshots of them serve prefixes)
+HYBRID = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16)
+DELTANET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_conv_kernel_dim=4, head_dim=16, layer_types=["linear_attention", "full_attention"])
+FAMILIES.update({
+    "lfm2": ("lfm2", {"layer_types": ["conv", "full_attention"], "block_ff_dim": 128}),
+    "lfm2_moe": ("lfm2_moe", {**MOE, "layer_types": ["conv", "full_attention"], "num_dense_layers": 1}),
+    "qwen3_5": ("qwen3_5_text", DELTANET),
+    "qwen3_next": ("qwen3_next", {**MOE, **DELTANET}),
+    "granitemoehybrid": ("granitemoehybrid", {**MOE, **HYBRID, "layer_types": ["mamba", "attention"]}),
+    "nemotron_h": ("nemotron_h", {"hybrid_override_pattern": "M*", "mamba_num_heads": 4, "mamba_head_dim": 32,
+                                  "ssm_state_size": 8, "n_groups": 1, "chunk_size": 16, "head_dim": 16}),
+    "falcon_h1": ("falcon_h1", {**HYBRID, "mamba_d_ssm": 128, "head_dim": 16}),
+    "zamba2": ("zamba2", {"mamba_d_state": 8, "mamba_headdim": 16, "n_mamba_heads": 8,
+                          "layers_block_type": ["mamba", "hybrid"], "num_mem_blocks": 1}),
+    "mamba": ("mamba", {"state_size": 4}),
     "jamba": ("jamba", {**MOE, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
-                        "mamba_d_state": 4}, "recurrent"),
-    "lfm2": ("lfm2", {"layer_types": ["conv", "full_attention"], "block_ff_dim": 128}, "recurrent"),
+                        "mamba_d_state": 4}),
+})
+
+# the families admission runs on their own forward (the others: the ragged path)
+OWN = {"falcon", "bloom", "mpt", "stablelm", "nemotron", "xglm", "jetmoe", "llama4", "deepseek_v3", "lfm2", "lfm2_moe",
+       "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2", "mamba", "jamba"}
+
+REFUSED = {
+    # their own forward continued from a cached state differs from their forward of the whole sequence, even one
+    # token at a time: a state outside what transformers' cache layers hold
+    "bamba": ("bamba", {**HYBRID, "attn_layer_indices": [1]}, "one token per forward after a state"),
+    "recurrent_gemma": ("recurrent_gemma", {"block_types": ["recurrent", "attention"], "lru_width": 64,
+                                            "attention_window_size": 8}, "one token per forward after a state"),
 }
 
 

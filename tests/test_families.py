@@ -1,7 +1,8 @@
 """Every decoder-only family a tiny random config builds runs on the engine through one code path, exact:
 greedy tokens equal `transformers.generate` (eager attention, a fresh copy of the model) cold, warm and
-staggered, on both attention paths a CPU takes, with prompts past the window for windowed families; bf16
-batched equals alone. Refused families say why (tests/families.py builds the models)."""
+staggered, on both attention paths a CPU takes (the ragged path's families) or on the model's own forward (the
+others), with prompts past the window for windowed families; bf16 batched equals alone. Refused families say why
+(tests/families.py builds the models)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ import pytest
 import families as F
 
 
-@pytest.fixture(params=["paged-kernel", "gather-sdpa"])
-def attention_path(request, monkeypatch):
-    monkeypatch.setenv("KVQL_PAGED_ATTENTION", "1" if request.param == "paged-kernel" else "0")
-    return request.param
+# the ragged path's families on both of its CPU attention paths; the model's own forward has no attention of kvql's
+CASES = [(family, path) for family in sorted(F.FAMILIES) for path in ("paged-kernel", "gather-sdpa")
+         if path == "paged-kernel" or family not in F.OWN]
 
 
-@pytest.mark.parametrize("family", sorted(F.FAMILIES))
-def test_greedy_equals_transformers_cold_warm_and_staggered(family, tokenizer, attention_path):
+@pytest.mark.parametrize("family,path", CASES)
+def test_greedy_equals_transformers_cold_warm_and_staggered(family, path, tokenizer, monkeypatch):
+    monkeypatch.setenv("KVQL_PAGED_ATTENTION", "1" if path == "paged-kernel" else "0")
     r = F.check_exact(family, tokenizer)
+    assert (r["geometry"].own is not None) == (family in F.OWN)  # the path admission chose
     assert r["cold"] == r["reference"]
     assert r["warm"] == r["reference"] and all(r["warm_cached"])
     assert r["staggered"] == r["reference"] and r["mixed_steps"] > 0
@@ -104,9 +106,9 @@ def test_a_model_that_keeps_state_outside_its_cache_is_refused(tokenizer):
 
 
 def test_attention_the_ragged_path_does_not_compute_is_named_from_the_config():
-    """A config naming a layer kind the ragged path's attention does not know, or chunked attention, sends the
-    model to its own forward before its weights load (`own_reason`), never computed as full attention (what
-    happened to Llama 4's chunked layers); recurrent layers are refused outright."""
+    """A config naming a layer kind the ragged path's attention does not know, chunked attention, or recurrent
+    layers sends the model to its own forward before its weights load (`own_reason`), never computed as full
+    attention (what happened to Llama 4's chunked layers); an encoder-decoder model is refused outright."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from kvql.engine.model.admission import UnsupportedModel, check_config, own_reason
@@ -116,8 +118,9 @@ def test_attention_the_ragged_path_does_not_compute_is_named_from_the_config():
     assert own_reason(CONFIG_MAPPING["gemma3_text"](**{**F.COMMON, **F.FAMILIES["gemma3"][1]})) is None
     llama4 = CONFIG_MAPPING["llama4_text"](**{**F.COMMON, **F.FAMILIES["llama4"][1]})
     assert "chunked attention" in own_reason(llama4)
-    with pytest.raises(UnsupportedModel, match="recurrent"):
-        check_config(CONFIG_MAPPING["lfm2"](**{**F.COMMON, **F.REFUSED["lfm2"][1]}))
+    assert "recurrent" in own_reason(CONFIG_MAPPING["lfm2"](**{**F.COMMON, **F.FAMILIES["lfm2"][1]}))
+    with pytest.raises(UnsupportedModel, match="encoder-decoder"):
+        check_config(CONFIG_MAPPING["t5"]())
 
 
 def test_the_numerical_check_catches_a_variant_the_config_check_missed(tokenizer, monkeypatch):

@@ -40,13 +40,28 @@ def test_an_encoder_decoder_model_is_refused_before_its_weights_load(tmp_path):
         kvql.model(str(tmp_path))
 
 
-def test_a_recurrent_model_directory_is_refused_with_its_reason(tmp_path, tokenizer):
+def test_a_recurrent_model_directory_loads_and_runs_exactly(tmp_path, tokenizer):
+    """A Mamba directory (recurrent layers only: its own forward, its state carried and snapshotted) loads and
+    answers as transformers' generate does."""
     import families
 
     hf = families.build("mamba", {"state_size": 4}, len(tokenizer), tokenizer.eos_token_id)
     hf.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match=f"model '{tmp_path}': 'mamba'.*recurrent"):
+    prompt = families.prompts(len(tokenizer), seed=1, count=1)[0]
+    want = families.reference("mamba", {"state_size": 4}, tokenizer, [prompt], 6)
+    m = kvql.model(str(tmp_path), dtype="float32", cache_budget="8MB")
+    try:
+        assert m.generate([prompt], max_tokens=6)[0].token_ids == want[0]
+    finally:
+        m.close()
+
+
+def test_an_encoder_decoder_directory_is_refused_from_its_config(tmp_path):
+    from transformers import T5Config
+
+    T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=f"model '{tmp_path}': 't5' is an encoder-decoder model"):
         kvql.model(str(tmp_path))
 
 

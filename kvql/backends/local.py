@@ -31,6 +31,8 @@ from .sizes import parse_bytes
 log = logging.getLogger("kvql.cache")
 
 LOCAL_OPTIONS = ("mask", "prompt_logprobs", "logit_bias")  # beyond the contract's (GenerateOptions)
+SNAPSHOT_SHARE = 4  # a model with recurrent layers keeps snapshots of their states in 1/4 of its cache budget
+
 
 def default_budget(device: torch.device) -> int:
     """A quarter of free memory (at most 4 GiB) on CPU; half of free memory on CUDA."""
@@ -117,12 +119,14 @@ class LocalBackend(Backend):
         geometry = model_runner.read_geometry(hf_model)  # UnsupportedModel (a ValueError) says why not
         slot_bytes = KVPool.slot_bytes(num_layers=len(geometry.layers), kv_heads=geometry.kv_heads,
                                        head_dim=geometry.head_dim, v_dim=geometry.v_dim, dtype=hf_model.dtype)
-        if budget < slot_bytes:
+        # a model with recurrent layers: a quarter of the budget for snapshots of their states
+        snapshot_bytes = budget // SNAPSHOT_SHARE if geometry.recurrent else 0
+        if budget - snapshot_bytes < slot_bytes:
             raise ValueError(f"cache_budget {budget} bytes holds no token ({slot_bytes} bytes per token)")
-        self.engine = Engine(hf_model, tokenizer, num_slots=budget // slot_bytes, max_batch_tokens=max_batch_tokens,
-                             max_running=max_running, background=background, geometry=geometry,
-                             speculate=speculate, disk_cache=disk_cache, disk_budget=disk_bytes,
-                             save_interval=cache_save_interval)
+        self.engine = Engine(hf_model, tokenizer, num_slots=(budget - snapshot_bytes) // slot_bytes,
+                             max_batch_tokens=max_batch_tokens, max_running=max_running, background=background,
+                             geometry=geometry, speculate=speculate, disk_cache=disk_cache, disk_budget=disk_bytes,
+                             save_interval=cache_save_interval, snapshot_budget=snapshot_bytes)
         self.eos_ids = frozenset(self.engine.eos_ids)
         # Grammars are immutable: the runs of a query (a map over many inputs) share one per constraint.
         self._compiled = functools.lru_cache(maxsize=256)(self._compile)

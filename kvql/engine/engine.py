@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import logging
 import threading
 import traceback
 import weakref
@@ -67,12 +68,15 @@ from .cache.kv_pool import KVPool
 from .cache.memory import Memory
 from .model.model_runner import ModelRunner
 from .cache.radix_cache import RadixCache
+from .cache.state_snapshots import StateSnapshots
 from .request import Request, RequestGroup, SamplingParams
 from .outputs import Outputs
 from .cache.persistence import Persistence
 from .scheduler import Scheduler
 from .model import admission, model_runner
 from . import openmp
+
+log = logging.getLogger("kvql.cache")
 
 
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -88,11 +92,13 @@ def _close_all() -> None:
 class Engine(Persistence):
     def __init__(self, hf_model, tokenizer, *, num_slots: int, max_batch_tokens: int = 1024,
                  max_running: int = 64, background: bool = True, geometry: admission.Geometry | None = None,
-                 speculate: bool = True, disk_cache=None, disk_budget: int = 0, save_interval: float = 300.0):
+                 speculate: bool = True, disk_cache=None, disk_budget: int = 0, save_interval: float = 300.0,
+                 snapshot_budget: int = 0):
         """`geometry`: `model_runner.read_geometry(hf_model)` when the caller has it already (it probes the
         model); a model the engine cannot run raises `admission.UnsupportedModel`, saying why. `disk_cache`:
         a directory for the disk tier (module doc), holding at most `disk_budget` bytes, written to every
-        `save_interval` seconds when idle (0: at `close` only)."""
+        `save_interval` seconds when idle (0: at `close` only). `snapshot_budget`: bytes for snapshots of a
+        model's recurrent states (models with recurrent layers; cache/state_snapshots.py)."""
         config = hf_model.config
         self.tokenizer = tokenizer
         self.device = next(hf_model.parameters()).device
@@ -111,6 +117,9 @@ class Engine(Persistence):
         self.outputs = Outputs(self.scheduler, tokenizer, self.device, self.eos_ids, self._cancel_later)
         self._drafter = Drafter()
         self.speculate = speculate
+        if self.runner.geometry.recurrent:  # a prefix is reused from a snapshot of the state after it
+            self.memory.snapshots = self.runner.own.snapshots = StateSnapshots(snapshot_budget)
+            self.scheduler.carries = True
         self.steps = 0
         self.mixed_steps = 0  # steps whose batch held both prefill chunks and decode steps
         self.max_batch_requests = 0
@@ -123,7 +132,10 @@ class Engine(Persistence):
         self._fingerprint: dict[str, str] | None = None  # fingerprint.py
         self._autosave = None
         self.saves = 0  # `save_cache` calls done (autosaves and the one at `close` included)
-        if disk_cache is not None:
+        if disk_cache is not None and self.runner.geometry.recurrent:
+            log.warning("disk cache not used: %s has recurrent layers, whose state snapshots the disk tier does "
+                        "not keep yet; this model keeps its cache in memory only", config.model_type)
+        elif disk_cache is not None:
             self._open_tier(disk_cache, disk_budget, save_interval)
         _engines.add(self)
         self._release_caller_openmp()  # this thread loaded the model (and packed its weights)
@@ -140,7 +152,8 @@ class Engine(Persistence):
 
     @speculate.setter
     def speculate(self, on: bool) -> None:
-        self.scheduler.drafter = self._drafter if on else None
+        # a recurrent state cannot be rolled back past a rejected draft: never on for such a model
+        self.scheduler.drafter = self._drafter if on and not self.runner.geometry.recurrent else None
 
     @property
     def jump_forward(self) -> bool:
@@ -278,6 +291,8 @@ class Engine(Persistence):
     def clear_cache(self) -> int:
         with self._state:
             self._drafter.reset()
+            if self.memory.snapshots is not None:
+                self.memory.snapshots.clear()
             return self.tree.reset()
 
     def stats(self) -> dict:
@@ -311,6 +326,7 @@ class Engine(Persistence):
                 "max_batch_requests": self.max_batch_requests,
                 "forward_seconds": self.runner.forward_seconds,
                 **self._tier_stats(),
+                **self._snapshot_stats(),
             }
 
     @property
@@ -326,6 +342,13 @@ class Engine(Persistence):
         return {"tier_tokens": self.tree.disk_tokens, "tier_bytes": tier.bytes, "tier_budget_bytes": tier.budget,
                 "tier_written_tokens": tier.written_tokens, "tier_read_tokens": tier.read_tokens,
                 "tier_failed_reads": tier.failed_reads, "tier_reads_in_flight": len(self.memory.loads)}
+
+    def _snapshot_stats(self) -> dict:
+        snapshots = self.memory.snapshots
+        if snapshots is None:
+            return {}
+        return {"snapshots": len(snapshots), "snapshot_bytes": snapshots.bytes, "snapshot_budget_bytes":
+                snapshots.budget, "snapshots_taken": snapshots.puts, "snapshot_resumes": snapshots.hits}
 
     @openmp.releases_caller
     def check_integrity(self, full: bool = True) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from ..completion import Completion, TokenLogprob
 from .decode.detokenizer import Detokenizer
+from .segment import Carry
 
 MaskFn = Callable[[list[int]], "torch.Tensor | None"]
 """Called with a sequence's generated token ids so far; returns a bool tensor `[vocab]` of allowed
@@ -139,6 +140,8 @@ class Request:
         self.draft = None  # speculative decoding's state for this request (drafts.Draft), made at its first draft
         self.drafted_tokens = 0  # tokens drafted for it and verified
         self.accepted_at: list[int] = []  # indices in `output_ids` of drafted tokens it accepted
+        # its recurrent state (segment.py); a repeat of its prompt resumes after all but its last token
+        self.carry = Carry(salt=self.salt, marks={len(self.prompt_ids) - 1})
         self.state = State.WAITING
         self.kv_slots = torch.empty(0, dtype=torch.long, device=device)
         self.tree_len = 0

@@ -66,6 +66,7 @@ class Scheduler:
         self.disk_tokens = 0
         self.preemptions = 0
         self.drafter: Drafter | None = None
+        self.carries = False  # segments carry their request's recurrent state (models with recurrent layers)
 
     # -- a request's life ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -87,6 +88,8 @@ class Scheduler:
     def fork(self, parent: Request, child: Request) -> None:
         """Start sample `child` on `parent`'s computed prompt (it decodes from the next step)."""
         self.memory.fork(parent, child)
+        if parent.carry.state is not None:  # the sample continues from the parent's state, as from its KV
+            child.carry.state, child.carry.length = parent.carry.state.clone(), parent.carry.length
         self.running.append(child)
 
     def finish(self, req: Request, state: State, keep: bool) -> None:
@@ -153,18 +156,20 @@ class Scheduler:
                     self.memory.pool.num_free - len(self.running) - 1)
         return self.drafter.propose(req, limit) if limit > 0 else []
 
-    @staticmethod
-    def _segment(req: Request, n: int) -> Segment:
+    def _segment(self, req: Request, n: int) -> Segment:
         start = req.num_computed
-        return Segment(req.tokens[start:start + n], start, req.kv_slots[:start], req.kv_slots[start:start + n],
+        tokens = req.tokens
+        if self.carries:
+            req.carry.tokens = tokens
+        return Segment(tokens[start:start + n], start, req.kv_slots[:start], req.kv_slots[start:start + n],
                        needs_logits=start + n == req.num_tokens, all_logits=req.needs_prompt_logits,
-                       logits_from=req.replay_from)
+                       logits_from=req.replay_from, carry=req.carry if self.carries else None)
 
     def _admit(self, batch: list, budget: int) -> None:
         if budget <= 0 or not self.waiting or len(self.running) >= self.max_running:
             return
         candidates = list(self.waiting)[:self.lookahead]
-        matched = {r.rid: self.tree.match_prefix(r.tokens[:r.max_cached()], r.salt)[0].numel() for r in candidates}
+        matched = {r.rid: self.memory.cached_prefix(r)[0].numel() for r in candidates}
         candidates.sort(key=lambda r: -matched[r.rid])  # stable: FIFO among equal hits
         prefilling = [r for r in self.running if r.num_computed < len(r.prompt_ids)]
         for req in candidates:
@@ -173,10 +178,14 @@ class Scheduler:
             m = matched[req.rid]
             tokens = req.tokens
             # (fewer than dedup_min uncached tokens: no request can be computing that many of them)
-            if not req.needs_prompt_logits and len(tokens) - m >= self.dedup_min and any(
-                    p.salt == req.salt and common_prefix_len(tokens, p.prompt_ids) - m >= self.dedup_min
-                    for p in prefilling):
-                continue  # another request is computing our prefix: hit it next step
+            if not req.needs_prompt_logits and len(tokens) - m >= self.dedup_min:
+                sharing = [(p, c) for p in prefilling if p.salt == req.salt
+                           for c in [common_prefix_len(tokens, p.prompt_ids)] if c - m >= self.dedup_min]
+                if sharing:
+                    if self.carries:  # where it diverges, a snapshot of the state lets it resume
+                        for p, c in sharing:
+                            p.carry.marks.add(min(c, req.max_cached()))
+                    continue  # another request is computing our prefix: hit it next step
             if self.memory.tier_policy is not None and self.memory.load_prefix(req, reserve=len(self.running)):
                 continue  # its prefix is being read back from disk: admitted once it is in the pool
             n = self.memory.admit(req, budget, reserve=len(self.running))

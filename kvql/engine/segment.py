@@ -3,9 +3,25 @@ makes them, the runner computes them, the step's outputs read their logits)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class Carry:
+    """A request's recurrent state between its segments (models with recurrent layers, which the runner runs
+    on their own forward): `state` after the request's first `length` tokens, None before any (the runner's
+    object: it has `clone()` and `nbytes`); `tokens` (the request's tokens when its segment was formed) and
+    `salt` key the snapshots taken of it (cache/state_snapshots.py) after `marks` tokens: where a request with
+    the same prefix may resume (its prompt but the last token; where the tree's K/V of its prefix end beyond
+    the deepest snapshot; where a request waiting for its prefix diverges from it)."""
+
+    salt: object = None
+    state: object = None
+    length: int = 0
+    tokens: list[int] | None = None
+    marks: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -15,7 +31,8 @@ class Segment:
     token are wanted (to sample); `all_logits`: those of every token (prompt logprobs); `logits_from`: those
     of every position from there on (jump-forward's pending forced tokens: their logprobs). `drafted`: the last
     `drafted` tokens are a draft (speculative decoding, drafts.py), not yet the request's: the logits of the
-    `drafted + 1` last positions are returned, each verifying the drafted token after it."""
+    `drafted + 1` last positions are returned, each verifying the drafted token after it. `carry`: the
+    request's recurrent state (models with recurrent layers only)."""
 
     token_ids: list[int]
     start: int
@@ -25,6 +42,7 @@ class Segment:
     all_logits: bool = False
     logits_from: int | None = None
     drafted: int = 0
+    carry: Carry | None = None
 
     @property
     def logit_rows(self) -> int:

@@ -37,6 +37,7 @@ import torch
 from .disk_tier import Load
 from .kv_pool import KVPool
 from .radix_cache import Node, RadixCache
+from .state_snapshots import StateSnapshots
 from .tier_policy import TierPolicy
 from ..request import Request, State
 
@@ -68,13 +69,15 @@ class Memory:
         self.pool, self.tree = pool, tree
         self.tier_policy: TierPolicy | None = None
         self.loads: list[ReadBack] = []
+        # models with recurrent layers: a prefix is served only up to a snapshot of their state (state_snapshots.py)
+        self.snapshots: StateSnapshots | None = None
 
     # -- transitions -----------------------------------------------------------------------------
     def admit(self, req: Request, budget: int, reserve: int = 0) -> int:
         """WAITING or PREEMPTED -> RUNNING: lock the longest cached prefix of `req.tokens[:max_cached]`
         and allocate slots for its next `n = min(uncached tokens, budget)` tokens, keeping `reserve`
         slots free; return `n`. Return 0 and leave the request as it was if the pool cannot."""
-        slots, node = self.tree.match_prefix(req.tokens[:req.max_cached()], req.salt)
+        slots, node, reach = self.cached_prefix(req)
         self.tree.lock(node)  # before allocating: eviction must not take the prefix
         n = min(req.num_tokens - slots.numel(), budget)
         new = self._alloc(n, reserve)
@@ -84,9 +87,25 @@ class Memory:
         self._move(req, State.RUNNING)
         req.kv_slots, req.node = torch.cat([slots, new]), node
         req.tree_len = req.num_computed = slots.numel()
+        if self.snapshots is not None:  # it resumes from the state after its cached prefix
+            req.carry.state = self.snapshots.get(req.salt, req.tokens[:slots.numel()]) if slots.numel() else None
+            req.carry.length = slots.numel()
+            if reach > slots.numel():  # the tree's K/V reach further: a snapshot there serves the next one
+                req.carry.marks.add(reach)
         if self.tier_policy is not None:
             req.disk_tokens += self.tier_policy.served(node)
         return n
+
+    def cached_prefix(self, req: Request) -> tuple[torch.Tensor, Node, int]:
+        """(slots, node, reach): what the tree serves of `req.tokens[:max_cached]`, the node at the end of its
+        match and the match's length; with snapshots, the slots only up to the deepest prefix that has a snapshot
+        of the recurrent state (the node may lie deeper: locking it holds those slots too)."""
+        tokens = req.tokens[:req.max_cached()]
+        slots, node = self.tree.match_prefix(tokens, req.salt)
+        reach = slots.numel()
+        if self.snapshots is not None:
+            slots = slots[:self.snapshots.deepest(req.salt, tokens, reach)]
+        return slots, node, reach
 
     # -- the disk tier ---------------------------------------------------------------------------
     def load_prefix(self, req: Request, reserve: int = 0) -> bool:
@@ -207,6 +226,10 @@ class Memory:
         req.node, req.tree_len = node, len(tokens)
 
     def _drop(self, req: Request, keep: bool, held: bool) -> None:
+        carry = req.carry
+        if self.snapshots is not None and keep and carry.state is not None and carry.length == req.num_computed:
+            self.snapshots.put(req.salt, req.tokens[:carry.length], carry.state)  # its computed path's end
+        carry.state, carry.length = None, 0
         if held:
             if keep and req.num_computed > req.tree_len:
                 self._cache_computed(req)

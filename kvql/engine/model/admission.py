@@ -8,16 +8,18 @@ The engine runs a model one of two ways (`Geometry.own`):
   written, for every request of a batch in one forward. Most decoder-only families of transformers 5.x are
   written that way (Llama, Qwen, Gemma, Phi, OLMo, Granite, Cohere, StarCoder2, GPT-2, GPT-NeoX, GPT-J, GLM,
   gpt-oss, their MoE variants).
-- **own** (the exact fallback): the model's own forward, one request at a time, over a transformers
-  `DynamicCache` filled with the request's cached K/V from the pool, its new tokens' K/V copied back to their
-  slots (model_runner.py). Whatever the model attends with (ALiBi, chunked attention, K/V transformed after
-  `cache.update`, attention that bypasses the interface, a cached latent: DeepSeek's MLA) is the model's own
-  code; the pool holds what the model caches, per token, whatever its shape (`Layer.v_dim`).
+- **own** (the exact fallback): the model's own forward, one request at a time, over a transformers cache laid
+  out as its config says, filled with the request's cached K/V from the pool, its new tokens' K/V copied back
+  to their slots (own_forward.py). Whatever the model attends with (ALiBi, chunked attention, K/V transformed
+  after `cache.update`, attention that bypasses the interface, a cached latent: DeepSeek's MLA) is the model's
+  own code; the pool holds what the model caches, per token, whatever its shape (`Layer.v_dim`). Recurrent
+  layers (Mamba, Gated DeltaNet, LFM2's convolutions: `Geometry.recurrent`) keep their state per request
+  between its steps, and snapshots of it serve prefixes (cache/state_snapshots.py).
 
-`check_config` refuses, before the weights load, what neither way serves: encoder-decoder models and layers
-whose cache in transformers is a recurrent (or convolutional) state (Mamba, Jamba, LFM2, Qwen3-Next: not a
-prefix of token-granular KV). `own_reason` names what the config alone shows the ragged path does not compute
-(chunked attention: `attention_chunk_size`; a `layer_types` kind but full and sliding attention).
+`check_config` refuses, before the weights load, what neither way serves: encoder-decoder models. `own_reason`
+names what the config alone shows the ragged path does not compute: recurrent layers (a `layer_types` kind
+whose cache in transformers is a recurrent or convolutional state), chunked attention (`attention_chunk_size`),
+a `layer_types` kind but full and sliding attention.
 
 `probe(model)` runs one forward of a few tokens with a recording cache and records, per layer, what the
 attention function receives: query heads, KV heads, head dim, the layer's sliding window, logit soft-cap and
@@ -30,7 +32,8 @@ of a sequence whose first part is computed and written to the pool, then a chunk
 then a few one-token steps (`verify_plan`), must equal those of one plain forward of the same tokens (to
 rounding). The sequence runs past every window and chunk the model declares. This catches anything the probe
 cannot see (state kept outside the cache, attention arguments or masks the ragged path ignores); a ragged path
-that fails it falls back to the model's own forward, checked the same way.
+that fails it falls back to the model's own forward, checked the same way. A model that fails it on its own
+forward is refused with the reason: only where its forward depends on more than its cache holds.
 """
 
 from __future__ import annotations
@@ -77,6 +80,13 @@ class Geometry:
 
     layers: tuple[Layer, ...]
     own: str | None = None
+    kinds: tuple[str, ...] | None = None  # own path: `layer_kind` of each of the model's cache layers
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layer keeps a recurrent state (a hybrid or recurrent model: own path, states carried per request
+        and snapshots of them in the cache)."""
+        return any("state" in kind for kind in self.kinds or ())
 
     @property
     def v_dim(self) -> int:
@@ -130,16 +140,14 @@ def check_config(config) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel(f"{config.model_type!r} is an encoder-decoder model; kvql's engine runs "
                                f"decoder-only language models")
-    stateful = sorted(set(recurrent_layer_types(config)))
-    if stateful:
-        raise UnsupportedModel(f"{config.model_type!r}: its config declares layers of type {', '.join(stateful)}, "
-                               f"whose cache in transformers is a recurrent (or convolutional) state, which is not "
-                               f"a prefix of token-granular KV")
 
 
 def own_reason(config) -> str | None:
     """Why the config alone shows that the ragged path's attention would compute the model otherwise than the
     model does (so that its own forward runs it), or None."""
+    stateful = sorted(set(recurrent_layer_types(config)))
+    if stateful:
+        return f"layers of type {', '.join(stateful)} (a recurrent or convolutional state in transformers' cache)"
     text = config.get_text_config()
     chunk = getattr(text, "attention_chunk_size", None)
     if chunk:
@@ -233,33 +241,69 @@ def _layer(name: str, i: int, k_shape: tuple, v_shape: tuple, call: dict) -> Lay
                  bool(call["sinks"]))
 
 
-def own_geometry(hf_model, forward, reason: str) -> Geometry:
-    """The geometry of `hf_model` run by its own forward (module doc): what each layer caches per token, read
-    from the transformers `DynamicCache` that `forward(cache, ids, positions)` filled; `reason`: why the ragged
-    path does not run it. UnsupportedModel where the model caches anything but one K/V pair of one shape per
-    layer and token (a recurrent state, layers of different shapes)."""
+def config_cache(config):
+    """A transformers `DynamicCache` laid out as the model's config says (a recurrent layer's state, a layer that
+    caches nothing), as the model's own `generate` makes it; layers made lazily where the config names none."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
 
-    name = hf_model.config.model_type
-    cache = DynamicCache()
     try:
-        forward(cache, torch.arange(1, PROBE_TOKENS + 1) % int(hf_model.config.get_text_config().vocab_size),
+        cache = DynamicCache(config=config)
+    except Exception:  # noqa: BLE001 -- a config transformers cannot lay a cache out for: layers made on use
+        return DynamicCache()
+    return cache if cache.layers else DynamicCache()
+
+
+def layer_kind(layer) -> str:
+    """What the own path keeps of one transformers cache layer: "kv" (K/V per token: the pool), "state" (a
+    recurrent or convolutional state: carried per request, snapshots), "kv+state" (both: Falcon-H1's, Zamba2's
+    hybrid layers), "none" (nothing: a layer without attention, or one reading another's K/V)."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+    state = isinstance(layer, LinearAttentionCacheLayerMixin)
+    kv = isinstance(layer, DynamicLayer) and getattr(layer, "keys", None) is not None
+    return "kv+state" if kv and state else "kv" if kv else "state" if state else "none"
+
+
+def own_geometry(hf_model, forward, reason: str) -> Geometry:
+    """The geometry of `hf_model` run by its own forward (module doc): what each layer caches, read from the
+    `config_cache` that `forward(cache, ids, positions)` filled (`Geometry.kinds`: `layer_kind` per cache layer,
+    `layers`: the K/V layers the pool holds); `reason`: why the ragged path does not run it. UnsupportedModel
+    where its K/V layers differ in shape, or a layer's K/V is not one head set per token, or keeps only a window
+    of it beside a recurrent state."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
+    config = hf_model.config
+    name = config.model_type
+    cache = config_cache(config)
+    try:
+        forward(cache, torch.arange(1, PROBE_TOKENS + 1) % int(config.get_text_config().vocab_size),
                 torch.arange(PROBE_TOKENS))
     except Exception as e:  # noqa: BLE001 -- any failure of the forward is the reason for refusing
         raise UnsupportedModel(f"{name!r}: {reason}; and its own forward over a transformers DynamicCache failed "
                                f"({type(e).__name__}: {e})") from e
-    shapes = {(type(layer) is DynamicLayer and getattr(layer, "keys", None) is not None
-               and (tuple(layer.keys.shape), tuple(layer.values.shape))) for layer in cache.layers}
-    if not cache.layers or len(shapes) != 1 or not next(iter(shapes)):
-        raise UnsupportedModel(f"{name!r}: {reason}; and what its own forward caches is not one K/V pair of one "
-                               f"shape per layer and token ({sorted(map(str, shapes))})")
-    k, v = next(iter(shapes))
-    if k[0] != 1 or k[2] != PROBE_TOKENS or v[:3] != k[:3]:
-        raise UnsupportedModel(f"{name!r}: {reason}; and its own forward caches keys {k} and values {v} for "
-                               f"{PROBE_TOKENS} tokens, not one head set per token")
-    layer = Layer(k[1], k[1], k[3], v_dim=v[3] if v[3] != k[3] else None)
-    return Geometry((layer,) * len(cache.layers), own=reason)
+    kinds = tuple(layer_kind(layer) for layer in cache.layers)
+    kv = [layer for layer, kind in zip(cache.layers, kinds) if "kv" in kind]
+    windowed = [i for i, layer in enumerate(cache.layers) if isinstance(layer, DynamicSlidingWindowLayer)
+                and isinstance(layer, LinearAttentionCacheLayerMixin)]
+    if windowed:
+        raise UnsupportedModel(f"{name!r}: {reason}; and its layers {windowed} keep a window of K/V beside a "
+                               f"recurrent state, which kvql's own path does not carry")
+    shapes = {(tuple(x.keys.shape), tuple(x.values.shape)) for x in kv}
+    if not kv and "state" not in kinds:
+        raise UnsupportedModel(f"{name!r}: {reason}; and its own forward caches nothing kvql can hold "
+                               f"({[type(x).__name__ for x in cache.layers]})")
+    if len(shapes) > 1:
+        raise UnsupportedModel(f"{name!r}: {reason}; and its layers cache K/V of different shapes "
+                               f"({sorted(shapes)}), where the pool holds one")
+    if kv:
+        k, v = next(iter(shapes))
+        if k[0] != 1 or k[2] != PROBE_TOKENS or v[:3] != k[:3]:
+            raise UnsupportedModel(f"{name!r}: {reason}; and its own forward caches keys {k} and values {v} for "
+                                   f"{PROBE_TOKENS} tokens, not one head set per token")
+        layer = Layer(k[1], k[1], k[3], v_dim=v[3] if v[3] != k[3] else None)
+    else:  # recurrent layers only (Mamba): the pool holds one token's worth of nothing but a placeholder
+        layer = Layer(1, 1, 1)
+    return Geometry((layer,) * max(len(kv), 1), own=reason, kinds=kinds)
 
 
 def verify_plan(config, geometry: Geometry, room: int) -> tuple[int, int]:
@@ -286,9 +330,10 @@ def tolerance(dtype: torch.dtype) -> float:
     return TOLERANCE.get(dtype, REDUCED_TOLERANCE)
 
 
-def compare(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, offset: int = 0) -> None:
-    """UnsupportedModel unless the engine's logits `got` (rows of token positions from `offset`) equal the plain
-    forward's `want` to rounding; the message names the first position where they differ."""
+def compare(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, offset: int = 0) -> float:
+    """The largest difference of the engine's logits `got` (rows of token positions from `offset`) from the plain
+    forward's `want`, relative to the largest of `want`; UnsupportedModel where it exceeds rounding (the message
+    names the first position where they differ)."""
     scale = float(want.abs().max()) or 1.0
     rows = (got - want).abs().amax(dim=-1) / scale
     bad = ~(rows <= tolerance(dtype))  # NaN is bad too
@@ -300,3 +345,4 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype
             f"from token {first} of {offset + len(rows)} on (max relative difference {err:.2g}, tolerance "
             f"{tolerance(dtype):g} in {str(dtype).replace('torch.', '')}): the model keeps state outside "
             f"cache.update or its attention computes something the engine's does not")
+    return float(rows.max()) if rows.numel() else 0.0

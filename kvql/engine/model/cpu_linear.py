@@ -165,7 +165,7 @@ def _matmul(x: torch.Tensor, slices: list, step: int, n_in: int, w: torch.Tensor
     for a, packed, blocked in slices:
         xs = x if step == n_in else x[..., a:a + step]
         if blocked is not None and not plain and 0 < rows and (packed is None or rows <= gemv_rows(x.dtype)):
-            y = gemv.gemv(xs.reshape(rows, step), blocked).view(*x.shape[:-1], -1)
+            y = gemv.gemv(xs.reshape(rows, step).contiguous(), blocked).view(*x.shape[:-1], -1)  # (Mamba: transposed)
         elif packed is None or plain:
             y = torch.nn.functional.linear(xs, w if step == n_in else w[:, a:a + step])
         else:

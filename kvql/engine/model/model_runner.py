@@ -30,12 +30,16 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .attention_plan import Bucket, Causal, Plan, plan
-from . import admission, cpu_linear, fused_layers, lean_model
+from . import admission, cpu_linear, fused_layers, lean_model, own_forward
 from .kernels import paged_attention
 from ..cache.kv_pool import KVPool
-from ..segment import Segment
+from ..segment import Carry, Segment
 
 ATTENTION = "kvql"
+# a model with recurrent layers continues a state one token per forward where a chunk's logits differ from the
+# plain forward's more than this many times as much as one token per forward's (Jamba in bf16: 0.015 vs 0.0075;
+# its chunked torch path continues a state inexactly; the families whose chunks are exact: 0.6-1.3x)
+STEPWISE_MARGIN = 1.5
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvql_plan=None,
@@ -199,20 +203,7 @@ def read_geometry(hf_model) -> admission.Geometry:
         if type(hf_model)._can_set_attn_implementation():
             hf_model.set_attn_implementation(original)
 
-    return _own_geometry(hf_model, reason)
-
-
-def _own_geometry(hf_model, reason: str) -> admission.Geometry:
-    @torch.inference_mode()
-    def own(cache, ids, positions):
-        _own_forward(hf_model, cache, ids.to(next(hf_model.parameters()).device), 1)
-
-    return admission.own_geometry(hf_model, own, reason)
-
-
-def _own_forward(hf_model, cache, ids: torch.Tensor, keep: int):
-    """The model's own forward of `ids` after what `cache` holds (positions follow its length)."""
-    return hf_model(input_ids=ids[None], cache=cache, use_cache=True, logits_to_keep=keep)
+    return own_forward.geometry(hf_model, reason)
 
 
 class ModelRunner:
@@ -226,11 +217,13 @@ class ModelRunner:
         # batch-invariant attention (attention_plan's module doc): on in reduced precision, where a
         # merged cluster's reduction order changes outputs; fp32 merges shared prefixes (cheaper)
         self.batch_invariant = pool.k.dtype != torch.float32
-        self.lean, self.paged = None, False
+        self.lean, self.paged, self.own = None, False, None
         if geometry.own is None:
             self._prepare_ragged()
-        elif self.device.type == "cpu":  # its own forward, with a GEMM row that never depends on its batch
-            cpu_linear.prepare(hf_model, max_reduction=cpu_linear.MAX_REDUCTION if self.batch_invariant else None)
+        else:
+            self.own = own_forward.OwnForward(hf_model, pool, geometry)
+            if self.device.type == "cpu":  # a GEMM row that never depends on its batch (prefill chunks may vary)
+                cpu_linear.prepare(hf_model, max_reduction=cpu_linear.MAX_REDUCTION if self.batch_invariant else None)
         self.forward_seconds = 0.0
         self.forward_tokens = 0
 
@@ -254,8 +247,14 @@ class ModelRunner:
         """Run the batch; return, per segment, its float32 logits: those of its last `logit_rows`
         tokens (`[len(token_ids), vocab]` with `all_logits`, `[1, vocab]` with `needs_logits` alone),
         or None when it wants none."""
-        if self.geometry.own is not None:
-            return self._own(segments)
+        if self.own is not None:
+            started = time.perf_counter()
+            out = self.own(segments)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.forward_seconds += time.perf_counter() - started
+            self.forward_tokens += sum(len(s.token_ids) for s in segments)
+            return out
         dev = self.device
         ids, pos, rows, spans = [], [], [], []
         for s in segments:
@@ -287,78 +286,78 @@ class ModelRunner:
         self.forward_tokens += len(ids)
         return [logits[a:b] if b > a else None for a, b in spans]
 
-    def _own(self, segments: list[Segment]) -> list[torch.Tensor | None]:
-        """`forward` by the model's own forward, one segment at a time (admission's module doc): a DynamicCache
-        holding the segment's past K/V read from the pool, its new tokens' K/V written back to their slots."""
-        from transformers import DynamicCache
-
-        k_pool, v_pool = self.pool.k, self.pool.v
-        out = []
-        started = time.perf_counter()
-        for s in segments:
-            past = s.past_slots.to(self.device)
-            cache = DynamicCache(ddp_cache_data=[(k_pool[i].index_select(1, past)[None], v_pool[i].index_select(
-                1, past)[None]) for i in range(k_pool.shape[0])]) if s.start else DynamicCache()
-            ids = torch.tensor(s.token_ids, device=self.device)
-            logits = _own_forward(self.model, cache, ids, max(s.logit_rows, 1)).logits[0].float()
-            new = s.new_slots.to(self.device)
-            for i, layer in enumerate(cache.layers):
-                k_pool[i].index_copy_(1, new, layer.keys[0, :, s.start:])
-                v_pool[i].index_copy_(1, new, layer.values[0, :, s.start:])
-            out.append(logits[-s.logit_rows:] if s.logit_rows else None)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.forward_seconds += time.perf_counter() - started
-        self.forward_tokens += sum(len(s.token_ids) for s in segments)
-        return out
-
     def verify(self) -> None:
         """UnsupportedModel unless logits computed over KV read back from the pool equal one plain forward of
         the same tokens (admission.verify_plan: a first part, a chunk over it, one-token steps, past every
         window and chunk); uses pool slots while it runs and returns them. A ragged path that fails the check
-        gives way to the model's own forward (where it caches what the pool holds), checked the same way."""
+        gives way to the model's own forward (where it caches what the pool holds), checked the same way. A
+        model with recurrent layers is checked both ways its own forward may continue a state (a chunk, or one
+        token per forward: own_forward.py's `stepwise`), and takes a chunk unless that differs clearly more."""
+        name = f"{self.model.config.model_type!r}: "
+        try:
+            err = self._verify()
+        except admission.UnsupportedModel as e:
+            if self.own is not None and not self.geometry.recurrent:
+                raise
+            failed, err = e, float("inf")
+        else:
+            failed = None
+        if failed is not None and self.own is None:
+            self._own_instead(name, failed)
+            return
+        if self.own is not None and self.geometry.recurrent:
+            self.own.stepwise = True
+            try:
+                step = self._verify()
+            except admission.UnsupportedModel as again:
+                if failed is None:
+                    self.own.stepwise = False
+                    return
+                raise admission.UnsupportedModel(f"{name}{str(failed).removeprefix(name)}; and one token per "
+                                                 f"forward after a state: {str(again).removeprefix(name)}") from again
+            floor = admission.tolerance(self.pool.k.dtype) / 100
+            self.own.stepwise = err > max(STEPWISE_MARGIN * step, floor)
+
+    def _own_instead(self, name: str, failed: admission.UnsupportedModel) -> None:
+        """The ragged path failed the check: the model's own forward, where it caches what the pool holds."""
+        reason = str(failed).removeprefix(name)
+        own = own_forward.geometry(self.model, f"the ragged path's check failed: {reason}")
+        if (own.kv_heads, own.head_dim, own.v_dim, len(own.layers)) != (
+                self.geometry.kv_heads, self.geometry.head_dim, self.geometry.v_dim, len(self.geometry.layers)):
+            raise admission.UnsupportedModel(f"{name}{reason}; and its own forward caches other shapes than "
+                                             f"its attention layers write") from failed
+        self.geometry, self.lean, self.paged = own, None, False
+        self.own = own_forward.OwnForward(self.model, self.pool, own)
         try:
             self._verify()
-        except admission.UnsupportedModel as e:
-            if self.geometry.own is not None:
-                raise
-            name = f"{self.model.config.model_type!r}: "
-            reason = str(e).removeprefix(name)
-            own = _own_geometry(self.model, f"the ragged path's check failed: {reason}")
-            if (own.kv_heads, own.head_dim, own.v_dim, len(own.layers)) != (
-                    self.geometry.kv_heads, self.geometry.head_dim, self.geometry.v_dim, len(self.geometry.layers)):
-                raise admission.UnsupportedModel(f"{name}{reason}; and its own forward caches other shapes than "
-                                                 f"its attention layers write") from e
-            self.geometry, self.lean, self.paged = own, None, False
-            try:
-                self._verify()
-            except admission.UnsupportedModel as again:
-                raise admission.UnsupportedModel(f"{name}on the ragged path: {reason}; and on its own forward: "
-                                                 f"{str(again).removeprefix(name)}") from again
+        except admission.UnsupportedModel as again:
+            raise admission.UnsupportedModel(f"{name}on the ragged path: {reason}; and on its own forward: "
+                                             f"{str(again).removeprefix(name)}") from again
 
     @torch.inference_mode()
-    def _verify(self) -> None:
+    def _verify(self) -> float:
         config = self.model.config
         first, rest = admission.verify_plan(config, self.geometry, self.pool.num_free)
         n = first + rest + admission.VERIFY_DECODES
         if rest < 1:
-            return  # a pool smaller than the check: requests are refused by size anyway
+            return 0.0  # a pool smaller than the check: requests are refused by size anyway
         vocab = int(config.get_text_config().vocab_size)
         ids = [(7 * i + 3) % vocab for i in range(n)]
         slots = self.pool.alloc(n)
         counters = self.forward_seconds, self.forward_tokens  # the check is not the engine's work
+        carry = Carry(tokens=ids) if self.geometry.recurrent else None  # the sequence's state, step to step
         try:
             none = torch.empty(0, dtype=torch.long, device=self.device)
-            self.forward([Segment(ids[:first], 0, none, slots[:first], False)])
+            self.forward([Segment(ids[:first], 0, none, slots[:first], False, carry=carry)])
             rows = min(rest, admission.VERIFY_ROWS)
             end = first + rest
             got = self.forward([Segment(ids[first:end], first, slots[:first], slots[first:end], True,
-                                        logits_from=end - rows)])
+                                        logits_from=end - rows, carry=carry)])
             for i in range(end, n):
-                got += self.forward([Segment(ids[i:i + 1], i, slots[:i], slots[i:i + 1], True)])
+                got += self.forward([Segment(ids[i:i + 1], i, slots[:i], slots[i:i + 1], True, carry=carry)])
         finally:
             self.pool.free(slots)
             self.forward_seconds, self.forward_tokens = counters
         rows += admission.VERIFY_DECODES
         want = self.model(input_ids=torch.tensor([ids], device=self.device), logits_to_keep=rows).logits[0].float()
-        admission.compare(config.model_type, torch.cat(got), want, self.pool.k.dtype, offset=n - rows)
+        return admission.compare(config.model_type, torch.cat(got), want, self.pool.k.dtype, offset=n - rows)

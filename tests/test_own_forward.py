@@ -1,0 +1,139 @@
+"""The model's own forward over the pool (admission: `own`; model_runner.ModelRunner._own): what the pool holds
+per token is what the model caches (DeepSeek's MLA: the latent), the disk tier keeps it across a restart, and
+the engine's features (n >= 2, speculation, prompt logprobs) give what they give on the ragged path. Exactness
+cold / warm / staggered and bf16 batched = alone per family: tests/test_families.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import families as F
+from kvql.engine.cache.memory import MIN_LOAD_TOKENS
+
+
+def _model(name, tokenizer, **kw):
+    import kvql
+
+    hf = F.build(*F.FAMILIES[name], len(tokenizer), tokenizer.eos_token_id)
+    return hf, kvql.Model(hf, tokenizer, cache_budget=8 << 20, **kw)
+
+
+def test_mla_caches_its_latent_and_the_disk_tier_serves_it_after_a_restart(tokenizer, tmp_path):
+    hf, a = _model("deepseek_v3", tokenizer, disk_cache=tmp_path, cache_save_interval=0)
+    c = hf.config
+    assert a.engine.runner.geometry.own is not None
+    # per token and layer: the latent (kv_lora_rank) as keys, the rotary key part (qk_rope_head_dim) as values
+    assert a.engine.pool.token_bytes == c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    ps = F.prompts(len(tokenizer), seed=5)
+    want = F.reference("deepseek_v3", F.FAMILIES["deepseek_v3"][1], tokenizer, ps, 6)
+    assert [x.token_ids for x in a.generate(ps, max_tokens=6)] == want
+    a.close()
+    import kvql
+
+    b = kvql.Model(hf, tokenizer, cache_budget=8 << 20, disk_cache=tmp_path, cache_save_interval=0)
+    try:
+        again = b.generate(ps, max_tokens=6)
+        assert [x.token_ids for x in again] == want
+        # served from the disk but the last token, or a run on disk too short to read back (computed instead)
+        assert all(x.cached_tokens >= x.prompt_tokens - 1 - MIN_LOAD_TOKENS for x in again)
+        assert b.stats()["disk_tokens"] > 0
+        b.check_integrity()
+    finally:
+        b.close()
+
+
+def test_samples_speculation_and_prompt_logprobs_on_the_own_path(tokenizer):
+    """ALiBi (Bloom): n = 2 greedy samples each equal the reference, speculation on equals off (the warm run
+    drafts from the first run's outputs), prompt logprobs equal those of the model's plain forward."""
+    _, m = _model("bloom", tokenizer)
+    _, off = _model("bloom", tokenizer, speculate=False)
+    try:
+        ps = F.prompts(len(tokenizer), seed=6, count=4)
+        want = F.reference("bloom", F.FAMILIES["bloom"][1], tokenizer, ps, 8)
+        for _ in range(2):
+            groups = m.generate(ps, max_tokens=8, n=2)
+            assert [[x.token_ids for x in groups[2 * i:2 * i + 2]] for i in range(len(ps))] == [[w, w] for w in want]
+        assert [x.token_ids for x in off.generate(ps, max_tokens=8)] == want
+        p = ps[3]
+        got = m.generate([p], max_tokens=1, prompt_logprobs=0)[0].prompt_logprobs
+        with torch.inference_mode():
+            logits = off.hf_model(input_ids=torch.tensor([p])).logits[0].float().log_softmax(-1)
+        expect = [float(logits[i, p[i + 1]]) for i in range(len(p) - 1)]
+        assert [e.logprob for e in got[1:]] == pytest.approx(expect, abs=1e-4)
+        m.check_integrity()
+    finally:
+        m.close()
+        off.close()
+
+
+
+# -- models with recurrent layers: states carried per request, snapshots serve prefixes ------------------------------
+
+def _reference(name, tokenizer, prompts, max_tokens):
+    return F.reference(F.FAMILIES[name][0], F.FAMILIES[name][1], tokenizer, prompts, max_tokens)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
+def test_a_few_shot_prefix_is_served_through_a_snapshot_of_the_recurrent_state(tokenizer, name):
+    """A few-shot prefix asked with new questions: the first request computes it all; the second finds the
+    prefix's K/V in the tree but no snapshot there, computes it again and leaves one where it diverged; every
+    later one resumes from that snapshot (its cached tokens: the shared prefix). Exact throughout."""
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(1, len(tokenizer), (30,), generator=g).tolist()
+    prompts = [shared + torch.randint(1, len(tokenizer), (5,), generator=g).tolist() for _ in range(5)]
+    want = _reference(name, tokenizer, prompts, 6)
+    _, m = _model(name, tokenizer)
+    try:
+        assert m.engine.runner.geometry.recurrent and not m.engine.speculate
+        got = [m.generate([p], max_tokens=6)[0] for p in prompts]
+        assert [c.token_ids for c in got] == want
+        assert [c.cached_tokens for c in got] == [0, 0, 30, 30, 30]
+        again = m.generate([prompts[0]], max_tokens=6)[0]  # the same prompt: all but its last token
+        assert again.token_ids == want[0] and again.cached_tokens == len(prompts[0]) - 1
+        stats = m.stats()
+        assert stats["snapshot_resumes"] == 4 and 0 < stats["snapshot_bytes"] <= stats["snapshot_budget_bytes"]
+        m.check_integrity()
+        m.clear_cache()
+        assert m.stats()["snapshots"] == 0 and m.generate([prompts[1]], max_tokens=6)[0].cached_tokens == 0
+    finally:
+        m.close()
+
+
+def test_recurrent_states_through_batches_samples_and_preemption(tokenizer):
+    """Concurrent prompts sharing prefixes (a request waiting for another's prefix resumes where they diverge),
+    n = 2 greedy samples (each continues a copy of the prompt's state), and a pool small enough to preempt
+    (a preempted request resumes from the snapshot taken where it stopped): every sample equals the reference."""
+    import kvql
+
+    name = "granitemoehybrid"
+    hf = F.build(*F.FAMILIES[name], len(tokenizer), tokenizer.eos_token_id)
+    ps = F.prompts(len(tokenizer), seed=8, count=6)
+    want = _reference(name, tokenizer, ps, 10)
+    m = kvql.Model(hf, tokenizer, cache_budget=8 << 20)
+    try:
+        got = m.generate(ps, max_tokens=10, n=2)
+        assert [[c.token_ids for c in got[2 * i:2 * i + 2]] for i in range(len(ps))] == [[w, w] for w in want]
+        m.check_integrity()
+    finally:
+        m.close()
+    per_token = m.engine.pool.token_bytes
+    small = kvql.Model(hf, tokenizer, cache_budget=per_token * 80 * 4 // 3, max_batch_tokens=16)
+    try:
+        assert [c.token_ids for c in small.generate(ps, max_tokens=10)] == want
+        assert small.stats()["preemptions"] > 0
+        small.check_integrity()
+    finally:
+        small.close()
+
+
+def test_a_disk_cache_for_a_model_with_recurrent_layers_says_it_is_not_used(tokenizer, tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="kvql.cache")
+    _, m = _model("lfm2", tokenizer, disk_cache=tmp_path)
+    try:
+        assert m.engine.tier is None
+        assert any("recurrent layers" in r.getMessage() for r in caplog.records)
+    finally:
+        m.close()
