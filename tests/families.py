@@ -92,8 +92,8 @@ OWN = {"falcon", "bloom", "mpt", "stablelm", "nemotron", "xglm", "jetmoe", "llam
        "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2", "mamba", "jamba"}
 
 REFUSED = {
-    # their own forward continued from a cached state differs from their forward of the whole sequence, even one
-    # token at a time: a state outside what transformers' cache layers hold
+    # their own forward computes a chunk continuing a state otherwise than inside the whole sequence, and a token
+    # as a step otherwise again (their chunked and recurrent scans differ): no prefix of theirs resumes exactly
     "bamba": ("bamba", {**HYBRID, "attn_layer_indices": [1]}, "one token per forward after a state"),
     "recurrent_gemma": ("recurrent_gemma", {"block_types": ["recurrent", "attention"], "lru_width": 64,
                                             "attention_window_size": 8}, "one token per forward after a state"),

@@ -250,10 +250,7 @@ class ModelRunner:
         if self.own is not None:
             started = time.perf_counter()
             out = self.own(segments)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.forward_seconds += time.perf_counter() - started
-            self.forward_tokens += sum(len(s.token_ids) for s in segments)
+            self._count(started, sum(len(s.token_ids) for s in segments))
             return out
         dev = self.device
         ids, pos, rows, spans = [], [], [], []
@@ -280,11 +277,15 @@ class ModelRunner:
                 kvql_plan=step_plan,
             )
             logits = out.logits[0].float()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        self.forward_seconds += time.perf_counter() - started
-        self.forward_tokens += len(ids)
+        self._count(started, len(ids))
         return [logits[a:b] if b > a else None for a, b in spans]
+
+    def _count(self, started: float, tokens: int) -> None:
+        """A forward begun at `started` (perf_counter) computed `tokens`: in the engine's counters, once done."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.forward_seconds += time.perf_counter() - started
+        self.forward_tokens += tokens
 
     def verify(self) -> None:
         """UnsupportedModel unless logits computed over KV read back from the pool equal one plain forward of
