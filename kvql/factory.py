@@ -35,11 +35,13 @@ def size_text(n: int) -> str:
 
 def banner(m) -> str:
     """One line saying what local model `m` is: model, device, dtype, context length, KV cache in tokens and
-    bytes (the backend's public `dtype`, `cache_slots`, `cache_bytes`)."""
+    bytes, and where the engine runs it on the model's own forward (the backend's public `dtype`, `cache_slots`,
+    `cache_bytes`, `own_forward`)."""
     from .backends.dtype import name
 
+    own = " · the model's own forward, one request per forward" if m.own_forward else ""
     return (f"model {m.name} · device {m.device} · {name(m.dtype)} · context {m.context_length:,} tokens · "
-            f"KV cache {m.cache_slots:,} tokens ({size_text(m.cache_bytes)})")
+            f"KV cache {m.cache_slots:,} tokens ({size_text(m.cache_bytes)}){own}")
 
 
 def directory_problem(path, writable: bool = True) -> str | None:

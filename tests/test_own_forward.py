@@ -22,7 +22,9 @@ def _model(name, tokenizer, **kw):
 def test_mla_caches_its_latent_and_the_disk_tier_serves_it_after_a_restart(tokenizer, tmp_path):
     hf, a = _model("deepseek_v3", tokenizer, disk_cache=tmp_path, cache_save_interval=0)
     c = hf.config
-    assert a.engine.runner.geometry.own is not None
+    from kvql.factory import banner
+
+    assert a.own_forward is not None and "the model's own forward" in banner(a)
     # per token and layer: the latent (kv_lora_rank) as keys, the rotary key part (qk_rope_head_dim) as values
     assert a.engine.pool.token_bytes == c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
     ps = F.prompts(len(tokenizer), seed=5)

@@ -391,6 +391,12 @@ class LocalBackend(Backend):
     def cache_bytes(self) -> int:
         return self.engine.pool.bytes
 
+    @property
+    def own_forward(self) -> str | None:
+        """Why the engine runs this model on its own forward, one request per forward (exact, slower than the
+        ragged path: docs/models.md), or None where it runs on the ragged path."""
+        return self.engine.runner.geometry.own
+
     def plain_copy(self):
         """A copy of the transformers model as transformers runs it: kvql's fused modules and linear layers swapped
         back, SDPA attention. What a baseline beside kvql runs (`kvql bench`); the engine's model is untouched."""
