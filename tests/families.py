@@ -85,20 +85,18 @@ FAMILIES.update({
     "mamba": ("mamba", {"state_size": 4}),
     "jamba": ("jamba", {**MOE, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
                         "mamba_d_state": 4}),
+    "bamba": ("bamba", {**HYBRID, "attn_layer_indices": [1]}),  # positions passed: its own default is wrong
 })
+
+REFUSED = {
+    # its own forward continues a state by a chunk, or by one token per forward, otherwise than its generate
+    "recurrent_gemma": ("recurrent_gemma", {"block_types": ["recurrent", "attention"], "lru_width": 64,
+                                            "attention_window_size": WINDOW}, "continuing a state by a chunk"),
+}
 
 # the families admission runs on their own forward (the others: the ragged path)
 OWN = {"falcon", "bloom", "mpt", "stablelm", "nemotron", "xglm", "jetmoe", "llama4", "deepseek_v3", "lfm2", "lfm2_moe",
-       "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2", "mamba", "jamba"}
-
-REFUSED = {
-    # their own forward computes a chunk continuing a state otherwise than inside the whole sequence, and a token
-    # as a step otherwise again (their chunked and recurrent scans differ): no prefix of theirs resumes exactly
-    "bamba": ("bamba", {**HYBRID, "attn_layer_indices": [1]}, "one token per forward after a state"),
-    "recurrent_gemma": ("recurrent_gemma", {"block_types": ["recurrent", "attention"], "lru_width": 64,
-                                            "attention_window_size": 8}, "one token per forward after a state"),
-}
-
+       "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2", "mamba", "jamba", "bamba"}
 
 def build(model_type: str, overrides: dict, vocab_size: int, eos_token_id: int, seed: int = 0,
           attn_implementation: str | None = None):

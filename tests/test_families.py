@@ -1,8 +1,8 @@
 """Every decoder-only family a tiny random config builds runs on the engine through one code path, exact:
 greedy tokens equal `transformers.generate` (eager attention, a fresh copy of the model) cold, warm and
 staggered, on both attention paths a CPU takes (the ragged path's families) or on the model's own forward (the
-others), with prompts past the window for windowed families; bf16 batched equals alone. Refused families say why
-(tests/families.py builds the models)."""
+others), with prompts past the window for windowed families; bf16 batched equals alone (tests/families.py builds
+the models)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from ..segment import Carry, Segment
 
 ATTENTION = "kvql"
 # a model with recurrent layers continues a state one token per forward where a chunk's logits differ from the
-# plain forward's more than this many times as much as one token per forward's (Jamba in bf16: 0.015 vs 0.0075;
+# model's own more than this many times as much as one token per forward's (Jamba in bf16: 0.015 vs 0.0075;
 # its chunked torch path continues a state inexactly; the families whose chunks are exact: 0.6-1.3x)
 STEPWISE_MARGIN = 1.5
 
@@ -292,32 +292,36 @@ class ModelRunner:
         the same tokens (admission.verify_plan: a first part, a chunk over it, one-token steps, past every
         window and chunk); uses pool slots while it runs and returns them. A ragged path that fails the check
         gives way to the model's own forward (where it caches what the pool holds), checked the same way. A
-        model with recurrent layers is checked both ways its own forward may continue a state (a chunk, or one
-        token per forward: own_forward.py's `stepwise`), and takes a chunk unless that differs clearly more."""
+        model with recurrent layers is checked for each way its own forward may continue a state
+        (`_continuation`)."""
         name = f"{self.model.config.model_type!r}: "
-        try:
-            err = self._verify()
-        except admission.UnsupportedModel as e:
-            if self.own is not None and not self.geometry.recurrent:
-                raise
-            failed, err = e, float("inf")
-        else:
-            failed = None
-        if failed is not None and self.own is None:
-            self._own_instead(name, failed)
-            return
         if self.own is not None and self.geometry.recurrent:
-            self.own.stepwise = True
+            self._continuation(name)
+            return
+        try:
+            self._verify()
+        except admission.UnsupportedModel as e:
+            if self.own is not None:
+                raise
+            self._own_instead(name, e)
+
+    def _continuation(self, name: str) -> None:
+        """How the own forward continues a recurrent state (own_forward.py): by a chunk, unless its logits differ
+        clearly more than one token per forward's (`stepwise`); UnsupportedModel naming both where neither is
+        exact."""
+        errors, failed = {}, {}
+        for mode in ("chunk", "stepwise"):
+            self.own.stepwise = mode == "stepwise"
             try:
-                step = self._verify()
-            except admission.UnsupportedModel as again:
-                if failed is None:
-                    self.own.stepwise = False
-                    return
-                raise admission.UnsupportedModel(f"{name}{str(failed).removeprefix(name)}; and one token per "
-                                                 f"forward after a state: {str(again).removeprefix(name)}") from again
-            floor = admission.tolerance(self.pool.k.dtype) / 100
-            self.own.stepwise = err > max(STEPWISE_MARGIN * step, floor)
+                errors[mode] = self._verify()
+            except admission.UnsupportedModel as e:
+                failed[mode] = str(e).removeprefix(name)
+        if not errors:
+            raise admission.UnsupportedModel(f"{name}continuing a state by a chunk: {failed['chunk']}; and one token "
+                                             f"per forward: {failed['stepwise']}")
+        floor = admission.tolerance(self.pool.k.dtype) / 100
+        self.own.stepwise = "chunk" not in errors or errors["chunk"] > max(
+            STEPWISE_MARGIN * errors.get("stepwise", float("inf")), floor)
 
     def _own_instead(self, name: str, failed: admission.UnsupportedModel) -> None:
         """The ragged path failed the check: the model's own forward, where it caches what the pool holds."""
@@ -359,6 +363,21 @@ class ModelRunner:
         finally:
             self.pool.free(slots)
             self.forward_seconds, self.forward_tokens = counters
+        if self.geometry.recurrent:  # the one-token steps against the model's own steps, as its generate runs them
+            want = self._own_steps(ids, end, rows)
+        else:
+            want = self.model(input_ids=torch.tensor([ids], device=self.device),
+                              logits_to_keep=rows + admission.VERIFY_DECODES).logits[0].float()
         rows += admission.VERIFY_DECODES
-        want = self.model(input_ids=torch.tensor([ids], device=self.device), logits_to_keep=rows).logits[0].float()
         return admission.compare(config.model_type, torch.cat(got), want, self.pool.k.dtype, offset=n - rows)
+
+    def _own_steps(self, ids: list[int], end: int, rows: int) -> torch.Tensor:
+        """The logits of the last `rows` of `ids[:end]` by one plain forward, then of each later token by a
+        one-token forward over transformers' own cache of everything before it: what the model's `generate`
+        computes. A model with recurrent layers may compute a token as a step otherwise than inside a sequence
+        (RecurrentGemma); the engine's steps must equal its `generate`'s."""
+        cache = admission.config_cache(self.model.config)
+        x = torch.tensor(ids, device=self.device)
+        out = [own_forward.forward(self.model, cache, x[:end], rows, 0).logits[0]]
+        out += [own_forward.forward(self.model, cache, x[i:i + 1], 1, i).logits[0] for i in range(end, len(ids))]
+        return torch.cat(out).float()

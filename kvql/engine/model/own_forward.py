@@ -3,9 +3,9 @@
 
 Each segment of a batch runs alone through the model's own forward, over a transformers cache laid out as its
 config says (admission.config_cache), filled for this segment:
-- a K/V layer (`kind` "kv") gets the segment's past K/V read from the pool (`past_slots`), as a plain
-  `DynamicLayer` (never trimmed to a window: the model's own masks apply windows and chunks), and its new
-  tokens' K/V are written back to their slots (`new_slots`) after the forward. The pool holds what the model
+- a K/V layer (`kind` "kv") gets the segment's past K/V read from the pool (`past_slots`) through its own
+  `update` (a windowed layer keeps its window, as in the model's `generate`), and the new tokens' K/V its
+  `update` receives during the forward are written to their slots (`new_slots`). The pool holds what the model
   caches, whatever its shape: DeepSeek's MLA latent, JetMoE's K/V before repetition.
 - a recurrent layer ("state": Mamba's, Gated DeltaNet's, LFM2's convolution) gets the request's own state,
   carried between its segments in `Segment.carry` (a `RecurrentState`), or a fresh one at its first token. A
@@ -24,6 +24,8 @@ Batched equals alone by construction: a segment's forward never sees another seg
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 
 import torch
 
@@ -59,6 +61,7 @@ def _clone_layer(layer):
     """A copy of a transformers cache layer whose tensors (attributes, or values of its dicts and lists) are its
     own: the forward updates a state in place."""
     new = copy.copy(layer)
+    vars(new).pop("update", None)  # a recording wrapper of the forward in progress (`_recording`)
     for name, value in vars(layer).items():
         if isinstance(value, torch.Tensor):
             setattr(new, name, value.clone())
@@ -69,22 +72,39 @@ def _clone_layer(layer):
     return new
 
 
+def _recording(update, into: list):
+    """`update` (a cache layer's), which also appends the K/V it is given (the new tokens') to `into`."""
+    def record(key_states, value_states, *args, **kwargs):
+        into.append((key_states, value_states))
+        return update(key_states, value_states, *args, **kwargs)
+    return record
+
+
 def _drop_kv(layer) -> None:
     """Empty the K/V part of a "kv+state" layer (it is in the pool; the carried state holds none)."""
     layer.keys = layer.values = None
     layer.is_initialized = False
 
 
-def forward(hf_model, cache, ids: torch.Tensor, keep: int):
-    """The model's own forward of `ids` after what `cache` holds (positions follow its length)."""
-    return hf_model(input_ids=ids[None], cache=cache, use_cache=True, logits_to_keep=keep)
+def forward(hf_model, cache, ids: torch.Tensor, keep: int, start: int):
+    """The model's own forward of `ids` at positions `start ...`, after what `cache` holds (the tokens before
+    them); the logits of the last `keep`. Positions are passed where the forward takes them (Bamba's otherwise
+    start from 0 at every step)."""
+    kw = {"position_ids": torch.arange(start, start + len(ids), device=ids.device)[None]} if _takes_positions(
+        type(hf_model)) else {}
+    return hf_model(input_ids=ids[None], cache=cache, use_cache=True, logits_to_keep=keep, **kw)
+
+
+@functools.cache
+def _takes_positions(model_class) -> bool:
+    return "position_ids" in inspect.signature(model_class.forward).parameters
 
 
 def geometry(hf_model, reason: str) -> admission.Geometry:
     """admission.own_geometry of `hf_model`, probed through `forward`."""
     @torch.inference_mode()
     def run(cache, ids, positions):
-        forward(hf_model, cache, ids.to(next(hf_model.parameters()).device), 1)
+        forward(hf_model, cache, ids.to(next(hf_model.parameters()).device), 1, 0)
 
     return admission.own_geometry(hf_model, run, reason)
 
@@ -113,39 +133,40 @@ class OwnForward:
         cache = admission.config_cache(self.model.config)
         cache.layers += [DynamicLayer() for _ in range(len(self.kinds) - len(cache.layers))]  # (made lazily)
         past = s.past_slots.to(self.device)
-        kv = []
+        kv, written = [], []  # the K/V layers, and what the forward writes to each (the new tokens' K/V)
         for i, kind in enumerate(self.kinds):
             layer = cache.layers[i]
             if "state" in kind and carried is not None:
                 layer = cache.layers[i] = carried[i]
             if "kv" in kind:
-                if kind == "kv":
-                    layer = cache.layers[i] = DynamicLayer()
-                if s.start:
-                    j = len(kv)
-                    DynamicLayer.update(layer, self.pool.k[j].index_select(1, past)[None],
-                                        self.pool.v[j].index_select(1, past)[None])
+                j = len(kv)
+                if s.start:  # through the layer's own update: a windowed layer keeps what the model's generate would
+                    layer.update(self.pool.k[j].index_select(1, past)[None], self.pool.v[j].index_select(1, past)[None])
                 kv.append(layer)
+                written.append([])
+                layer.update = _recording(layer.update, written[-1])
         n, rows = len(s.token_ids), s.logit_rows
         end = s.start + n
+        marks = carry.marks if carry is not None and self.snapshots is not None else ()
         # where the forward stops for a snapshot (a mark inside the segment), or after every token (stepwise)
-        cuts = sorted({m - s.start for m in (carry.marks if carry is not None and self.snapshots is not None else ())
-                       if s.start < m < end})
-        if self.stepwise:
-            cuts = list(range(1, n))
+        cuts = list(range(1, n)) if self.stepwise else sorted({m - s.start for m in marks if s.start < m < end})
         ids = torch.tensor(s.token_ids, device=self.device)
         parts = []
-        for a, b in zip([0, *cuts], [*cuts, n]):
-            keep = b - max(a, n - rows)  # the rows of the segment's last `rows` in this piece
-            out = forward(self.model, cache, ids[a:b], max(keep, 1)).logits[0]
-            if keep > 0:
-                parts.append(out[-keep:])
-            if b < n and s.start + b in (carry.marks if carry is not None and self.snapshots is not None else ()):
-                self._snapshot(carry, cache, s.start + b)
+        try:
+            for a, b in zip([0, *cuts], [*cuts, n]):
+                keep = b - max(a, n - rows)  # the rows of the segment's last `rows` in this piece
+                out = forward(self.model, cache, ids[a:b], max(keep, 1), s.start + a).logits[0]
+                if keep > 0:
+                    parts.append(out[-keep:])
+                if b < n and s.start + b in marks:
+                    self._snapshot(carry, cache, s.start + b)
+        finally:
+            for layer in kv:
+                del layer.update
         new = s.new_slots.to(self.device)
-        for j, layer in enumerate(kv):
-            self.pool.k[j].index_copy_(1, new, layer.keys[0, :, s.start:])
-            self.pool.v[j].index_copy_(1, new, layer.values[0, :, s.start:])
+        for j, pieces in enumerate(written):  # [1, heads, tokens, dim] each; the last len(new) are the segment's
+            self.pool.k[j].index_copy_(1, new, torch.cat([k for k, _ in pieces], dim=-2)[0, :, -len(new):])
+            self.pool.v[j].index_copy_(1, new, torch.cat([v for _, v in pieces], dim=-2)[0, :, -len(new):])
         if carry is not None:
             carry.state, carry.length = self._state(cache), end
             if self.snapshots is not None and end in carry.marks:
