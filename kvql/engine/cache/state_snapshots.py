@@ -4,9 +4,10 @@ recurrent layers (Qwen3.5, LFM2, Granite 4, Mamba) reusable.
 A recurrent layer's state after `p` tokens summarizes all of them; it cannot be cut back to fewer. So a
 request may resume after a cached prefix of `p` tokens only where a snapshot of every recurrent layer's state
 after exactly those `p` tokens (and salt) exists, its attention layers' K/V coming from the pool as for any
-model. The runner puts a snapshot where a prompt's chunk ends (the prompt's end included) and memory.py where
-a request's computed tokens go into the tree (it finishes or is preempted); `deepest` finds the longest prefix
-of a request's tokens that has one, which caps what admission serves from the tree.
+model. The runner puts a snapshot at a request's marks (segment.Carry: its prompt but the last token, where the
+tree's K/V of its prefix reach past the deepest snapshot, where a waiting request diverges from it) and
+memory.py where a request's computed tokens go into the tree (it finishes or is preempted); `deepest` finds
+the longest prefix of a request's tokens that has one, which caps what admission serves from the tree.
 
 Snapshots are opaque objects with `clone()` and `nbytes`; the store holds at most `budget` bytes of them (its
 share of the cache budget), the least recently used going first. A snapshot is keyed by (salt, length, a
@@ -63,6 +64,8 @@ class StateSnapshots:
         lengths[key[1]] -= 1
         if not lengths[key[1]]:
             del lengths[key[1]]
+            if not lengths:  # (one partition per API key on a server: none kept empty)
+                del self._lengths[key[0]]
 
     def deepest(self, salt, tokens: list[int], limit: int) -> int:
         """The longest `p <= limit` such that a snapshot after `tokens[:p]` exists; 0 if none."""

@@ -9,9 +9,11 @@ config says (admission.config_cache), filled for this segment:
   caches, whatever its shape: DeepSeek's MLA latent, JetMoE's K/V before repetition.
 - a recurrent layer ("state": Mamba's, Gated DeltaNet's, LFM2's convolution) gets the request's own state,
   carried between its segments in `Segment.carry` (a `RecurrentState`), or a fresh one at its first token. A
-  layer with both ("kv+state") gets both. Where a prompt's chunk ends, a copy of the state goes to the
-  snapshots (cache/state_snapshots.py), from which a later request with the same prefix resumes.
+  layer with both ("kv+state") gets both. At the request's marks (`Carry.marks`, where a later request with the
+  same prefix may resume) the forward stops and a copy of the state goes to the snapshots
+  (cache/state_snapshots.py).
 - a layer that caches nothing ("none") gets what the config lays out.
+Positions are passed where the forward takes them (`forward`).
 
 `stepwise`: every token runs as its own forward. Some models' own forward (Mamba's, Jamba's torch path)
 computes a multi-token chunk correctly only from an empty state; the load check finds them
@@ -36,8 +38,9 @@ from ..segment import Segment
 
 
 class RecurrentState:
-    """The recurrent parts of a request's cache layers (`layers[i]`: the transformers cache layer object of a
-    "state" or "kv+state" layer, holding no K/V; None for the others), after its first `length` tokens."""
+    """The recurrent parts of a request's cache layers after some of its tokens (`Carry.length` says how many):
+    `layers[i]`, the transformers cache layer object of a "state" or "kv+state" layer, holding no K/V; None for
+    the others."""
 
     def __init__(self, layers: list):
         self.layers = layers
