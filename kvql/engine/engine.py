@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import logging
 import threading
 import traceback
 import weakref
@@ -75,8 +74,6 @@ from .cache.persistence import Persistence
 from .scheduler import Scheduler
 from .model import admission, model_runner
 from . import openmp
-
-log = logging.getLogger("kvql.cache")
 
 
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -132,10 +129,7 @@ class Engine(Persistence):
         self._fingerprint: dict[str, str] | None = None  # fingerprint.py
         self._autosave = None
         self.saves = 0  # `save_cache` calls done (autosaves and the one at `close` included)
-        if disk_cache is not None and self.runner.geometry.recurrent:
-            log.warning("disk cache not used: %s has recurrent layers, whose state snapshots the disk tier does "
-                        "not keep yet; this model keeps its cache in memory only", config.model_type)
-        elif disk_cache is not None:
+        if disk_cache is not None:
             self._open_tier(disk_cache, disk_budget, save_interval)
         _engines.add(self)
         self._release_caller_openmp()  # this thread loaded the model (and packed its weights)

@@ -20,6 +20,7 @@ from .autosave import Autosave
 from .disk_tier import DiskTier, TierUnavailable
 from .tier_file import FORMAT
 from .fingerprint import fingerprint
+from . import state_snapshots
 from .tier_policy import TierPolicy
 
 log = logging.getLogger("kvql.cache")
@@ -50,6 +51,15 @@ class Persistence:
         policy = TierPolicy(tier, self.tree)
         self.tree.hook = self.memory.tier_policy = policy
         policy.rebuild(int(self.runner.model.config.get_text_config().vocab_size))
+        snapshots = self.memory.snapshots
+        if snapshots is not None:  # a model with recurrent layers: its states' snapshots (state_snapshots.py)
+            try:
+                snapshots.load(tier.path, tier.digest, self.runner.own.decode_state)
+            except FileNotFoundError:
+                pass
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("kvql disk tier: %s not used (%s); prefixes are resumed from snapshots taken from now "
+                            "on", tier.path / state_snapshots.FILE, e)
         if save_interval > 0:
             self._autosave = Autosave(self, save_interval)
 
@@ -73,6 +83,8 @@ class Persistence:
         with self._state:
             policy.reclaim()
             policy.order()
+            if self.memory.snapshots is not None:
+                self.memory.snapshots.save(tier.path, tier.digest)
         tier.flush()
         self.saves += 1
         return {"tokens": written, "tier_bytes": tier.bytes}

@@ -9,16 +9,31 @@ tree's K/V of its prefix reach past the deepest snapshot, where a waiting reques
 memory.py where a request's computed tokens go into the tree (it finishes or is preempted); `deepest` finds
 the longest prefix of a request's tokens that has one, which caps what admission serves from the tree.
 
-Snapshots are opaque objects with `clone()` and `nbytes`; the store holds at most `budget` bytes of them (its
-share of the cache budget), the least recently used going first. A snapshot is keyed by (salt, length, a
-BLAKE2b digest of the tokens): a request of one salt never resumes from another's state.
+Snapshots are opaque objects with `clone()` and `nbytes` (and `encode()` for the disk); the store holds at most
+`budget` bytes of them (its share of the cache budget), the least recently used going first. A snapshot is keyed
+by (salt, length, a BLAKE2b digest of the tokens): a request of one salt never resumes from another's state.
+
+With a disk tier, `save` writes every snapshot to one file in the tier's directory (`FILE`, beside the K/V files;
+at every `save_cache`: close and idle autosaves) and `load` reads it back at the next start, as untrustingly as
+the tier reads its files (tier_file.py: no links, no blocking, copied into memory, a SHA-256 keyed by the
+model's fingerprint over the description and the tensors; anything wrong is a start without snapshots).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from array import array
 from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from . import tier_file
+
+FILE = "snapshots.safetensors"
+FORMAT = "kvql-state-snapshots-1"
 
 
 def _key(salt, tokens: list[int]) -> tuple:
@@ -39,19 +54,22 @@ class StateSnapshots:
     def put(self, salt, tokens: list[int], state) -> None:
         """Keep `state` (owned by the store from here on) as the state after `tokens`; a snapshot larger than
         the whole budget is not kept."""
-        key = _key(salt, tokens)
+        if self._insert(_key(salt, tokens), state):
+            self.puts += 1
+
+    def _insert(self, key: tuple, state) -> bool:
         if key in self._items:
             self._items.move_to_end(key)
-            return
+            return False
         if state.nbytes > self.budget:
-            return
+            return False
         self._items[key] = state
         self.bytes += state.nbytes
-        lengths = self._lengths.setdefault(salt, {})
-        lengths[len(tokens)] = lengths.get(len(tokens), 0) + 1
-        self.puts += 1
+        lengths = self._lengths.setdefault(key[0], {})
+        lengths[key[1]] = lengths.get(key[1], 0) + 1
         while self.bytes > self.budget:
             self._drop(next(iter(self._items)))
+        return True
 
     def clear(self) -> None:
         self._items.clear()
@@ -80,3 +98,67 @@ class StateSnapshots:
         self._items.move_to_end(key)
         self.hits += 1
         return self._items[key].clone()
+
+    def save(self, directory: Path, digest: str) -> int:
+        """Write every snapshot (least recently used first) to `directory / FILE`, replacing it at once (a
+        temporary file renamed); the number written. `digest`: the model's fingerprint digest (module doc)."""
+        entries, tensors = [], {}
+        for (salt, length, key), state in self._items.items():
+            try:
+                description, own = state.encode()
+            except ValueError:
+                continue  # a state holding a value the file cannot: not kept across the restart
+            tensors.update({f"{len(entries)}.{name}": t for name, t in own.items()})
+            entries.append([salt, length, key.hex(), description])
+        path = directory / FILE
+        if not entries:
+            path.unlink(missing_ok=True)
+            return 0
+        from safetensors.torch import save_file
+
+        text = json.dumps(entries)
+        tmp = directory / f".{FILE}.tmp"
+        save_file(tensors, str(tmp), metadata={"kvql_format": FORMAT, "entries": text,
+                                               "sha256": _sha256(digest, text, tensors)})
+        os.replace(tmp, path)
+        return len(entries)
+
+    def load(self, directory: Path, digest: str, decode) -> int:
+        """The snapshots `save` wrote to `directory / FILE`, each rebuilt by `decode(description, tensors)`
+        (as many as the budget holds, the most recently used kept); the number loaded. ValueError or OSError
+        where the file is not one this model wrote (module doc); FileNotFoundError where there is none."""
+        from safetensors.torch import load
+
+        fd, st = tier_file.open_regular(directory / FILE)
+        try:
+            if st.st_size > 2 * self.budget + tier_file.MAX_HEADER:
+                raise ValueError(f"{st.st_size:,} bytes, more than the snapshots' budget holds")
+            data = bytearray(st.st_size)
+            tier_file.read_into(fd, data)
+        finally:
+            os.close(fd)
+        n = int.from_bytes(data[:8], "little")
+        if n > tier_file.MAX_HEADER or n + 8 > len(data):
+            raise ValueError(f"a {n:,}-byte header in a {len(data):,}-byte file")
+        meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+        tensors = load(bytes(data))
+        text = meta.get("entries", "")
+        if meta.get("kvql_format") != FORMAT or meta.get("sha256") != _sha256(digest, text, tensors):
+            raise ValueError("not this model's snapshots (format or checksum)")
+        loaded = 0
+        for i, (salt, length, key, description) in enumerate(json.loads(text)):
+            prefix = f"{i}."
+            own = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+            loaded += self._insert((salt, int(length), bytes.fromhex(key)), decode(description, own))
+        return loaded
+
+
+def _sha256(digest: str, text: str, tensors: dict[str, torch.Tensor]) -> str:
+    """Over the format, the fingerprint's digest, the entries' description and every tensor (name, dtype, shape,
+    bytes) in name order: a file of another model, or one edited, fails it (module doc)."""
+    names = sorted(tensors)
+    h = hashlib.sha256(json.dumps([FORMAT, digest, text] + [[n, str(tensors[n].dtype), list(tensors[n].shape)]
+                                                           for n in names]).encode())
+    for n in names:
+        h.update(tensors[n].contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()

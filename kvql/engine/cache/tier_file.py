@@ -88,7 +88,7 @@ def open_regular(path: Path) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def _read_into(fd: int, buf) -> None:
+def read_into(fd: int, buf) -> None:
     """Fill the writable buffer `buf` with the next bytes of `fd`; ValueError if the file ends first (it changed
     under the read)."""
     view, got = memoryview(buf).cast("B"), 0
@@ -108,17 +108,17 @@ def read(path: Path, names=NAMES, max_bytes: int | None = None) -> tuple[dict, d
         if max_bytes is not None and st.st_size > max_bytes:
             raise ValueError(f"{st.st_size:,} bytes, more than the {max_bytes:,} written")
         raw = bytearray(8)
-        _read_into(fd, raw)
+        read_into(fd, raw)
         n = int.from_bytes(raw, "little")
         if n > MAX_HEADER or n + 8 > st.st_size:
             raise ValueError(f"a {n:,}-byte header in a {st.st_size:,}-byte file")
         raw = bytearray(n)
-        _read_into(fd, raw)
+        read_into(fd, raw)
         header = json.loads(raw)
         spans = {name: _span(header, name, st.st_size - 8 - n) for name in names}
         ends = {name: begin + math.prod(shape) * dtype.itemsize for name, (dtype, shape, begin) in spans.items()}
         data = torch.empty(max(ends.values()), dtype=torch.uint8)  # (not zeroed first, as a bytearray would be)
-        _read_into(fd, data.numpy())
+        read_into(fd, data.numpy())
     finally:
         os.close(fd)
     tensors = {name: data[begin:ends[name]].view(dtype).reshape(shape) for name, (dtype, shape, begin) in spans.items()}

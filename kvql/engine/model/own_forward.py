@@ -53,6 +53,56 @@ class RecurrentState:
     def clone(self) -> RecurrentState:
         return RecurrentState([None if layer is None else _clone_layer(layer) for layer in self.layers])
 
+    def encode(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(a JSON-able description, its tensors by name): what `decode` rebuilds the state from (the disk tier's
+        snapshots file, cache/state_snapshots.py). ValueError where a layer holds a value of a kind not written."""
+        tensors: dict[str, torch.Tensor] = {}
+        layers = {str(i): {name: _encode(value, tensors) for name, value in vars(layer).items()}
+                  for i, layer in enumerate(self.layers) if layer is not None}
+        return {"layers": layers}, tensors
+
+    @staticmethod
+    def decode(config, description: dict, tensors: dict[str, torch.Tensor]) -> RecurrentState:
+        """The state `encode` described, its layers of the classes the model's config lays out."""
+        templates = admission.config_cache(config).layers
+        layers = [None] * len(templates)
+        for i, attributes in description["layers"].items():
+            layer = layers[int(i)] = copy.copy(templates[int(i)])
+            for name, value in attributes.items():
+                setattr(layer, name, _decode(value, tensors))
+        return RecurrentState(layers)
+
+
+def _encode(value, tensors: dict):
+    if isinstance(value, torch.Tensor):
+        name = f"t{len(tensors)}"
+        tensors[name] = value.detach().cpu().contiguous()
+        return {"tensor": name}
+    if isinstance(value, dict):
+        return {"dict": [[k, _encode(v, tensors)] for k, v in value.items()]}
+    if isinstance(value, list):
+        return {"list": [_encode(v, tensors) for v in value]}
+    if isinstance(value, (torch.device, torch.dtype)):
+        return {type(value).__name__: str(value)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    raise ValueError(f"a cache layer's value of type {type(value).__name__}")
+
+
+def _decode(value: dict, tensors: dict):
+    (kind, x), = value.items()
+    if kind == "tensor":
+        return tensors[x].clone()
+    if kind == "dict":
+        return {k: _decode(v, tensors) for k, v in x}
+    if kind == "list":
+        return [_decode(v, tensors) for v in x]
+    if kind == "device":
+        return torch.device(x)
+    if kind == "dtype":
+        return getattr(torch, x.removeprefix("torch."))
+    return x
+
 
 def _tensors(layer):
     for value in vars(layer).values():
@@ -119,6 +169,10 @@ class OwnForward:
         self.recurrent = geometry.recurrent
         self.stepwise = False
         self.snapshots: StateSnapshots | None = None  # set by the engine for models with recurrent layers
+
+    def decode_state(self, description: dict, tensors: dict[str, torch.Tensor]) -> RecurrentState:
+        """A snapshot read back from the disk tier (`RecurrentState.decode`)."""
+        return RecurrentState.decode(self.model.config, description, tensors)
 
     def __call__(self, segments: list[Segment]) -> list[torch.Tensor | None]:
         """ModelRunner.forward's contract, one segment at a time (module doc)."""
