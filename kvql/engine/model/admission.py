@@ -266,7 +266,7 @@ def layer_kind(layer) -> str:
 
 def own_geometry(hf_model, forward, reason: str) -> Geometry:
     """The geometry of `hf_model` run by its own forward (module doc): what each layer caches, read from the
-    `config_cache` that `forward(cache, ids, positions)` filled (`Geometry.kinds`: `layer_kind` per cache layer,
+    `config_cache` that `forward(cache, ids)` filled (ids at positions 0 ...) (`Geometry.kinds`: `layer_kind` per cache layer,
     `layers`: the K/V layers the pool holds); `reason`: why the ragged path does not run it. UnsupportedModel
     where its K/V layers differ in shape, or a layer's K/V is not one head set per token, or keeps only a window
     of it beside a recurrent state."""
@@ -276,8 +276,7 @@ def own_geometry(hf_model, forward, reason: str) -> Geometry:
     name = config.model_type
     cache = config_cache(config)
     try:
-        forward(cache, torch.arange(1, PROBE_TOKENS + 1) % int(config.get_text_config().vocab_size),
-                torch.arange(PROBE_TOKENS))
+        forward(cache, torch.arange(1, PROBE_TOKENS + 1) % int(config.get_text_config().vocab_size))
     except Exception as e:  # noqa: BLE001 -- any failure of the forward is the reason for refusing
         raise UnsupportedModel(f"{name!r}: {reason}; and its own forward over a transformers DynamicCache failed "
                                f"({type(e).__name__}: {e})") from e

@@ -112,17 +112,20 @@ def _tensors(layer):
 
 def _clone_layer(layer):
     """A copy of a transformers cache layer whose tensors (attributes, or values of its dicts and lists) are its
-    own: the forward updates a state in place."""
+    own: the forward updates a state in place. Without a recording wrapper of a forward in progress (`_recording`)."""
     new = copy.copy(layer)
-    vars(new).pop("update", None)  # a recording wrapper of the forward in progress (`_recording`)
-    for name, value in vars(layer).items():
-        if isinstance(value, torch.Tensor):
-            setattr(new, name, value.clone())
-        elif isinstance(value, dict):
-            setattr(new, name, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in value.items()})
-        elif isinstance(value, list):
-            setattr(new, name, [v.clone() if isinstance(v, torch.Tensor) else v for v in value])
+    new.__dict__ = {name: _cloned(value) for name, value in vars(layer).items() if name != "update"}
     return new
+
+
+def _cloned(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cloned(v) if isinstance(v, torch.Tensor) else v for v in value]
+    return value
 
 
 def _recording(update, into: list):
@@ -156,7 +159,7 @@ def _takes_positions(model_class) -> bool:
 def geometry(hf_model, reason: str) -> admission.Geometry:
     """admission.own_geometry of `hf_model`, probed through `forward`."""
     @torch.inference_mode()
-    def run(cache, ids, positions):
+    def run(cache, ids):
         forward(hf_model, cache, ids.to(next(hf_model.parameters()).device), 1, 0)
 
     return admission.own_geometry(hf_model, run, reason)
