@@ -1,8 +1,9 @@
 """Writes docs/models.md's table of model families from the checks tests/test_families.py asserts (tests/families.py):
 for each tiny random model, fp32 greedy equal to transformers.generate cold / warm / staggered on both CPU
 attention paths, bf16 batched equal to alone, the path that runs it (ragged, or the model's own forward and why),
-how many modules run the fused layers, its sliding windows; for refused families the engine's reason. Run: `.venv/bin/python scripts/family_table.py` (about a minute;
-rewrites the part of docs/models.md between the `families` markers, prints the table)."""
+how many modules run the fused layers, its attention variants (windows, chunks, soft-caps, sinks); for refused
+families the engine's reason. Run: `.venv/bin/python scripts/family_table.py` (about a minute; rewrites the
+part of docs/models.md between the `families` markers, prints the table)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def mark(ok: bool) -> str:
 
 def rows(tok) -> list[str]:
     out = ["| family | model type | fp32 cold / warm / staggered (paged kernel; gather + SDPA: the ragged path) "
-           "| bf16 batched = alone | path | fused modules | sliding window |", "|---|---|---|---|---|---|---|"]
+           "| bf16 batched = alone | path | fused modules | attention variants |", "|---|---|---|---|---|---|---|"]
     for name in F.FAMILIES:
         cells = []
         for path in ("1", "0") if name not in F.OWN else ("1",):  # the own forward: no attention path of kvql's
@@ -48,12 +49,11 @@ def rows(tok) -> list[str]:
         os.environ.pop("KVQL_PAGED_ATTENTION")
         bf16 = F.check_bf16_invariant(name, tok)
         layers = r["geometry"].layers
-        windows = [x.window for x in layers]
-        window = (f"{sum(map(bool, windows))} of {len(layers)} layers" if any(windows) else "none")
-        if any(x.softcap for x in layers):
-            window += ", soft-capped scores"
-        if any(x.sinks for x in layers):
-            window += ", attention sinks"
+        variants = [f"{sum(bool(getattr(x, k)) for x in layers)} of {len(layers)} layers {what}"
+                    for k, what in (("window", "windowed"), ("chunk", "chunked")) if any(getattr(x, k) for x in layers)]
+        variants += [what for k, what in (("softcap", "soft-capped scores"), ("sinks", "attention sinks"))
+                     if any(getattr(x, k) for x in layers)]
+        window = ", ".join(variants) or "none"
         own = r["geometry"].own
         path = "ragged" if own is None else "own forward: " + own.split(" (")[0].split(";")[0].replace("|", "\\|")
         out.append(f"| {name} | `{F.FAMILIES[name][0]}` | {'; '.join(cells)} | "

@@ -58,8 +58,12 @@ FAMILIES = {
     "nemotron": ("nemotron", {}),
     "xglm": ("xglm", {"d_model": 64, "num_layers": 2, "attention_heads": 4, "ffn_dim": 128}),
     "jetmoe": ("jetmoe", {"num_local_experts": 4, "num_experts_per_tok": 2, "kv_channels": 16}),  # K/V repeated
-    # chunked attention (a token attends within its chunk only) and NoPE layers
-    "llama4": ("llama4_text", {**MOE, "attention_chunk_size": WINDOW}),
+    # chunked attention (a token attends within its chunk only) on its RoPE layer, a NoPE layer of full attention
+    "llama4": ("llama4_text", {**MOE, "attention_chunk_size": WINDOW, "no_rope_layers": [1, 0],
+                               "attn_temperature_tuning": False}),
+    # the same with the NoPE layer's attention temperature (scaled by the cache's length: own forward)
+    "llama4_tuned": ("llama4_text", {**MOE, "attention_chunk_size": WINDOW, "no_rope_layers": [1, 0],
+                                     "floor_scale": 4}),
     # MLA: the pool holds the compressed latent transformers caches (K: kv_lora_rank, V: the rope part)
     "deepseek_v3": ("deepseek_v3", {**MOE, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
                                     "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 24,
@@ -95,7 +99,7 @@ REFUSED = {
 }
 
 # the families admission runs on their own forward (the others: the ragged path)
-OWN = {"falcon", "bloom", "mpt", "stablelm", "nemotron", "xglm", "jetmoe", "llama4", "deepseek_v3", "lfm2", "lfm2_moe",
+OWN = {"falcon", "bloom", "mpt", "stablelm", "nemotron", "xglm", "jetmoe", "llama4_tuned", "deepseek_v3", "lfm2", "lfm2_moe",
        "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2", "mamba", "jamba", "bamba"}
 
 def build(model_type: str, overrides: dict, vocab_size: int, eos_token_id: int, seed: int = 0,

@@ -71,7 +71,7 @@ def test_a_ragged_path_whose_cached_logits_differ_gives_way_to_the_models_own_fo
 
     attend = paged_attention.attend
     monkeypatch.setattr(paged_attention, "attend", lambda q, k, v, o, s, scale, window=None, softcap=None,
-                        sinks=None: attend(q, k, v, o, s, scale, None, softcap, sinks))
+                        sinks=None, chunk=None: attend(q, k, v, o, s, scale, None, softcap, sinks, chunk))
     monkeypatch.setattr(lean_model, "build", lambda hf: None)  # its bound calls would not go through `attend`
     hf = F.build(*F.FAMILIES["mistral"], len(tokenizer), tokenizer.eos_token_id)
     m = kvql.Model(hf, tokenizer, cache_budget=1 << 20)
@@ -106,9 +106,10 @@ def test_a_model_that_keeps_state_outside_its_cache_is_refused(tokenizer):
 
 
 def test_attention_the_ragged_path_does_not_compute_is_named_from_the_config():
-    """A config naming a layer kind the ragged path's attention does not know, chunked attention, or recurrent
-    layers sends the model to its own forward before its weights load (`own_reason`), never computed as full
-    attention (what happened to Llama 4's chunked layers); an encoder-decoder model is refused outright."""
+    """A config naming a layer kind the ragged path's attention does not know, or recurrent layers, sends the
+    model to its own forward before its weights load (`own_reason`), never computed as full attention (what
+    happened to Llama 4's chunked layers before the ragged path computed them); an encoder-decoder model is
+    refused outright."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from kvql.engine.model.admission import UnsupportedModel, check_config, own_reason
@@ -117,21 +118,23 @@ def test_attention_the_ragged_path_does_not_compute_is_named_from_the_config():
     assert "indexed_attention" in own_reason(CONFIG_MAPPING["gemma3_text"](**fields))
     assert own_reason(CONFIG_MAPPING["gemma3_text"](**{**F.COMMON, **F.FAMILIES["gemma3"][1]})) is None
     llama4 = CONFIG_MAPPING["llama4_text"](**{**F.COMMON, **F.FAMILIES["llama4"][1]})
-    assert "chunked attention" in own_reason(llama4)
+    assert llama4.layer_types == ["chunked_attention", "full_attention"] and own_reason(llama4) is None
     assert "recurrent" in own_reason(CONFIG_MAPPING["lfm2"](**{**F.COMMON, **F.FAMILIES["lfm2"][1]}))
     with pytest.raises(UnsupportedModel, match="encoder-decoder"):
         check_config(CONFIG_MAPPING["t5"]())
 
 
 def test_the_numerical_check_catches_a_variant_the_config_check_missed(tokenizer, monkeypatch):
-    """Chunked attention with the config's reading switched off: the check at load runs its tokens past the
-    longest chunk the config declares, through a cached prefix and one-token steps, and finds the first token
-    whose logits differ on the ragged path (the chunk's end); the model then runs on its own forward, exact."""
+    """Chunked attention with the config's reading of chunks switched off: the check at load runs its tokens past
+    the longest chunk the config declares, through a cached prefix and one-token steps, and finds the first
+    token whose logits differ on the ragged path (the chunk's end); the model then runs on its own forward,
+    exact."""
     import kvql
     from kvql.engine.model import admission
 
-    monkeypatch.setattr(admission, "own_reason", lambda config: None)
-    overrides = {**F.MOE, "attention_chunk_size": 32}
+    layer = admission._layer
+    monkeypatch.setattr(admission, "_layer", lambda name, i, k, v, call, chunk: layer(name, i, k, v, call, None))
+    overrides = {**F.MOE, "attention_chunk_size": 32, "attn_temperature_tuning": False}
     hf = F.build("llama4_text", overrides, len(tokenizer), tokenizer.eos_token_id)
     m = kvql.Model(hf, tokenizer, cache_budget=1 << 20)
     try:
@@ -141,3 +144,20 @@ def test_the_numerical_check_catches_a_variant_the_config_check_missed(tokenizer
         assert [c.token_ids for c in m.generate(ps, max_tokens=6)] == want
     finally:
         m.close()
+
+
+def test_chunks_are_read_per_layer_and_a_layer_asking_the_caches_length_runs_on_its_own_forward(tokenizer):
+    """Llama 4: its RoPE layer's chunk comes from the config's `layer_types` (its NoPE layer attends in full);
+    with the NoPE layer's attention temperature on, that layer scales its queries by the cache's length, which
+    a batch of requests does not have, so the probe sends the model to its own forward, naming it."""
+    import kvql
+
+    for family, want in [("llama4", None), ("llama4_tuned", "ask the cache for the length of their past")]:
+        m = kvql.Model(F.build(*F.FAMILIES[family], len(tokenizer), tokenizer.eos_token_id), tokenizer,
+                       cache_budget=1 << 20)
+        geometry = m.engine.runner.geometry
+        m.close()
+        if want is None:
+            assert geometry.own is None and [x.chunk for x in geometry.layers] == [F.WINDOW, None]
+        else:
+            assert want in geometry.own and "[1]" in geometry.own

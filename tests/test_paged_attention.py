@@ -83,6 +83,38 @@ def test_attention_sinks_match_float64_attention_with_a_logit_per_head(d):
         assert not torch.allclose(out[start:start + n], plain[start:start + n], atol=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [8, 16, 20, 64])  # below, at and off the kernel's 16-key alignment, and above
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_chunked_attention_matches_float64_attention_within_each_chunk(dtype, tol, chunk):
+    """Llama 4's chunked attention: a token sees only the keys of its own chunk (positions `p // chunk` alike),
+    decode rows (read in place) and prefill blocks alike; a row's output does not depend on how its tokens were
+    split. Where a segment crosses a chunk boundary, rows differ from full attention (the chunk is not
+    ignored)."""
+    k_pool, v_pool, query, idx, slots = _case(dtype, seed=5)
+    segs = pa.Segments(*idx, torch.cat(slots))
+    out = torch.full((query.shape[1], H, D), float("nan"), dtype=dtype)
+    pa.attend(query, k_pool, v_pool, out, segs, D ** -0.5, chunk=chunk)
+    plain = _run(query, k_pool, v_pool, *idx, slots)
+    for (past, n), start, s in zip(SPEC, idx[0], slots):
+        q = query[:, start:start + n].double().view(KV, H // KV, n, D)
+        i, j = torch.arange(past, past + n)[:, None], torch.arange(past + n)[None]
+        mask = (j <= i) & (j // chunk == i // chunk)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k_pool[:, s].double()[:, None], v_pool[:, s].double()[:, None], attn_mask=mask)
+        torch.testing.assert_close(out[start:start + n].double(), ref.reshape(H, n, D).transpose(0, 1),
+                                   atol=tol, rtol=tol)
+        if past + n > chunk:
+            assert not torch.allclose(out[start + n - 1], plain[start + n - 1], atol=1e-3)
+        for cut in range(1, n):
+            first, rest = (torch.full((m, H, D), float("nan"), dtype=dtype) for m in (cut, n - cut))
+            qs = query[:, start:start + n]
+            pa.attend(qs[:, :cut], k_pool, v_pool, first, pa.Segments([0], [cut], [0], [past + cut], s[:past + cut]),
+                      D ** -0.5, chunk=chunk)
+            pa.attend(qs[:, cut:], k_pool, v_pool, rest, pa.Segments([0], [n - cut], [0], [past + n], s),
+                      D ** -0.5, chunk=chunk)
+            assert torch.equal(torch.cat([first, rest]), out[start:start + n]), (past, n, cut)
+
+
 @pytest.mark.parametrize("d", [64, 128, 40, 256])  # specialized, padded, and Gemma 3's (no specialization)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_independent_of_batch_mates_and_of_chunking(dtype, d):

@@ -10,20 +10,19 @@ The engine runs a model one of two ways (`Geometry.own`):
   gpt-oss, their MoE variants).
 - **own** (the exact fallback): the model's own forward, one request at a time, over a transformers cache laid
   out as its config says, filled with the request's cached K/V from the pool, its new tokens' K/V copied back
-  to their slots (own_forward.py). Whatever the model attends with (ALiBi, chunked attention, K/V transformed
-  after `cache.update`, attention that bypasses the interface, a cached latent: DeepSeek's MLA) is the model's
+  to their slots (own_forward.py). Whatever the model attends with (ALiBi, K/V transformed after `cache.update`, attention that bypasses the interface, a cached latent: DeepSeek's MLA) is the model's
   own code; the pool holds what the model caches, per token, whatever its shape (`Layer.v_dim`). Recurrent
   layers (Mamba, Gated DeltaNet, LFM2's convolutions: `Geometry.recurrent`) keep their state per request
   between its steps, and snapshots of it serve prefixes (cache/state_snapshots.py).
 
 `check_config` refuses, before the weights load, what neither way serves: encoder-decoder models. `own_reason`
 names what the config alone shows the ragged path does not compute: recurrent layers (a `layer_types` kind
-whose cache in transformers is a recurrent or convolutional state), chunked attention (`attention_chunk_size`),
-a `layer_types` kind but full and sliding attention.
+whose cache in transformers is a recurrent or convolutional state), a `layer_types` kind but full, sliding and
+chunked attention.
 
 `probe(model)` runs one forward of a few tokens with a recording cache and records, per layer, what the
 attention function receives: query heads, KV heads, head dim, the layer's sliding window, logit soft-cap and
-sinks (`Geometry`, which sizes the KV pool and tells the attention path each layer's variant); where the model
+sinks, and from the config its chunked attention's chunk (`layer_types`: Llama 4's; `Geometry`, which sizes the KV pool and tells the attention path each layer's variant); where the model
 does not behave as the ragged path needs, it raises `UnsupportedModel` saying why, and `own_geometry` reads what
 the model's own forward caches per layer instead (refusing with both reasons where that fails too).
 
@@ -50,7 +49,7 @@ VERIFY_ROWS = 16  # the chunk's last rows whose logits are compared (with the on
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # max |engine - plain| / max |plain|; others below
 REDUCED_TOLERANCE = 6e-2
 SINKS = ("s_aux", "sinks")
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # what a config's `layer_types` may name
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # the ragged path's kinds
 
 
 class UnsupportedModel(ValueError):
@@ -61,8 +60,10 @@ class UnsupportedModel(ValueError):
 class Layer:
     """What one attention layer computes: `heads` query heads over `kv_heads` K/V heads of `head_dim`,
     each query seeing its last `window` positions (None: all), scores soft-capped at `softcap` (None: not),
-    `sinks`: a learned logit per query head in each softmax's denominator (gpt-oss's `s_aux`). `v_dim`: the
-    width of what the layer caches as values, where it differs from its keys' (`own` geometries: MLA's latent)."""
+    `sinks`: a learned logit per query head in each softmax's denominator (gpt-oss's `s_aux`), `chunk`: each
+    query seeing only the positions of its own chunk of `chunk` (chunked attention, Llama 4's; None: not).
+    `v_dim`: the width of what the layer caches as values, where it differs from its keys' (`own` geometries:
+    MLA's latent)."""
 
     heads: int
     kv_heads: int
@@ -71,6 +72,7 @@ class Layer:
     softcap: float | None = None
     sinks: bool = False
     v_dim: int | None = None
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class Probe:
     def __init__(self):
         self.updates: list[tuple[int, tuple, tuple]] = []  # (layer_idx, key shape, value shape) in call order
         self.calls: list[dict] = []
+        self.lengths: list[int] = []  # the layers that asked the cache for their past's length
 
 
 class ProbeCache:
@@ -123,7 +126,9 @@ class ProbeCache:
         self.probe.updates.append((layer_idx, tuple(key_states.shape), tuple(value_states.shape)))
         return key_states, value_states
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
+    def get_seq_length(self, layer_idx: int | None = None) -> int:
+        if layer_idx is not None:  # a layer's own question (a model's, for its positions, passes none)
+            self.probe.lengths.append(layer_idx)
         return 0  # no past: a probe forward is all new tokens
 
 
@@ -149,9 +154,6 @@ def own_reason(config) -> str | None:
     if stateful:
         return f"layers of type {', '.join(stateful)} (a recurrent or convolutional state in transformers' cache)"
     text = config.get_text_config()
-    chunk = getattr(text, "attention_chunk_size", None)
-    if chunk:
-        return f"chunked attention (attention_chunk_size={chunk}: a token attends only within its chunk)"
     unknown = sorted({t for t in getattr(text, "layer_types", None) or [] if t not in ATTENTION_LAYER_TYPES}, key=str)
     if unknown:
         return (f"layers of type {', '.join(map(str, unknown))} (the ragged path computes "
@@ -210,7 +212,15 @@ def probe(hf_model, forward) -> Geometry:
         raise UnsupportedModel(f"{name!r}: only {len(p.updates)} of its {n_layers} layers are attention layers "
                                f"with a KV cache; the others keep a recurrent state, which is not a prefix of "
                                f"token-granular KV (a hybrid model)")
-    layers = [_layer(name, i, k_shape, v_shape, call) for (i, k_shape, v_shape), call in zip(p.updates, p.calls)]
+    if p.lengths:
+        raise UnsupportedModel(f"{name!r}: its layers {sorted(set(p.lengths))} ask the cache for the length of "
+                               f"their past (Llama 4's attention temperature on NoPE layers), which a batch of "
+                               f"requests at different positions does not have")
+    text = config.get_text_config()
+    types, size = getattr(text, "layer_types", None) or [], getattr(text, "attention_chunk_size", None)
+    chunks = [size if i < len(types) and types[i] == "chunked_attention" else None for i in range(len(p.updates))]
+    layers = [_layer(name, i, k_shape, v_shape, call, chunks[i])
+              for (i, k_shape, v_shape), call in zip(p.updates, p.calls)]
     shapes = {(x.heads, x.kv_heads, x.head_dim) for x in layers}
     if len(shapes) > 1:
         raise UnsupportedModel(f"{name!r}: its layers differ in (heads, KV heads, head dim): {sorted(shapes)}; "
@@ -220,9 +230,10 @@ def probe(hf_model, forward) -> Geometry:
     return Geometry(tuple(layers))
 
 
-def _layer(name: str, i: int, k_shape: tuple, v_shape: tuple, call: dict) -> Layer:
+def _layer(name: str, i: int, k_shape: tuple, v_shape: tuple, call: dict, chunk: int | None) -> Layer:
     """Layer `i` as the probe saw it: what it wrote through cache.update (`k_shape`, `v_shape`) and what its
-    attention call received (`call`); UnsupportedModel where the engine cannot attend as the layer does."""
+    attention call received (`call`), with the `chunk` its config declares; UnsupportedModel where the engine
+    cannot attend as the layer does."""
     if (call["kv_heads"], call["head_dim"]) != (k_shape[1], k_shape[-1]):
         raise UnsupportedModel(f"{name!r}: layer {i} writes keys of {k_shape[1]} heads of {k_shape[-1]} to the "
                                f"cache but attends over {call['kv_heads']} of {call['head_dim']} (it transforms "
@@ -237,8 +248,10 @@ def _layer(name: str, i: int, k_shape: tuple, v_shape: tuple, call: dict) -> Lay
                                f"kvql's attention does not read (it reads gpt-oss's s_aux)")
     window = int(call["window"]) if call["window"] else None
     softcap = float(call["softcap"]) if call["softcap"] else None
+    if window and chunk:
+        raise UnsupportedModel(f"{name!r}: layer {i} has both a sliding window and chunked attention")
     return Layer(int(call["heads"]), int(call["kv_heads"]), int(call["head_dim"]), window, softcap,
-                 bool(call["sinks"]))
+                 bool(call["sinks"]), chunk=chunk)
 
 
 def config_cache(config):
@@ -316,7 +329,7 @@ def verify_plan(config, geometry: Geometry, room: int) -> tuple[int, int]:
     every position past the spans, without a vocabulary-wide projection of every token (Gemma's 262,144)."""
     text = config.get_text_config()
     context = getattr(text, "max_position_embeddings", None) or room
-    spans = [layer.window for layer in geometry.layers if layer.window]
+    spans = [x for layer in geometry.layers for x in (layer.window, layer.chunk) if x]
     spans += [v for k, v in vars(text).items() if ("window" in k or "chunk" in k) and type(v) is int and v > 0]
     spans = [x for x in spans if x < min(context, room)]
     first, rest = VERIFY_TOKENS

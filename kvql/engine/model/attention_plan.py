@@ -68,6 +68,8 @@ class Plan:
     buckets: list[Bucket]
     paged: paged_attention.Segments | None = None  # segments read in place by the paged kernel
     fresh: tuple | None = None  # this layer's new (K, V) `[1, kv_heads, T, head_dim]`, set by the cache
+    layer: int | None = None  # the layer whose K/V the cache wrote last (the one attending), set by the cache
+    chunks: tuple | None = None  # per layer, its chunked attention's chunk (None: not chunked), set by the runner
 
 
 @dataclass
@@ -85,18 +87,30 @@ class Bucket:
     q_pos: torch.Tensor     # [rows, q_len] each query's position in its sequence
     k_pos: torch.Tensor     # [rows, k_len] each key's position (a slot holds one position in every sequence)
     k_flat: torch.Tensor | None = None  # k_slots per KV head in the pool viewed [kv_heads * slots] (the runner's)
-    _windowed: dict | None = None
+    _spanned: dict | None = None
 
-    def window_mask(self, window: int | None, groups: int) -> torch.Tensor:
-        """`mask`, and for a sliding window of `window` keys also each query's window (built once per step)."""
-        if not window:
+    def span_mask(self, window: int | None, chunk: int | None, groups: int) -> torch.Tensor:
+        """`mask`, and for a sliding window or chunked attention also each query's span (`in_span`; built once
+        per step)."""
+        if not (window or chunk):
             return self.mask
-        if self._windowed is None:
-            self._windowed = {}
-        if window not in self._windowed:
-            near = self.k_pos[:, None, :] > self.q_pos[:, :, None] - window  # [rows, q_len, k_len]
-            self._windowed[window] = self.mask & near.repeat(1, groups, 1)[:, None]
-        return self._windowed[window]
+        if self._spanned is None:
+            self._spanned = {}
+        if (window, chunk) not in self._spanned:
+            near = in_span(self.q_pos[:, :, None], self.k_pos[:, None, :], window, chunk)  # [rows, q_len, k_len]
+            self._spanned[window, chunk] = self.mask & near.repeat(1, groups, 1)[:, None]
+        return self._spanned[window, chunk]
+
+
+def in_span(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
+    """Whether a key at `k_pos` (no later than the query) is in the span of a query at `q_pos` (broadcast): its
+    last `window` positions (a sliding window), or its own chunk of `chunk` positions (chunked attention), or
+    any (neither)."""
+    if chunk:
+        return k_pos // chunk == q_pos // chunk
+    if window:
+        return k_pos > q_pos - window
+    return torch.ones(torch.broadcast_shapes(q_pos.shape, k_pos.shape), dtype=torch.bool, device=q_pos.device)
 
 
 def _shared_len(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -223,7 +237,7 @@ def _pad(rows, groups: int, device, k_len: int | None = None) -> Bucket:
     for r, (qi, keys, m, qp, kp) in enumerate(rows):
         nq, nk = qi.numel(), keys.numel()
         q_index[r, :nq], q_index[r, nq:] = qi, qi[0]
-        q_pos[r, :nq], q_pos[r, nq:] = qp, qp[0]  # a padded query sees key 0 (below): inside any window
+        q_pos[r, :nq], q_pos[r, nq:] = qp, kp[0]  # a padded query sees key 0 (below), at its position: in any span
         k_pos[r, :nk], k_pos[r, nk:] = kp, qp[0]
         valid[r, :nq] = True
         k_slots[r, :nk], k_slots[r, nk:] = keys, keys[0]  # a written slot: never NaN garbage

@@ -29,7 +29,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .attention_plan import Bucket, Causal, Plan, plan
+from .attention_plan import Bucket, Causal, Plan, in_span, plan
 from . import admission, cpu_linear, fused_layers, lean_model, own_forward
 from .kernels import paged_attention
 from ..cache.kv_pool import KVPool
@@ -60,22 +60,24 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         out = _eager(query, key, value, causal, scaling, softcap, query.shape[1] // key.shape[1], sinks)
         return out.transpose(1, 2).contiguous(), None  # [batch, tokens, heads, head_dim], as transformers returns it
     _, heads, t, d = query.shape
+    chunk = kvql_plan.chunks[kvql_plan.layer] if kvql_plan.chunks else None
     k_pool, v_pool = key[0], value[0]  # [kv_heads, slots, head_dim]
     kv_heads = k_pool.shape[0]
     g = heads // kv_heads
     out = query.new_empty(t, heads, v_pool.shape[-1])
     if kvql_plan.paged is not None:  # a paged plan has nothing else: every segment read in place
         paged_attention.attend(query[0], k_pool, v_pool, out, kvql_plan.paged, scaling or d ** -0.5,
-                               sliding_window, softcap, None if s_aux is None else s_aux.float().contiguous())
+                               sliding_window, softcap, None if s_aux is None else s_aux.float().contiguous(),
+                               chunk)
         return out[None], None
     c: Causal
     for c in kvql_plan.causal:  # no past: causal attention over the fresh K/V, read in place
         span = slice(c.offset, c.offset + c.rows * c.q_len)
         q, k, v = (x[0, :, span].unflatten(1, (c.rows, c.q_len)).transpose(0, 1)
                    for x in (query, *kvql_plan.fresh))
-        if sliding_window or softcap or s_aux is not None:
+        if sliding_window or chunk or softcap or s_aux is not None:
             i = torch.arange(c.q_len, device=query.device)
-            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - (sliding_window or c.q_len))
+            mask = (i[None, :] <= i[:, None]) & in_span(i[:, None], i[None, :], sliding_window, chunk)
             o = _eager(q, k, v, mask, scaling, softcap, g, None if s_aux is None else s_aux.view(-1, 1, 1))
         else:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
@@ -90,7 +92,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         q = qv[:, :, b.q_index].view(kv_heads, g, b.rows, b.q_len, d).permute(2, 0, 1, 3, 4)
         q = q.reshape(b.rows, kv_heads, g * b.q_len, d)
         k, v = (x.view(kv_heads, b.rows, b.k_len, -1).transpose(0, 1) for x in _gather(b, k_pool, v_pool))
-        mask = b.window_mask(sliding_window, g)
+        mask = b.span_mask(sliding_window, chunk, g)
         if softcap or s_aux is not None:  # a sink per query head: per row of the packed query axis
             sinks = None if s_aux is None else s_aux.view(kv_heads, g, 1).repeat_interleave(b.q_len, 1).view(
                 kv_heads, g * b.q_len, 1)
@@ -164,7 +166,7 @@ class PoolCache:
         self.pool, self.write_slots, self.plan = pool, write_slots, plan
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.plan.fresh = key_states, value_states
+        self.plan.fresh, self.plan.layer = (key_states, value_states), layer_idx
         k, v = self.pool.k[layer_idx], self.pool.v[layer_idx]
         k.index_copy_(1, self.write_slots, key_states[0])
         v.index_copy_(1, self.write_slots, value_states[0])
@@ -172,8 +174,9 @@ class PoolCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """0. A batch's rows have no one past length; the engine passes position_ids and its own mask, so a
-        forward has no use for it (some, Falcon's, ask all the same). A model whose output depends on it
-        fails `verify`, whose second forward runs over cached tokens."""
+        forward has no use for it (some, Falcon's, ask all the same). A model whose layers ask (with their
+        layer index) runs on its own forward (admission.probe); one whose output depends on it otherwise fails
+        `verify`, whose second forward runs over cached tokens."""
         return 0
 
 
@@ -217,7 +220,7 @@ class ModelRunner:
         # batch-invariant attention (attention_plan's module doc): on in reduced precision, where a
         # merged cluster's reduction order changes outputs; fp32 merges shared prefixes (cheaper)
         self.batch_invariant = pool.k.dtype != torch.float32
-        self.lean, self.paged, self.own = None, False, None
+        self.lean, self.paged, self.own, self.chunks = None, False, None, None
         if geometry.own is None:
             self._prepare_ragged()
         else:
@@ -237,8 +240,10 @@ class ModelRunner:
             # first, so that the stacked layers' parts are not packed only to be unpacked again
             fused_layers.prepare(hf_model, max_reduction=max_reduction)
             cpu_linear.prepare(hf_model, max_reduction=max_reduction, skip=fused_layers.stacked_parts(hf_model))
+        # chunked attention's span per layer: the plan carries it to the attention function, which is not told
+        self.chunks = tuple(x.chunk for x in geometry.layers) if any(x.chunk for x in geometry.layers) else None
         # the same forward without transformers' module calls, where the model's structure allows (lean_model.py)
-        self.lean = lean_model.build(hf_model) if self.device.type == "cpu" else None
+        self.lean = lean_model.build(hf_model) if self.device.type == "cpu" and not self.chunks else None
         self.paged = paged_attention.supports(self.device, pool.k.dtype, geometry.heads, geometry.kv_heads,
                                               pool.k.shape[-1])
 
@@ -262,6 +267,7 @@ class ModelRunner:
             spans.append((len(rows), len(rows) + k))
             rows.extend(range(len(ids) - k, len(ids)))
         step_plan = plan(segments, self.groups, dev, merge=not self.batch_invariant, paged=self.paged)
+        step_plan.chunks = self.chunks
         started = time.perf_counter()
         write_slots = torch.cat([s.new_slots for s in segments])
         keep = torch.tensor(rows, dtype=torch.long, device=dev)

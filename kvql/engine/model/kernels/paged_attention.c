@@ -81,8 +81,11 @@ static inline void soft_cap(float *row, int64_t lo, int64_t nr, float cap) {
 }
 
 /* The first key a row with `nr` keys (counted from key `base`) sees under a sliding window of `win` keys
-   (0: none), counted from `base` too. */
+   (0: none), counted from `base` too; a negative `win` is chunked attention, chunks of -win keys (Llama 4's:
+   a row sees the keys from the start of its own chunk). Either start never decreases from row to row, so a
+   block's first row's start bounds every row's. */
 static inline int64_t window_start(int64_t nr, int64_t base, int64_t win) {
+    if (win < 0) return (nr + base - 1) / -win * -win - base;
     return win && nr + base > win ? nr - win : 0;
 }
 
@@ -116,9 +119,8 @@ static float *scratch(size_t n) {
 
 /* Rows `rows` of a block (row r = query r / g, head r % g of KV head h) whose first query sees `n0` keys;
    keys and values already widened in `w` (kp = keys padded to 16), from key `base` (a multiple of 16) of
-   the segment on; `win`: the layer's sliding window (0: none), `cap` its soft-cap (0: none), `sinks` the g
-   heads' attention sinks (NULL: none). Writes outputs
-   into `out` (also the even-key accumulator; `w->odd` the odd-key one). Keys are visited in tiles of
+   the segment on; `win`: the layer's sliding window (0: none; negative: chunks, window_start), `cap` its
+   soft-cap (0: none), `sinks` the g heads' attention sinks (NULL: none). Writes outputs into `out` (also the even-key accumulator; `w->odd` the odd-key one). Keys are visited in tiles of
    KEY_TILE for all rows, so that a tile stays in cache while every row uses it; tiles start at fixed key
    indices and each row's sums still run over its keys in order, so the tiling changes no result; keys
    outside a row's window take part with weight exactly 0. */
@@ -324,7 +326,7 @@ int kvql_paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_str
             const float *sk = sinks ? sinks + (int64_t)h * g : NULL; /* this KV head's query heads' sinks */
             int64_t qb = q_len[s] - i0 < QUERY_BLOCK ? q_len[s] - i0 : QUERY_BLOCK, rows = qb * g;
             int64_t n0 = n_keys[s] - q_len[s] + i0 + 1, n = n0 + qb - 1;
-            /* a sliding window: the block's keys from its first row's window start, down to a multiple of
+            /* a sliding window or chunk: the block's keys from its first row's start, down to a multiple of
                16 (lanes and even/odd chains keep their place), counted from there on */
             int64_t base = window_start(n0, 0, window) / LANES * LANES;
             n0 -= base, n -= base;

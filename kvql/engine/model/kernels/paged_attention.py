@@ -4,7 +4,8 @@ without gathering them (paged_attention.c, compiled here with the system C compi
 Contract of `attend`: for each segment, each of its `q_len` new tokens (flat positions `q_start ...`)
 attends causally over the first `n_keys - q_len + i + 1` of its slots (`slots[key_start : key_start +
 n_keys]`: its past, then its new tokens, whose K/V the layer has already written to the pool), or, in a
-layer with a sliding window of W, over the last W of those, and its output rows are written to
+layer with a sliding window of W, over the last W of those, or, with chunked attention of C (Llama 4), over
+those from the start of its chunk (key index a multiple of C) on, and its output rows are written to
 `out [T, heads, head_dim]`. A windowed layer reads only the keys in its window (on long contexts it costs
 less than a full one). Float32 arithmetic for float32 and bfloat16
 storage. One task per (segment, block of 16 new tokens, KV head), keys in slot-list order: a segment's
@@ -67,16 +68,18 @@ class Segments:
 
 def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
            segs: Segments, scale: float, window: int | None = None, softcap: float | None = None,
-           sinks: torch.Tensor | None = None) -> None:
+           sinks: torch.Tensor | None = None, chunk: int | None = None) -> None:
     """`query [heads, T, head_dim]` (any strides, last dim contiguous), `k_pool`/`v_pool` `[kv_heads, slots,
     head_dim]` (last dim contiguous, same strides), `out [T, heads, head_dim]` contiguous; all one dtype
     of DTYPES on the CPU. Writes the rows of `segs`' tokens into `out` (module doc). `window`: each token
     sees only its last `window` keys (itself included; transformers' sliding window), `softcap`: scores
     become `softcap * tanh(score / softcap)` (Gemma 2's attention logit soft-capping), `sinks` (`[heads]`
     float32, contiguous): one more logit per head in each softmax, whose weight goes to no value (gpt-oss's
-    attention sinks)."""
+    attention sinks), `chunk`: each token sees only the keys of its own chunk of `chunk` positions (chunked
+    attention; not with a window)."""
     if not segs.count:
         return
+    assert not (window and chunk)
     assert sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.numel() == query.shape[0])
     lib = LIBRARY.get()
     heads, _, d = query.shape
@@ -86,9 +89,11 @@ def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out:
         query.data_ptr(), query.stride(1), query.stride(0),
         k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0), k_pool.stride(1),
         out.data_ptr(), out.stride(0), out.stride(1),
-        heads, kv_heads, d, DTYPES[query.dtype], scale, int(window or 0), float(softcap or 0.0),
-        None if sinks is None else sinks.data_ptr(), segs.count, segs.q_start.data_ptr(), segs.q_len.data_ptr(), segs.key_start.data_ptr(),
-        segs.n_keys.data_ptr(), segs.slots.data_ptr(), segs.max_keys, torch.get_num_threads())
+        heads, kv_heads, d, DTYPES[query.dtype], scale,
+        -int(chunk) if chunk else int(window or 0),  # the C side's one span argument: negative for a chunk
+        float(softcap or 0.0), None if sinks is None else sinks.data_ptr(), segs.count, segs.q_start.data_ptr(),
+        segs.q_len.data_ptr(), segs.key_start.data_ptr(), segs.n_keys.data_ptr(), segs.slots.data_ptr(),
+        segs.max_keys, torch.get_num_threads())
     if rc:
         raise RuntimeError(f"paged attention failed: shape out of range (heads {heads}, kv_heads {kv_heads}, "
                            f"head_dim {d}) or out of memory")
