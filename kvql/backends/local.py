@@ -30,7 +30,7 @@ from .sizes import parse_bytes
 
 log = logging.getLogger("kvql.cache")
 
-LOCAL_OPTIONS = ("mask", "prompt_logprobs", "logit_bias")  # beyond the contract's (GenerateOptions)
+LOCAL_OPTIONS = ("mask", "prompt_logprobs")  # beyond the contract's (GenerateOptions)
 SNAPSHOT_SHARE = 4  # a model with recurrent layers keeps snapshots of their states in 1/4 of its cache budget
 
 
@@ -78,8 +78,7 @@ class LocalBackend(Backend):
     (`kvql.backends.base`), with every capability. Thread-safe: calls from many threads or tasks share
     batches and the cache. LMQL's model methods come on top, in `kvql.Model` (`kvql.local_model`).
 
-    Beyond the contract it takes `mask` (a Python function of the generated ids -> allowed tokens),
-    `logit_bias` (OpenAI's, the -100 / 100 a mask can express: `kvql.engine.decode.masks`) and `prompt_logprobs=k`
+    Beyond the contract it takes `mask` (a Python function of the generated ids -> allowed tokens) and `prompt_logprobs=k`
     (every prompt token's log-probability and top k, vLLM's option). A server drives it through `submit`,
     `collect`, `cancel` and `stream`'s hooks.
 
@@ -199,7 +198,7 @@ class LocalBackend(Backend):
         prompt's token ids and the engine's parameters for it, one per prompt (with `heal`, each prompt backs up
         its own tokens; else they share one)."""
         o, extra = GenerateOptions.read(options, LOCAL_OPTIONS)
-        mask, logit_bias = extra.get("mask"), extra.get("logit_bias")
+        mask, logit_bias = extra.get("mask"), o.logit_bias
         if mask is not None and not callable(mask):
             raise TypeError("mask must be a callable (generated token ids -> bool tensor or None)")
         if mask is not None and o.constraint is not None:
@@ -214,11 +213,11 @@ class LocalBackend(Backend):
             if mask is None or len(all_ids) != 1 or o.grammar_prefix > len(all_ids[0]):
                 raise ValueError("grammar_prefix needs a constraint, one prompt, and at most the prompt's tokens")
             mask = masks.continued(mask, all_ids[0][len(all_ids[0]) - o.grammar_prefix:])
-        mask = masks.logit_bias(logit_bias, self.vocab_size, mask)
+        mask, added = masks.logit_bias(logit_bias, self.vocab_size, mask)
         if not o.heal:
             mask = masks.no_end_before(mask, o.min_tokens, self.eos_ids, self.vocab_size)
         params = engine_params(o, stop_after=o.min_tokens, mask=mask, stop_fn=self._grammar_end(o),
-                               prompt_logprobs=extra.get("prompt_logprobs"))
+                               prompt_logprobs=extra.get("prompt_logprobs"), logit_bias=added)
         if o.heal:
             all_ids, per_prompt = self._heal(all_ids, params, o)
         else:
@@ -276,7 +275,7 @@ class LocalBackend(Backend):
     # -- public API ------------------------------------------------------------------------------
     # Options of generate / agenerate / stream: those of the backend contract (kvql.backends.options; unknown
     # ones raise TypeError), `mask` (a fn of the generated ids -> bool tensor) as a fifth kind of
-    # constraint, `logit_bias` (OpenAI's, -100 / 100: kvql.engine.decode.masks) and `prompt_logprobs` (vLLM's).
+    # constraint, and `prompt_logprobs` (vLLM's).
     # Constraints are compiled by kvql.engine.decode.grammar. cache_salt (a string): requests share cached
     # prefixes only with requests of the same salt, so tenants cannot probe each other's prompts through
     # cached_tokens or timing.

@@ -74,7 +74,9 @@ class GenerateOptions:
     - temperature=0.0 (greedy below 1e-5), top_p=1.0, top_k=0 (0: every token), min_p=0.0 (vLLM's and SGLang's:
       after temperature, tokens whose probability is below min_p times the most likely token's are removed;
       0: off; only when sampling), repetition_penalty=1.0 (CTRL / transformers), frequency_penalty=0.0,
-      presence_penalty=0.0 (OpenAI / vLLM), n=1 samples per prompt, seed=None;
+      presence_penalty=0.0 (OpenAI / vLLM), logit_bias=None ({token id: value in [-100, 100]}, OpenAI's: the
+      value is added to the token's logit after the penalties; -100 and 100 are exact, a ban and a choice
+      among the tokens given 100 only), n=1 samples per prompt, seed=None;
     - logprobs=None (the k most likely tokens at each step, by id, k in [0, 20]), masked_logprobs=False
       (log-probabilities of the constrained distribution);
     - ignore_eos=False (end-of-sequence tokens do not end the output; under a constraint its grammar's end
@@ -106,6 +108,8 @@ class GenerateOptions:
     repetition_penalty: float = option(1.0, remote=Sent(needs=SAMPLING))
     frequency_penalty: float = option(0.0)
     presence_penalty: float = option(0.0)
+    logit_bias: dict | None = option(None, engine="-100 / 100 a mask, the other values SamplingParams.logit_bias "
+                                                 "(kvql.engine.decode.masks.logit_bias)", http=("logit_bias",))
     n: int = option(1, remote=Sent(always=True))
     seed: int | None = option(None)
     logprobs: int | None = option(None, remote="logprobs, with return_tokens_as_token_ids",
@@ -160,12 +164,28 @@ class GenerateOptions:
         for name in ("frequency_penalty", "presence_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
+        self._check_logit_bias()
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.seed is not None and not isinstance(self.seed, int):  # the engine seeds a generator with it
             raise TypeError(f"seed must be an integer or None, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+
+    def _check_logit_bias(self) -> None:
+        """Keys token ids (ints or their strings, as JSON has them), values numbers in [-100, 100]; {} is None.
+        Whether a key is a token of the model is the backend's to say."""
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+        for key, value in bias.items():
+            if isinstance(key, bool) or not (isinstance(key, int) and key >= 0 or isinstance(key, str) and key.isdigit()):
+                raise ValueError(f"logit_bias: key {key!r} is not a token id (an integer >= 0)")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias: {value!r} for token {key} is not a number in [-100, 100]")
+        object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in bias.items()} or None)
 
     def _check_request(self) -> None:
         given = [k for k in CONSTRAINTS if getattr(self, k) is not None]

@@ -46,6 +46,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # >1 discourages tokens already in prompt or output (CTRL / HF semantics)
     frequency_penalty: float = 0.0   # subtracted per earlier occurrence in the output (OpenAI / vLLM semantics)
     presence_penalty: float = 0.0    # subtracted once if the token occurred in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value) added to its logit (OpenAI / vLLM)
     n: int = 1
     seed: int | None = None
     stop: tuple[str, ...] = ()

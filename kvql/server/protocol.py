@@ -28,10 +28,11 @@ Fields the `openai` client, LangChain and LiteLLM send, with OpenAI's meaning: `
 `stream_options.continuous_usage_stats`, chat `reasoning_effort` (to the chat template), chat `tools`,
 `tool_choice`, `parallel_tool_calls` and messages' `tool_calls` / `tool_call_id` (kvql.server.tools);
 `user`, `metadata`, `store`, `service_tier` change nothing and are accepted unused (`ACCEPTED_UNUSED`);
-completions' `best_of` only equal to `n`, `suffix` only empty. `logit_bias` (token id -> bias in [-100, 100]): kvql has no additive logit
-bias, so only the two values OpenAI documents as absolute are taken, implemented exactly as a mask
-(kvql.engine.decode.masks): -100 bans the token, 100 restricts sampling to the tokens given 100; `{}` is no bias; any
-other value is a 400 naming the field. `min_p` (vLLM's and SGLang's, in [0, 1]; 0 / null: off): when sampling,
+completions' `best_of` only equal to `n`, `suffix` only empty. `logit_bias` (token id -> bias in [-100, 100],
+OpenAI's): the value is added to the token's logit (after the penalties); the two values OpenAI documents as
+absolute are exact, as a mask (kvql.engine.decode.masks): -100 bans the token, 100 restricts sampling to the
+tokens given 100; `{}` is no bias; a key that is no token id or a value outside [-100, 100] is a 400 naming the
+field. `min_p` (vLLM's and SGLang's, in [0, 1]; 0 / null: off): when sampling,
 tokens whose probability is below min_p times the most likely token's are removed (kvql.engine.decode.sampler).
 The fields that are generation options reach the model as `kvql.backends.options.GenerateOptions` says
 (`kvql.server.served.Served.options`).
@@ -114,7 +115,7 @@ class _Common(_Strict):
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's: -1, 0 or none: every token
     min_p: float | None = Field(default=None, ge=0, le=1)  # vLLM's and SGLang's; 0 / none: off
-    logit_bias: dict[str, float] | None = None  # token id -> -100 (banned) or 100 (only these); see above
+    logit_bias: dict[str, float] | None = None  # token id -> added to its logit; -100 / 100 exact; see above
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0)  # CTRL / transformers; 1: none (vLLM: any > 0)

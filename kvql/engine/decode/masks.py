@@ -6,8 +6,9 @@ tensor over the vocabulary, or None for all), composed over the request's constr
   `min_tokens` tokens are generated, the end-of-sequence ids are taken out of what `mask` allows, unless
   that leaves nothing (the constraint allows only the end: its value is complete), where the constraint
   wins. (Stop strings under `min_tokens`: `kvql.engine.decode.detokenizer`.)
-- `logit_bias(bias, vocab, mask)`: OpenAI's `logit_bias` where a mask can express it: -100 bans a token,
-  100 restricts the choice to the tokens given 100; other values are a ValueError naming the field.
+- `logit_bias(bias, vocab, mask)`: OpenAI's `logit_bias`, its two absolute values exactly, as a mask: -100
+  bans a token, 100 restricts the choice to the tokens given 100; it returns the other values, which the
+  sampler adds to their logits (`SamplingParams.logit_bias`).
 - `continued(mask, prefix)`: a constraint whose value began `prefix` tokens before the generated ones.
 - `forcing(token_ids, vocab)`: exactly these tokens, one per step (scoring a continuation).
 
@@ -78,35 +79,32 @@ class _Bias(_Wrapped):
         return self.allowed if got is None else _both(got, self.allowed)
 
 
-def logit_bias(bias: dict | None, vocab: int, mask: MaskFn | None = None) -> MaskFn | None:
-    """`mask` with OpenAI's `logit_bias` (token id, as an int or its string -> -100 or 100) applied; `mask`
-    itself when the bias is empty. ValueError for another value, a key that is no token id, or a bias
-    that bans every token it allows."""
+def logit_bias(bias: dict | None, vocab: int, mask: MaskFn | None = None) -> tuple[MaskFn | None, tuple]:
+    """(`mask` with OpenAI's `logit_bias` -100 and 100 applied exactly, the other (token, value) pairs for the
+    sampler to add), for `bias` {token id, as an int or its string: value in [-100, 100]} (checked by the
+    options). ValueError for a key that is no token id of this model, or a bias that bans every token it
+    allows."""
     if not bias:
-        return mask
+        return mask, ()
     allowed = torch.ones(vocab, dtype=torch.bool)
-    only = []
+    only, added = [], []
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            token = -1
+        token = int(key)
         if not 0 <= token < vocab:
             raise ValueError(f"logit_bias: key {key!r} is not a token id of this model (0 to {vocab - 1})")
         if value == BAN:
             allowed[token] = False
         elif value == ONLY:
             only.append(token)
-        else:
-            raise ValueError(f"logit_bias: {value} for token {token} is not supported; kvql takes -100 (never "
-                             "pick the token) and 100 (pick only among the tokens given 100)")
+        elif value:
+            added.append((token, float(value)))
     if only:
         restricted = torch.zeros(vocab, dtype=torch.bool)
         restricted[only] = True
         allowed &= restricted
     if not bool(allowed.any()):
         raise ValueError("logit_bias bans every token it allows")
-    return _Bias(allowed, mask)
+    return (mask if bool(allowed.all()) else _Bias(allowed, mask)), tuple(added)
 
 
 def continued(mask: MaskFn, prefix: list[int]) -> MaskFn:

@@ -50,10 +50,17 @@ def _argmax(logits: torch.Tensor, allowed=None) -> int:
     return int(np.where(_allowed(allowed, row.size), row, -np.inf).argmax())
 
 
-def _penalize(logits: torch.Tensor, req: Request) -> torch.Tensor:
-    """Repetition penalty over prompt and output ids (a positive logit divided by it, a negative one
-    multiplied, as in CTRL and transformers); frequency and presence penalties over output ids (as
-    in OpenAI's API and vLLM)."""
+def _adjusted(p) -> bool:
+    """Whether `_adjust` changes a row for parameters `p` (else the row is used as it is: greedy stays exact)."""
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty or p.presence_penalty or p.logit_bias)
+
+
+def _adjust(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """A copy of the row with the penalties, then the logit bias: repetition penalty over prompt and output ids
+    (a positive logit divided by it, a negative one multiplied, as in CTRL and transformers); frequency and
+    presence penalties over output ids (as in OpenAI's API and vLLM); each `logit_bias` value added to its
+    token's logit (OpenAI's, as transformers' SequenceBiasLogitsProcessor adds a one-token bias). Per row, from
+    the request's own ids: batch mates change nothing."""
     p = req.params
     logits = logits.clone()
     if p.repetition_penalty != 1.0:
@@ -65,6 +72,10 @@ def _penalize(logits: torch.Tensor, req: Request) -> torch.Tensor:
         ids = torch.tensor(req.output_ids, dtype=torch.long, device=logits.device)
         counts = torch.bincount(ids, minlength=logits.numel())[:logits.numel()].to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    if p.logit_bias:
+        tokens, values = zip(*p.logit_bias)
+        index = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+        logits.index_add_(0, index, torch.tensor(values, dtype=logits.dtype, device=logits.device))
     return logits
 
 
@@ -118,8 +129,8 @@ def forced_logprob(logits: torch.Tensor, req: Request, token: int) -> TokenLogpr
     distribution, or with `masked_logprobs` of the penalized one masked to `token` alone."""
     p = req.params
     if p.masked_logprobs:
-        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-            logits = _penalize(logits, req)
+        if _adjusted(p):
+            logits = _adjust(logits, req)
         only = torch.zeros(logits.numel(), dtype=torch.bool, device=logits.device)
         only[token] = True
         logits = logits.masked_fill(~only, float("-inf"))
@@ -129,12 +140,12 @@ def forced_logprob(logits: torch.Tensor, req: Request, token: int) -> TokenLogpr
 def sample(logits: torch.Tensor, req: Request, draft: int | None = None) -> tuple[int, TokenLogprob | None]:
     """Pick the next token for `req` from its float32 `logits` row `[vocab]`.
 
-    Penalties first (repetition, frequency, presence; at their defaults the logits are untouched, so
-    greedy output stays exact), then the mask. Greedy when temperature is below `GREEDY_BELOW` (ties
+    Penalties and the logit bias first (`_adjust`; at their defaults the logits are untouched, so greedy
+    output stays exact), then the mask. Greedy when temperature is below `GREEDY_BELOW` (ties
     go to the lowest id, as in `torch.argmax`); otherwise temperature, then top-k, then min-p (`_min_p`), then
     nucleus (top-p) filtering, then a draw from the request's own seeded generator.
-    Logprobs are those of the raw model distribution (before penalties, mask and temperature), or of
-    the masked (and penalized) one with `masked_logprobs`.
+    Logprobs are those of the raw model distribution (before penalties, bias, mask and temperature), or of
+    the masked (and adjusted) one with `masked_logprobs`.
     `draft`: a drafted token this row verifies (speculative decoding). Greedy: ignored (the caller compares).
     Sampled: speculative sampling for a draft that proposes one token with certainty: keep `draft` with
     probability p(draft), else draw from p with `draft` removed, renormalized; the token then has exactly
@@ -142,8 +153,8 @@ def sample(logits: torch.Tensor, req: Request, draft: int | None = None) -> tupl
     """
     p = req.params
     raw = logits
-    if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-        logits = _penalize(logits, req)
+    if _adjusted(p):
+        logits = _adjust(logits, req)
     allowed = mask_for(req) if p.mask is not None else None
     greedy = p.temperature < GREEDY_BELOW
     if allowed is not None and (not greedy or (p.logprobs is not None and p.masked_logprobs)):
