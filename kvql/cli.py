@@ -53,17 +53,18 @@ def version() -> str:
 
 def load(spec: str, args):
     """The model for a command, with a loading line and the banner on stderr (see kvql.factory); a server's
-    URL connects to it, with `--timeout` when the command has one."""
+    URL connects to it, with `--timeout` and `--api-key` when the command has them."""
     import kvql
 
-    timeout = getattr(args, "timeout", None)
+    timeout, api_key = getattr(args, "timeout", None), getattr(args, "api_key", None)
     if is_remote(spec):
         if getattr(args, "disk_cache", None):
             raise UsageError("--disk-cache (--cache-dir) is for local models; a server keeps its own cache "
                              "(kvql serve --disk-cache)")
-        return kvql.model(spec, timeout=timeout, silent=False)
-    if timeout is not None:
-        raise UsageError(f"--timeout is for a server's model (--model http://HOST:PORT/v1), not {spec!r}")
+        return kvql.model(spec, timeout=timeout, api_key=api_key, silent=False)
+    for flag, value in (("--timeout", timeout), ("--api-key", api_key)):
+        if value is not None:
+            raise UsageError(f"{flag} is for a server's model (--model http://HOST:PORT/v1), not {spec!r}")
     return kvql.model(spec, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", None),
                       cache_budget=getattr(args, "cache_budget", None), disk_cache=getattr(args, "disk_cache", None), disk_budget=getattr(args, "disk_budget", None),
                       speculate=getattr(args, "speculate", True), silent=False)
@@ -173,6 +174,17 @@ def query_model_spec(q, inputs: dict, given: str | None) -> str | None:
     return None if compiled.model_source else DEFAULT_MODEL
 
 
+def located(e: SyntaxError, file: str) -> str:
+    """A query's syntax error as compilers print one: `FILE:LINE:COLUMN: message`, then the line, a caret
+    under the column."""
+    message = getattr(e, "msg_only", None) or e.msg
+    if not e.lineno:
+        return f"{file}: {message}"
+    column = max(e.offset or 1, 1)
+    shown = f"\n    {e.text.rstrip()}\n    {' ' * (column - 1)}^" if e.text else ""
+    return f"{file}:{e.lineno}:{column}: {message}{shown}"
+
+
 def print_result(r) -> None:
     import kvql
 
@@ -197,11 +209,15 @@ def run(args) -> None:
         raise UsageError(f"cannot read query file {args.file!r}: {e.strerror or e}") from None
     import kvql
 
-    q = kvql.Query(source, name=args.file)
+    try:
+        q = kvql.Query(source, name=args.file)
+    except SyntaxError as e:
+        raise UsageError(located(e, args.file)) from None
     check_inputs(q, inputs, args.file)
     clash = sorted(set(inputs) & set(overrides))
     if clash:
         raise UsageError(f"input {clash[0]!r} is also a decoder option given by a flag; rename one of them")
+    q.check(inputs, overrides)  # the decoder and its options, before any model loads
     if not q.output_variables:
         model = args.model  # no hole: the query never needs its model, so none is loaded
     else:
@@ -210,11 +226,12 @@ def run(args) -> None:
         if remote and args.disk_cache:
             raise UsageError("--disk-cache (--cache-dir) is for local models; a server keeps its own cache "
                              "(kvql serve --disk-cache)")
-        if args.timeout is not None and not remote:
-            raise UsageError("--timeout is for a server's model: give its URL (--model http://HOST:PORT/v1, or the "
-                             "query's from clause)")
-        if remote and args.timeout is not None:
-            model = kvql.model(spec, timeout=args.timeout)
+        for flag, value in (("--timeout", args.timeout), ("--api-key", args.api_key)):
+            if value is not None and not remote:
+                raise UsageError(f"{flag} is for a server's model: give its URL (--model http://HOST:PORT/v1, or "
+                                 f"the query's from clause)")
+        if remote and (args.timeout is not None or args.api_key is not None):
+            model = kvql.model(spec, timeout=args.timeout, api_key=args.api_key)
         else:  # a server's URL goes to the registry, which connects once per spec
             model = spec if remote or not spec else load(spec, args)
     result = q.run_sync(model=model, **overrides, **inputs)
@@ -294,11 +311,14 @@ def _model_options(p: argparse.ArgumentParser, model_default: str | None = DEFAU
         disk_options(p)
 
 
-def timeout_option(p: argparse.ArgumentParser) -> None:
-    """--timeout: the deadline of each request to a server (--model http://HOST:PORT/v1)."""
+def server_options(p: argparse.ArgumentParser) -> None:
+    """--timeout and --api-key: for a server's model (--model http://HOST:PORT/v1)."""
     p.add_argument("--timeout", type=seconds, default=None, metavar="SECONDS",
                    help="with a server's URL as the model: the seconds each request to it may take, its answer "
                         "included (default: 600)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="with a server's URL as the model: the key of a server started with --api-key (default: "
+                        "$OPENAI_API_KEY)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -324,7 +344,7 @@ def parser() -> argparse.ArgumentParser:
                    help="write the run's trace: FILE.html (self-contained) or FILE.json; several samples go to "
                         "one file, a section per sample")
     p.add_argument("--stats", action="store_true", help="print the run's cached / computed token counts")
-    timeout_option(p)
+    server_options(p)
     p.set_defaults(func=run)
     p = command("serve", "OpenAI-compatible server sharing one model and its cache")
     from .server import launch  # its flags; the server itself is imported only when it starts
@@ -344,13 +364,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (0: torch's default)")
     p.set_defaults(func=bench)
     p = command("generate", "complete prompts")
-    p.add_argument("prompt", nargs="+", help="one or more prompts, each completed on its own")
+    p.add_argument("prompt", nargs="+", type=unescape,
+                   help="one or more prompts, each completed on its own; backslash escapes as in --stop")
     _model_options(p, disk_cache=True)
     p.add_argument("--max-tokens", type=at_least(1), default=32, help="tokens generated at most per prompt")
     p.add_argument("--temperature", type=non_negative, default=0.0, help="sampling temperature; 0: greedy")
     p.add_argument("--stop", action="append", type=unescape, metavar="TEXT",
-                   help="stop before TEXT (repeatable); backslash escapes as in Python: '\\n' is a newline")
-    timeout_option(p)
+                   help="stop before TEXT (repeatable); backslash escapes as in Python, in prompts too: '\\n' is a "
+                        "newline, '\\\\' a backslash")
+    server_options(p)
     p.set_defaults(func=generate)
     return p0
 

@@ -139,6 +139,13 @@ class Query(Program):
         """A query defined in a class body is a method: `obj.q(...)` passes `obj` as `self`."""
         return self if obj is None else types.MethodType(self, obj)
 
+    def check(self, inputs: dict, options: dict) -> None:
+        """What a run with these `inputs` and run `options` (`decoder=`, decoder options) can be checked for
+        without a model, checked now (ValueError naming it): the decoder and its options. (The query's syntax,
+        its where clauses' literal regexes and its decoder clause's literal options are checked when it is
+        defined.) `kvql run` calls it before it loads the model."""
+        self._decoding(self.compiled_for(inputs), dict(options))
+
     def _decoding(self, compiled: CompiledQuery, overrides: dict, clause_kwargs: dict | None = None) -> Decoding:
         """`clause_kwargs`: the decoder clause's arguments evaluated for this run (default: its literal ones)."""
         dec = compiled.decoder or Decoder()

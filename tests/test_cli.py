@@ -23,7 +23,8 @@ def test_kvql_run_reports_a_syntax_error_with_its_position(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kvql.cli", "run", str(query)], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 2
-    assert "line 2" in out.stderr and "invalid hole" in out.stderr
+    assert f"{query}:2:9: " in out.stderr and "invalid hole" in out.stderr
+    assert out.stderr.splitlines()[-2:] == ['    "broken [1abc]"', "            ^"]  # the line, a caret at column 9
 
 
 def test_kvql_run_with_a_cache_dir_serves_the_next_run_from_it(tmp_path, llama, tokenizer):

@@ -107,6 +107,7 @@ def without_loading(*argv, cwd):
 
 def bad_arguments(tmp_path) -> dict:
     (tmp_path / "q.lmql").write_text('"Hi[X]" where len(TOKENS(X)) < 3\n')
+    (tmp_path / "regex.lmql").write_text('argmax\n    "Hi [X]" where REGEX(X, r"[a-z+")\nfrom "smollm2-135m"\n')
     (tmp_path / "a-file").write_text("x")
     port = str(free_port())
     return {
@@ -133,6 +134,12 @@ def bad_arguments(tmp_path) -> dict:
         ("serve", "--port", port, "--device", "nosuchdevice"): "unknown device 'nosuchdevice'",
         ("run", "q.lmql", "--device", "nosuchdevice"): "unknown device 'nosuchdevice'",
         ("bench", "--device", "nosuchdevice"): "unknown device 'nosuchdevice'",
+        # the query's regexes and decoder, before the load (the query names its model)
+        ("run", "regex.lmql"): "regex.lmql:2:29: REGEX(X, '[a-z+'): invalid regex: unclosed character class",
+        ("run", "q.lmql", "--decoder", "beem(n=2)"): "unknown decoder 'beem'",
+        ("run", "q.lmql", "--decoder", "sample(n=0)"): "n and the beam width must be >= 1",
+        ("run", "q.lmql", "--api-key", "k"): "--api-key is for a server's model",
+        ("generate", "hi", "--api-key", "k"): "--api-key is for a server's model",
     }
 
 
@@ -202,3 +209,48 @@ def test_generate_reads_backslash_escapes_in_stop_as_python_does():
     args = parser().parse_args(["generate", "x", "--stop", "\\n", "--stop", "a\\tb", "--stop", "\\\\n",
                                 "--stop", "\\x41\\u00e9", "--stop", "plain"])
     assert args.stop == ["\n", "a\tb", "\\n", "Aé", "plain"]
+
+
+def test_generate_reads_the_same_escapes_in_its_prompts():
+    from kvql.cli import parser
+
+    args = parser().parse_args(["generate", "Q: 2 + 2?\\nA:", "a \\\\n b", "--stop", "\\n"])
+    assert args.prompt == ["Q: 2 + 2?\nA:", "a \\n b"] and args.stop == ["\n"]
+
+
+# -- every command line the docs show -------------------------------------------------------------------
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """(page, argv) of every `kvql ...` / `./dev kvql ...` line in a bash block of the README and docs/, with
+    its comment and its optional `[...]` parts left out."""
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+            for line in block.splitlines():
+                line = re.sub(r"\s+#\s.*$", "", re.sub(r"\s\[[^\]]*\]", "", line)).strip()
+                for part in line.split("&&"):
+                    words = shlex.split(part)
+                    if words[:2] == ["./dev", "kvql"]:
+                        words = words[1:]
+                    if words[:1] == ["kvql"] and len(words) > 1 and not words[1].startswith("-"):
+                        found.append((page.name, words[1:]))
+    return found
+
+
+def test_every_command_line_in_the_docs_parses_as_documented():
+    """Each documented command line is one the CLI takes (its flags exist, its values pass their checks), and
+    the guide's `kvql generate` example sends prompts with real newlines, as its --stop '\\n' reads them."""
+    from kvql.cli import parser
+
+    commands = documented_commands()
+    assert len(commands) >= 8 and {argv[0] for _, argv in commands} >= {"run", "serve", "generate", "bench"}
+    for page, argv in commands:
+        try:
+            args = parser().parse_args(argv)
+        except SystemExit:
+            raise AssertionError(f"{page}: kvql {' '.join(argv)}") from None
+        if argv[0] == "generate":
+            assert all("\n" in p and "\\n" not in p for p in args.prompt) and args.stop == ["\n"], (page, argv)

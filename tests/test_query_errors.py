@@ -188,8 +188,15 @@ def test_a_value_that_runs_into_a_dead_end_names_its_constraints(m):
 
 
 def test_an_invalid_regex_is_named_by_its_condition(m):
+    """A literal regex is checked where the query is defined, at its line and column (no model needed); one
+    that is a variable's value, when the hole runs."""
+    src = '"Say: [X]" where len(TOKENS(X)) < 3 and REGEX(X, "[")'
+    with pytest.raises(kvql.QuerySyntaxError, match=r"REGEX\(X, '\['\): invalid regex: unclosed character class"):
+        lmql.query(src)
+    assert position(src)[:2] == (1, src.index('"["') + 1)
+    pattern = "["
     with pytest.raises(ValueError, match=r"REGEX\(X, '\['\): invalid constraint"):
-        lmql.run_sync('"Say: [X]" where len(TOKENS(X)) < 3 and REGEX(X, "[")')
+        lmql.run_sync('"Say: [X]" where len(TOKENS(X)) < 3 and REGEX(X, pattern)')
 
 
 @pytest.mark.parametrize("fn", ["STOPS_AT", "STOPS_BEFORE"])

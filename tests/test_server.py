@@ -215,3 +215,26 @@ def test_the_remote_backend_reads_openai_base_url_and_api_key_from_the_environme
     monkeypatch.delenv("OPENAI_BASE_URL")
     with pytest.raises(ValueError, match="OPENAI_BASE_URL"):
         kvql.RemoteModel()
+
+
+def test_kvql_run_and_generate_take_the_servers_api_key_and_a_401_says_how_to_give_it(served, monkeypatch, capsys,
+                                                                                      tmp_path):
+    """`--api-key` reaches a server started with one; without it (and without $OPENAI_API_KEY) the 401 names
+    the flag, the Python argument and the environment variable."""
+    from kvql.cli import main
+
+    url, _ = served
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    query = tmp_path / "q.lmql"
+    query.write_text('argmax\n    "Hello[X]" where len(TOKENS(X)) < 3\n')
+    main(["run", str(query), "--model", url + "/v1", "--api-key", KEY])
+    assert "X: " in capsys.readouterr().out
+    main(["generate", "Hello", "--model", url + "/v1", "--api-key", KEY, "--max-tokens", "2"])
+    assert capsys.readouterr().out.strip()
+    for argv in (["run", str(query), "--model", url + "/v1"], ["generate", "Hello", "--model", url + "/v1"],
+                 ["generate", "Hello", "--model", url + "/v1", "--api-key", "wrong"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        err = capsys.readouterr().err
+        assert "401" in err and "--api-key" in err and "OPENAI_API_KEY" in err and "api_key=" in err, (argv, err)
+        assert ("the API key sent was refused" if "wrong" in argv else "no API key was sent") in err

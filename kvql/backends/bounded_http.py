@@ -191,8 +191,12 @@ class Server:
             found = json.loads(data)
         except (ValueError, RecursionError):
             found = None
-        message = error_message(found)
-        return StatusError(f"server {self.root}: {path} answered {status}: {message or _shown(data, 300)}", status)
+        message = error_message(found) or _shown(data, 300)
+        if status == 401:  # what to do about it, wherever the key came from
+            sent = "the API key sent was refused" if "Authorization" in self.headers else "no API key was sent"
+            message += (f" ({sent}: give the server's key as kvql.model(url, api_key=KEY), --api-key KEY on the "
+                        f"command line, or the OPENAI_API_KEY environment variable)")
+        return StatusError(f"server {self.root}: {path} answered {status}: {message}", status)
 
     def _late(self, path: str, seconds: float) -> BackendError:
         return self.error(path, f"did not answer in full within the request's deadline of {seconds:g} s "

@@ -10,6 +10,7 @@ import ast
 import tokenize
 
 from ..runtime.constraints import BUILDERS, Var
+from ..runtime.hole_plan import regex_problem
 from .source import QuerySyntaxError, Span, tokens
 
 
@@ -139,6 +140,12 @@ def where_ir(span: Span, holes: set[str], source: str, missing: list[str] | None
                         missing += [a.id] if a.id not in missing else []
                     elif isinstance(a, ast.Name) and a.id not in holes:
                         raise _NodeError(f"{fn}({a.id}, ...): no prompt here generates a variable named {a.id}", a)
+                if fn == "REGEX" and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                        and isinstance(node.args[1].value, str):
+                    problem = regex_problem(node.args[1].value)
+                    if problem is not None:
+                        raise _NodeError(f"{fn}({ast.unparse(node.args[0])}, {node.args[1].value!r}): invalid "
+                                         f"regex: {problem}", node.args[1])
                 if fn in ("STOPS_AT", "STOPS_BEFORE") and len(node.args) > 1 \
                         and isinstance(node.args[1], ast.Constant) and node.args[1].value == "":
                     raise _NodeError(f'{fn}({ast.unparse(node.args[0])}, ""): the stop phrase is empty',

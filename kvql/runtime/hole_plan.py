@@ -66,6 +66,17 @@ def _slashed(regex: str) -> str:
     return "/" + (regex_to_lark(regex, "") or "(?:)") + "/"
 
 
+def regex_problem(pattern: str) -> str | None:
+    """Why llguidance cannot compile `pattern` as a `REGEX` condition's regex (its parser's reason, one line),
+    or None where it can: checked when a query is defined, before any model is loaded."""
+    try:
+        matcher(f"start: VALUE\nVALUE: {_slashed(pattern)}")
+    except ConstraintError as e:
+        lines = str(e).split("\n")
+        return next((x.removeprefix("error: ") for x in lines if x.startswith("error: ")), lines[0])
+    return None
+
+
 def _plain(node: Node) -> str | None:
     if isinstance(node, Or):
         parts = [_plain(i) for i in node.items]
