@@ -174,6 +174,25 @@ def query_model_spec(q, inputs: dict, given: str | None) -> str | None:
     return None if compiled.model_source else DEFAULT_MODEL
 
 
+class TerminalWriter:
+    """`kvql run --stream`'s output writer: the prompt on `out` as its holes fill, token by token (with
+    several samples running at once, each one's prompt starts on a new line when it interleaves)."""
+
+    def __init__(self, out):
+        self.out, self.shown = out, ""
+
+    async def add_interpreter_head_state(self, variable, head, prompt, where, trace, is_valid, is_final, mask,
+                                         num_tokens, program_variables) -> None:
+        if is_final:
+            new = prompt[len(self.shown):] if prompt.startswith(self.shown) else "\n" + prompt
+            self.out.write(new + "\n")
+            self.shown = ""
+        else:
+            self.out.write(prompt[len(self.shown):] if prompt.startswith(self.shown) else "\n" + prompt)
+            self.shown = prompt
+        self.out.flush()
+
+
 def located(e: SyntaxError, file: str) -> str:
     """A query's syntax error as compilers print one: `FILE:LINE:COLUMN: message`, then the line, a caret
     under the column."""
@@ -217,7 +236,10 @@ def run(args) -> None:
     clash = sorted(set(inputs) & set(overrides))
     if clash:
         raise UsageError(f"input {clash[0]!r} is also a decoder option given by a flag; rename one of them")
-    q.check(inputs, overrides)  # the decoder and its options, before any model loads
+    decoding = q.check(inputs, overrides)  # the decoder and its options, before any model loads
+    live = args.stream if args.stream is not None else sys.stderr.isatty() and decoding.runs == 1
+    if live:
+        overrides["output_writer"] = TerminalWriter(sys.stderr)
     if not q.output_variables:
         model = args.model  # no hole: the query never needs its model, so none is loaded
     else:
@@ -344,6 +366,9 @@ def parser() -> argparse.ArgumentParser:
                    help="write the run's trace: FILE.html (self-contained) or FILE.json; several samples go to "
                         "one file, a section per sample")
     p.add_argument("--stats", action="store_true", help="print the run's cached / computed token counts")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="show the prompt on stderr as its holes fill (default: when stderr is a terminal and "
+                        "the decoder makes one run)")
     server_options(p)
     p.set_defaults(func=run)
     p = command("serve", "OpenAI-compatible server sharing one model and its cache")

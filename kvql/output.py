@@ -1,15 +1,17 @@
 """Output writers (LMQL's `output_writer=`): `lmql.printing`, `lmql.stream("VAR")`, `lmql.silent`,
 `lmql.headless`, or any object with LMQL's `add_interpreter_head_state(...)` method.
 
-kvql calls a writer once per finished run of a query (once per sample), with the final prompt and
-variables; `is_valid` and `is_final` are always True then (kvql only returns values that satisfy
-their where clause). LMQL calls it on every decoding step; kvql does not stream through writers.
+As LMQL does, kvql calls a writer after each generated token of a hole, with the prompt so far (the hole's
+text included), `is_final=False` and the run's state with the hole growing (kvql.runtime.live: on the query's
+event loop, never in the engine's; what happens when a writer is slow or raises), then once per finished run
+of the query (once per sample) with the final prompt and variables, `is_final=True`. `is_valid` is always
+True (kvql only returns values that satisfy their where clause). `program_variables.runtime.root_state
+.query_head.result` is None until that last call, which has the run's result there.
 """
 
 from __future__ import annotations
 
-import inspect
-
+from .runtime import live
 from .runtime.program_state import ProgramState
 
 
@@ -74,12 +76,9 @@ def check(writer) -> None:
                         f"lmql.stream('VAR')), got {writer!r}")
 
 
-async def report(writer, prompt: str, variables: dict, num_tokens: int) -> None:
-    """Hand one finished run to `writer` (its method may be sync or async)."""
+async def report(writer, prompt: str, variables: dict, num_tokens: int, result=None) -> None:
+    """Hand one finished run to `writer` (its method may be sync or async), with the run's `result`."""
     if writer is None:
         return
     last = next(reversed(variables), None) if variables else None
-    out = writer.add_interpreter_head_state(last, 0, prompt, None, None, True, True, None, num_tokens,
-                                            ProgramState(prompt, variables))
-    if inspect.isawaitable(out):
-        await out
+    await live.write(writer, last, prompt, ProgramState(prompt, variables, result=result), num_tokens, True)

@@ -139,12 +139,12 @@ class Query(Program):
         """A query defined in a class body is a method: `obj.q(...)` passes `obj` as `self`."""
         return self if obj is None else types.MethodType(self, obj)
 
-    def check(self, inputs: dict, options: dict) -> None:
+    def check(self, inputs: dict, options: dict) -> Decoding:
         """What a run with these `inputs` and run `options` (`decoder=`, decoder options) can be checked for
-        without a model, checked now (ValueError naming it): the decoder and its options. (The query's syntax,
-        its where clauses' literal regexes and its decoder clause's literal options are checked when it is
-        defined.) `kvql run` calls it before it loads the model."""
-        self._decoding(self.compiled_for(inputs), dict(options))
+        without a model, checked now (ValueError naming it): the decoder and its options, which it returns.
+        (The query's syntax, its where clauses' literal regexes and its decoder clause's literal options are
+        checked when it is defined.) `kvql run` calls it before it loads the model."""
+        return self._decoding(self.compiled_for(inputs), dict(options))
 
     def _decoding(self, compiled: CompiledQuery, overrides: dict, clause_kwargs: dict | None = None) -> Decoding:
         """`clause_kwargs`: the decoder clause's arguments evaluated for this run (default: its literal ones)."""
@@ -195,13 +195,15 @@ class Query(Program):
         decoding = self._decoding(compiled, overrides, module["__kvql_decoder__"](inputs))
         m = _Deferred(model or self.model or module["__kvql_model__"](inputs))  # `from` is evaluated only if used
         n = decoding.runs
-        results, contexts = await run_all(self, m, decoding, inputs, (module["__kvql_query__"], bool(compiled.returns)))
+        results, contexts = await run_all(self, m, decoding, inputs, (module["__kvql_query__"], bool(compiled.returns)),
+                                          writer=output_writer)
         # one per run; see kvql.runtime.trace (None for a run that never needed its model)
         self.last_traces = [ctx.trace() if ctx.model_used else None for ctx in contexts]
         label_all(self.last_traces + [r.trace for r in results if isinstance(r, LMQLResult)], query=self.name,
                   inputs=inputs)
-        for ctx in contexts:
-            await output.report(output_writer, ctx.prompt, ctx.variables, len(ctx.ids) if ctx.model_used else 0)
+        for ctx, result in zip(contexts, results):
+            await output.report(output_writer, ctx.prompt, ctx.variables, len(ctx.ids) if ctx.model_used else 0,
+                                result)
         if certificate:
             cert = certificates.make(self.name, m, decoding, self.last_traces, results)
             results = certificates.deliver(certificate, cert, results)

@@ -368,7 +368,11 @@ def test_custom_output_writer_receives_the_prompt_and_variables(rnd):
             seen.append((variable, prompt, dict(program_variables.variable_values), is_valid, is_final))
 
     r = lmql.run_sync("'A [X] B [Y]' where len(TOKENS(X)) < 3 and len(TOKENS(Y)) < 3", output_writer=Writer())
-    assert seen == [("Y", r.prompt, r.variables, True, True)]
+    assert seen[-1] == ("Y", r.prompt, r.variables, True, True)  # the run's end
+    live = seen[:-1]  # then each token of each hole, as it is generated (tests/test_live_holes.py)
+    assert [v for v, *_ in live] == ["X"] * r.trace.holes[0].tokens + ["Y"] * r.trace.holes[1].tokens
+    assert all(valid and not final and r.prompt.startswith(prompt) for _, prompt, _, valid, final in live)
+    assert live[-1][2] == r.variables
 
 
 def test_output_writer_given_at_definition_applies_to_every_call(rnd):

@@ -235,11 +235,12 @@ def test_a_streaming_decorator_gets_a_program_state_with_the_diff_of_each_step(m
     r = lmql.run_sync('"One:[A]" where len(TOKENS(A)) < 2\n"Two:[@watch X]" where len(TOKENS(X)) < 4', watch=watch)
     values = [v for v, *_ in seen]
     assert values[:2] == ["", ""] and values[-1] == r.variables["X"] and len(values) == 2 + r.trace.holes[-1].tokens + 1
-    # the text the latest token added (all of it where a token's bytes completed an earlier character);
-    # the final value's repeated call keeps the last token's diff (LMQL 0.7.3, measured)
+    # the text the latest token added (all of it where a token's bytes completed an earlier character); the
+    # final value's repeated call adds nothing, so the diffs add up to the value (LMQL 0.7.3 repeated the last)
     grown = values[2:-1]
     assert [d for _, d, *_ in seen[2:-1]] == [v[len(p):] if v.startswith(p) else v for v, p in zip(grown, [""] + grown)]
-    assert seen[0][1] == seen[1][1] == ""
+    assert seen[0][1] == seen[1][1] == "" and seen[-1][1] == ""
+    assert "".join(d for _, d, *_ in seen) == r.variables["X"]
     assert all(v == got and fin == "var" and a == r.variables["A"] for v, _, got, fin, a in seen)
     assert ProgramState  # the class decorators are annotated with
 
@@ -266,10 +267,14 @@ def test_an_output_writer_gets_lmqls_program_state(m):
             got.append((variable, prompt, program_variables))
 
     r = lmql.run_sync('"Hi[X]" where len(TOKENS(X)) < 3', output_writer=Writer())
-    (variable, prompt, state), = got
+    *growing, (variable, prompt, state) = got  # a call per token, then the run's end
     assert variable == "X" and prompt == r.prompt == state.prompt
     assert state.variable_values == r.variables and state.get("X") == r.variables["X"] == state["X"]
     assert state.get_program_value("X") == r.variables["X"] and state.final("X") == "fin"
+    # what a real LMQL program's writer reads to know whether the run has ended (module doc of program_state)
+    assert state.runtime.root_state.query_head.result is r
+    assert growing and all(s.runtime.root_state.query_head.result is None and s.final("X") == "var"
+                           for _, _, s in growing)
 
 
 # -- 8. a stop phrase inside a value the grammar fixes ---------------------------------------------------

@@ -342,6 +342,7 @@ class LocalBackend(Backend):
             raise TypeError("stream() takes one prompt: a string or a list of token ids")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        started = time.perf_counter()
 
         def on_update(sample, text, token, completion):
             if on_token is not None:
@@ -349,11 +350,14 @@ class LocalBackend(Backend):
             loop.call_soon_threadsafe(queue.put_nowait, StreamChunk(sample, text, token, completion))
 
         (group,) = await self.submit(prompt, on_update, **options)
+        prepared = time.perf_counter() - started
         if on_group is not None:
             on_group(group)
         group.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
         try:
             while (chunk := await queue.get()) is not None:
+                if chunk.completion is not None:
+                    chunk.completion.prepare_seconds = prepared
                 yield chunk
             group.future.result()  # raise the request's error, if any
         finally:

@@ -316,35 +316,43 @@ class RemoteBackend(Backend):
             raise self._explained(e, body) from None
 
     async def _streamed(self, body: dict, stop_fn) -> list[Completion]:
-        """A request with a stop function: streamed, and closed once the function (or the finish reason, or
-        `max_tokens`) has ended every sample (the text may run a little past that point; the caller cuts it)."""
+        """A request with a stop function, streamed (`_chunks`): each sample's completion."""
+        done: list[Completion | None] = [None] * body["n"]
+        async with contextlib.aclosing(self._chunks(body, stop_fn)) as chunks:
+            async for chunk in chunks:
+                if chunk.completion is not None:
+                    done[chunk.sample] = chunk.completion
+        return done
+
+    async def _chunks(self, body: dict, stop_fn) -> AsyncIterator[StreamChunk]:
+        """`body` streamed (`_stream`), a `StreamChunk` per chunk of a sample's text; the sample's last one
+        carries its `Completion` (its text and token ids; the prompt's length where it was given as ids, no
+        cached count: the usage comes after every sample's end, where the stream is closed). A sample ends at
+        its finish reason, at `max_tokens`, or where `stop_fn` (called with its ids and text so far) says
+        so; the stream is closed once every sample has ended (the text may run a little past where the
+        function first said stop; the caller cuts it)."""
         n = body["n"]
         texts, ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
+        prompt_tokens = len(body["prompt"]) if isinstance(body["prompt"], list) else 0
         async with contextlib.aclosing(self._stream(body)) as chunks:
             async for i, text, token_ids, reason in chunks:
                 if reasons[i] is not None:
                     continue
                 texts[i] += text
                 ids[i] += token_ids
-                if reason is not None:
-                    reasons[i] = reason
-                elif stop_fn(ids[i], texts[i]):
-                    reasons[i] = "stop"
+                if reason is None and stop_fn is not None and stop_fn(ids[i], texts[i]):
+                    reason = "stop"
+                reasons[i] = reason
+                done = Completion(texts[i], ids[i], reason, prompt_tokens, 0, sample=i) if reason else None
+                yield StreamChunk(i, text, token_ids[-1] if len(token_ids) == 1 else -1, done)
                 if all(r is not None for r in reasons):
-                    break
-        return [Completion(texts[i], ids[i], reasons[i] or "length", len(body["prompt"]) if
-                           isinstance(body["prompt"], list) else 0, 0, sample=i) for i in range(n)]
+                    return
 
     async def stream(self, prompt, **options) -> AsyncIterator[StreamChunk]:
         body, stop_fn = self._request(prompt, **options)
-        if stop_fn is not None:
-            raise TypeError("stream() takes no stop_fn: stop reading the stream instead")
-        texts: dict[int, str] = {}
-        async with contextlib.aclosing(self._stream(body)) as chunks:
-            async for i, text, token_ids, reason in chunks:
-                texts[i] = texts.get(i, "") + text
-                done = Completion(texts[i], [], reason, 0, 0, sample=i) if reason is not None else None
-                yield StreamChunk(i, text, token_ids[-1] if len(token_ids) == 1 else -1, done)
+        async with contextlib.aclosing(self._chunks(body, stop_fn)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def ascore(self, prompt_ids: list[int], continuations: list[list[int]]):
         """Each continuation appended to the prompt and sent with `prompt_logprobs` (one request each,

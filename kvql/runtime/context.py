@@ -31,12 +31,14 @@ from .trace import Trace, TraceHole
 
 class Context(Holes, Nested):
     def __init__(self, model, decoding: Decoding, run_index: int = 0, *, ids: list[int] | None = None,
-                 text: str = "", shown: str | None = None, role: str | None = None, roles_seen: bool = False):
+                 text: str = "", shown: str | None = None, role: str | None = None, roles_seen: bool = False,
+                 writer=None):
         # The model is first touched when the prompt is made (a hole, a trace, a result), so a query
         # that ends before that never loads it, as in LMQL (see `model_used`).
         self.model = model
         self.decoding = decoding
         self.run_index = run_index
+        self.writer = writer  # the call's output writer: it sees each hole grow (kvql.runtime.live)
         self._given = (ids, text)
         self._early: list[str] = []  # model text before the prompt exists
         self._shown = text if shown is None else shown  # the prompt as LMQL shows it (<lmql:user/> tags)
@@ -184,9 +186,9 @@ class Context(Holes, Nested):
                           self.trace())
 
 
-async def run_all(program: Program, model, decoding: Decoding, inputs: dict, body) -> tuple[list, list]:
+async def run_all(program: Program, model, decoding: Decoding, inputs: dict, body, writer=None) -> tuple[list, list]:
     """All runs of one call of `program` (one per sample or beam), concurrently: -> (results, their contexts).
-    `body`: `program.body(inputs)`, made once for the whole call."""
-    contexts = [Context(model, decoding, k) for k in range(decoding.runs)]
+    `body`: `program.body(inputs)`, made once for the whole call; `writer`: its output writer (or None)."""
+    contexts = [Context(model, decoding, k, writer=writer) for k in range(decoding.runs)]
     results = await asyncio.gather(*(program.execute(ctx, (), inputs, body) for ctx in contexts))
     return list(results), contexts

@@ -5,9 +5,8 @@
   uses that as the value instead (a `(value, prompt_value)` tuple sets the prompt text separately),
   and the model is not called for this hole.
 - stream: `@lmql.decorators.streaming def f(value, context)` is called with the hole's text as it
-  grows, as LMQL calls it: "" twice, then after each generated token, then the final text once more.
-  kvql makes these calls once the hole is generated, not during generation (no user code runs in the
-  engine's loop).
+  grows, as LMQL calls it: "" twice, then after each generated token, then the final text once more,
+  while the hole is generated (kvql.runtime.live: on the query's event loop, never in the engine's).
 - post (a plain function): `f(value)` or `f(value, prompt_value, context)` after generation; returns the
   new value (`str(value)` goes into the prompt), a `(value, prompt_value)` tuple, or None (unchanged).
 

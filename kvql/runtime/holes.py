@@ -21,6 +21,7 @@ from .errors import QueryError, UnmetConstraint
 from .hole_plan import HolePlan, Stop, hole_plan
 from .hole_result import HoleResult
 from .json_types import from_json
+from .live import LiveHole, UserCodeFailed
 from .program import Program
 from .trace import where_text
 from .value_check import fewest_tokens, longest_token
@@ -171,7 +172,8 @@ class Holes:
         """The value of hole `name`: planned from its where clause and type, given its room under the
         token budget, generated (sampled, or by beam search), logged in the trace, checked against its
         clause and added to the prompt. QueryError / UnmetConstraint where no valid value can come."""
-        fixed = Chain(post).pre(name, self.program_state())
+        chain = Chain(post)
+        fixed = chain.pre(name, self.program_state())
         if fixed is not None:  # a pre-stage decorator supplied the value: the model is not asked
             return self._supplied(name, *fixed)
         if _is_query(type):
@@ -185,16 +187,20 @@ class Holes:
         max_tokens, bound = self._budget(name, plan)
         self._check_room(name, plan, max_tokens, bound, heal)
         setup = time.perf_counter() - started  # the checks before the request (a first use reads the vocabulary)
+        # shown as it is generated where someone watches (a healed value's first token also spells prompt
+        # text, and beams grow side by side: those are shown whole, once generated)
+        watched = chain.streams or self.writer is not None
+        live = LiveHole(self, name, chain, self.writer) if watched and not heal and not self.decoding.beam else None
         if self.decoding.beam:
             out = await self._beam(name, plan, prompt, max_tokens)
         else:
-            out = await self._sample(name, plan, prompt, max_tokens, heal)
+            out = await self._sample(name, plan, prompt, max_tokens, heal, live)
         if len(out.tokens) >= max_tokens and plan.max_tokens != max_tokens:
             self._filled_by = (name, len(out.tokens), bound)  # the budget, not the hole's own bound, ended it
         where = where_text(constraint, name, plan)
         self._hole_log.append(out.trace_row(name, where, time.perf_counter() - started, setup))
         _check_value(name, plan, out, max_tokens, bound)
-        return self._finish_hole(name, plan, out, post)
+        return await self._finish_hole(name, plan, out, chain, live)
 
     def _supplied(self, name: str, value, shown: str):
         """A value a pre-stage decorator supplied: added to the prompt as `shown`, no tokens of the model's."""
@@ -267,12 +273,18 @@ class Holes:
             raise UnmetConstraint(name, f"its constraint ({plan.describe()}) needs at least {plan.min_chars} "
                                         f"characters; the {tokens_text(max_tokens)} that {bound} hold at most {room}")
 
-    def _finish_hole(self, name: str, plan: HolePlan, out: HoleResult, post):
+    async def _finish_hole(self, name: str, plan: HolePlan, out: HoleResult, chain: Chain, live: LiveHole | None):
         """The value the program sees (typed, then through the hole's decorators), added to the prompt:
-        with the model's own tokens unless typing or a decorator changed its text."""
-        chain = Chain(post)
-        if chain.streams:  # a healed value's first token also spells prompt text: shown whole at the end
-            self._stream(chain, name, out.value, None if out.healed else out.tokens)
+        with the model's own tokens unless typing or a decorator changed its text. Streaming decorators see
+        the final value (`live`: they saw it grow; else they see it now, grown a token at a time)."""
+        if chain.streams:
+            try:
+                if live is None:
+                    await self._shown_after(chain, name, out.value, None if out.healed else out.tokens)
+                else:
+                    await live.end(out.value)
+            except UserCodeFailed as e:
+                raise e.error
         value = _converted(name, plan, out.value)
         # a typed value stays in the prompt as the JSON the model wrote
         shown = out.value if plan.value_type is not None else str(value)
@@ -284,19 +296,14 @@ class Holes:
         self.variables[name] = value
         return value
 
-    def _stream(self, chain: Chain, name: str, text: str, tokens: list[int] | None) -> None:
-        """Streaming decorators see the hole's text grow as LMQL shows it: "" twice, each token's prefix, then
-        the final text again (after the hole is generated: kvql does not call user code inside the engine's
-        loop); their `context` is the state at that point (`get_diff(name)`: the text the latest token
-        added, measured against LMQL 0.7.3)."""
-        grown = ["", ""] + [self.model.tokenizer.decode(tokens[:i], skip_special_tokens=True)
-                            for i in range(1, len(tokens or ()) + 1)] + [text]
-        before = diff = ""
-        for now in grown:
-            if now != before:
-                diff = now[len(before):] if now.startswith(before) else now
-            chain.stream(now, self.program_state(name, now, diff))
-            before = now
+    async def _shown_after(self, chain: Chain, name: str, text: str, tokens: list[int] | None) -> None:
+        """Streaming decorators of a value generated whole (beams, a healed value) see it grow as LMQL shows it
+        (kvql.runtime.live): "" twice, each token's prefix, then the final text again."""
+        shown = LiveHole(self, name, chain, None)
+        await shown.start()
+        for i in range(1, len(tokens or ()) + 1):
+            await shown.grow(self.model.tokenizer.decode(tokens[:i], skip_special_tokens=True))
+        await shown.end(text)
 
     def _seed(self) -> int | None:
         """Per (call seed, run, hole): the runs of a `sample(n)` differ, and a seeded call repeats."""
@@ -305,8 +312,10 @@ class Holes:
         base_seed = self.decoding.seed if self.decoding.seed is not None else random.getrandbits(32)
         return hash((base_seed, self.run_index, self._holes)) & 0x7FFFFFFF
 
-    async def _sample(self, name: str, plan: HolePlan, prompt, max_tokens: int, heal: bool = False) -> HoleResult:
-        """One request for the hole's value: sampled (greedy under argmax), under its constraint."""
+    async def _sample(self, name: str, plan: HolePlan, prompt, max_tokens: int, heal: bool = False,
+                      live: LiveHole | None = None) -> HoleResult:
+        """One request for the hole's value: sampled (greedy under argmax), under its constraint; streamed
+        and shown as it comes with `live`."""
         greedy = self.decoding.name == "argmax"
         seed = self._seed()
         self._holes += 1
@@ -318,16 +327,24 @@ class Holes:
             options["heal"] = True
         if plan.min_tokens:
             options["min_tokens"] = plan.min_tokens
-        c = await self._request(name, plan, prompt, options, bool(constraint))
+        c = await self._request(name, plan, prompt, options, bool(constraint), live)
         self.count([c])
         self.sent(len(self.buffer) - c.healed_prompt_tokens, c.cached_tokens)
         return HoleResult.sampled(c, plan, guard["chars"])
 
-    async def _request(self, name: str, plan: HolePlan, prompt, options: dict, constrained: bool):
-        """The backend's one completion; its refusals as the query's errors: a constrained request the
-        mask left without a token is the hole's UnmetConstraint."""
+    async def _request(self, name: str, plan: HolePlan, prompt, options: dict, constrained: bool,
+                       live: LiveHole | None = None):
+        """The backend's one completion (`live`: streamed, each token shown); its refusals as the query's
+        errors: a constrained request the mask left without a token is the hole's UnmetConstraint; what a
+        writer or decorator raised, as it is (its request cancelled)."""
         try:
-            (c,) = await self.model.agenerate([prompt], **options)
+            if live is None:
+                (c,) = await self.model.agenerate([prompt], **options)
+            else:
+                await live.start()
+                c = await live.follow(self.model.stream(prompt, **options))
+        except UserCodeFailed as e:
+            raise e.error
         except base.Unsupported as e:
             raise QueryError(f"{name}: {e}") from None
         except ValueError as e:
