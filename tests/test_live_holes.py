@@ -150,3 +150,29 @@ def test_kvql_run_streams_the_prompt_to_stderr_as_the_holes_fill(tmp_path, capsy
     assert writes.count(False) > 1 and writes[-1] is True
     main(["run", str(query), "--no-stream"])
     assert sys.stderr.isatty() or "Tell me" not in capsys.readouterr().err
+
+
+# -- a long hole says so ------------------------------------------------------------------------------------
+def test_a_hole_without_a_token_bound_says_so_as_it_grows_and_in_its_trace(caplog):
+    """On stderr (logger kvql.query) at 256 tokens and each doubling, naming the hole, its count, its room and
+    the bound to add; its trace row is marked; the next hole's error names it (test_lmql_programs.py, 11)."""
+    import logging
+
+    m = lmql.model("random", seed=1)  # LMQL's: it never picks its end-of-sequence token
+    src = ('argmax(max_len=700)\n    "Tell a joke:[JOKE]" where STOPS_AT(JOKE, "no such phrase")\n'
+           '    "Bounded:[B]" where len(TOKENS(B)) < 400\n')
+    with caplog.at_level(logging.WARNING, logger="kvql.query"):
+        with pytest.raises(lmql.QueryError, match="hole JOKE used it up"):
+            lmql.run_sync(src, model=m)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvql.query"]
+    assert [line.split(" tokens")[0] for line in lines] == ["hole JOKE has generated 256", "hole JOKE has generated 512"]
+    assert all("no token bound of its own" in line and "len(TOKENS(JOKE)) < 100" in line for line in lines)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvql.query"):
+        r = lmql.run_sync('argmax(max_len=400)\n    "Tell a joke:[JOKE]" where STOPS_AT(JOKE, "no such phrase")\n',
+                          model=m)
+    (hole,) = r.trace.holes
+    assert hole.unbounded and hole.tokens >= 256 and "no token bound of its own" in r.trace.to_html()
+    assert len([x for x in caplog.records if x.name == "kvql.query"]) == 1
+    bounded = lmql.run_sync('"Say:[X]" where len(TOKENS(X)) < 300', model=m).trace
+    assert not bounded.holes[0].unbounded and "no token bound" not in bounded.to_html()

@@ -50,9 +50,9 @@ class HoleResult:
         """(prompt tokens backed up, their text) when healed, for `Prompt.add_value`."""
         return (self.healed, self.healed_text) if self.healed else None
 
-    def trace_row(self, name: str, where: str, seconds: float, setup: float) -> TraceHole:
+    def trace_row(self, name: str, where: str, seconds: float, setup: float, unbounded: bool = False) -> TraceHole:
         """The hole's row in the trace: healed, its tokens include those re-generating the backed-up text
         (the trace marks them the hole's); `setup`: the runtime's time before the request, to which the
-        backend's is added."""
+        backend's is added; `unbounded`: it had no token bound of its own."""
         return TraceHole(name, self.value, where, len(self.added), seconds, self.forced_own, self.healed,
-                         setup + self.prepared, self.drafted, self.accepted)
+                         setup + self.prepared, self.drafted, self.accepted, unbounded)

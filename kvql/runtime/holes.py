@@ -9,6 +9,7 @@ import asyncio
 import builtins
 import dataclasses
 import json
+import logging
 import math
 import random
 import time
@@ -23,13 +24,14 @@ from .hole_result import HoleResult
 from .json_types import from_json
 from .live import LiveHole, UserCodeFailed
 from .program import Program
-from .trace import where_text
+from .trace import LONG_HOLE, where_text
 from .value_check import fewest_tokens, longest_token
 
 FLOAT_REGEX = r" ?-?[0-9]+(\.[0-9]+)?"
 TEXT_MODE_MAX_TOKENS = 256
 """Without a tokenizer the prompt's length in tokens is unknown: a hole with no token cap asks for at
 most this many tokens (or max_len, if smaller)."""
+log = logging.getLogger("kvql.query")
 
 
 def _and(constraint, atom: Atom):
@@ -81,6 +83,21 @@ def _stops(plan: HolePlan, guard: dict) -> dict:
             guard["chars"] = len(text)
         return plan.stop_index(text, guard["chars"]) is not None
     return {"stop_fn": stop_fn}
+
+
+def _progress(name: str, room: int):
+    """A stop function that never stops: it logs a hole with no token bound of its own as it grows past
+    `LONG_HOLE` tokens, and past each doubling (`room`: the most it may take)."""
+    mark = [LONG_HOLE]
+
+    def stop_fn(ids, text) -> bool:
+        if len(ids) >= mark[0]:
+            mark[0] *= 2
+            log.warning("hole %s has generated %s tokens and has no token bound of its own (it may take up to %s); "
+                        "add one to end it sooner, e.g. where len(TOKENS(%s)) < 100", name, f"{len(ids):,}",
+                        f"{room:,}", name)
+        return False
+    return stop_fn
 
 
 def _is_query(type) -> bool:
@@ -198,7 +215,8 @@ class Holes:
         if len(out.tokens) >= max_tokens and plan.max_tokens != max_tokens:
             self._filled_by = (name, len(out.tokens), bound)  # the budget, not the hole's own bound, ended it
         where = where_text(constraint, name, plan)
-        self._hole_log.append(out.trace_row(name, where, time.perf_counter() - started, setup))
+        self._hole_log.append(out.trace_row(name, where, time.perf_counter() - started, setup,
+                                            unbounded=plan.max_tokens is None))
         _check_value(name, plan, out, max_tokens, bound)
         return await self._finish_hole(name, plan, out, chain, live)
 
@@ -327,6 +345,9 @@ class Holes:
             options["heal"] = True
         if plan.min_tokens:
             options["min_tokens"] = plan.min_tokens
+        if plan.max_tokens is None and max_tokens > LONG_HOLE and getattr(self.model, "base_url", None) is None:
+            told, user = _progress(name, max_tokens), options.get("stop_fn")
+            options["stop_fn"] = told if user is None else lambda ids, text: told(ids, text) or user(ids, text)
         c = await self._request(name, plan, prompt, options, bool(constraint), live)
         self.count([c])
         self.sent(len(self.buffer) - c.healed_prompt_tokens, c.cached_tokens)

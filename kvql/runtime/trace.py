@@ -35,6 +35,10 @@ SERVED = ("cached", "computed", "unsent")
 NEVER_SENT = ("never sent: no request to the model ever included this token (text after the last hole), "
               "so the model never read it")
 _LABEL = {"cached": "cached", "computed": "computed", "unsent": "never sent"}
+LONG_HOLE = 256
+"""A hole with no token bound of its own says so once it has generated this many tokens: on stderr as it goes
+(logger `kvql.query`, again at each doubling; on a local model, whose stop function runs in-process), and in its
+trace row."""
 SHOWN_SETUP_S = 0.05  # a hole's time before its request was queued is shown in its row from this many seconds on
 FORCED = ("forced by the hole's constraint (it allowed only this token): appended without a decode step of "
           "its own (jump-forward)")
@@ -62,6 +66,7 @@ class TraceHole:
     setup_seconds: float = 0.0  # of `seconds`, before its request was queued: checks, its constraint compiled
     drafted: int = 0     # speculative decoding: tokens drafted for it and verified, and how many it accepted
     accepted: int = 0
+    unbounded: bool = False  # no token bound of its own: only max_len / the context could end it
 
 
 def where_text(constraint, name: str, plan=None) -> str:
@@ -191,6 +196,8 @@ class Trace:
             + (f" ({h.accepted} of {h.drafted} drafted tokens accepted: speculative decoding)" if h.drafted else "")
             + (f" (healed: {h.healed} backed-up prompt token{'s' * (h.healed != 1)} generated again)"
                if h.healed else "")
+            + (f" (no token bound of its own: add one, e.g. len(TOKENS({html.escape(h.name)})) &lt; 100)"
+               if h.unbounded and h.tokens >= LONG_HOLE else "")
             + f"</td><td>{h.seconds:.3f} s" + (f" (before the request: {h.setup_seconds:.3f} s, checks and "
                                                "compiling its constraint)"
                                                if h.setup_seconds >= SHOWN_SETUP_S else "") + "</td></tr>"
