@@ -146,6 +146,23 @@ def _check_value(name: str, plan: HolePlan, out: HoleResult, max_tokens: int, bo
         raise UnmetConstraint(name, f"the value {out.value!r} is incomplete: its constraint ({plan.describe()}) "
                                     f"{_why_cut(out.tokens, max_tokens, bound)}", out.value)
     _check_min_tokens(name, plan, out)
+    _check_stops(name, plan, out)
+
+
+def _check_stops(name: str, plan: HolePlan, out: HoleResult) -> None:
+    """A stop phrase ends the value where it first appears, but not inside the part a length lower bound
+    (`len(TOKENS(X)) == 4`, `len(X) > 9`) requires: where the model wrote it there, the value would hold its own
+    stop phrase (STOPS_AT: before its end), which LMQL's where clause forbids, so the two conditions cannot
+    both hold for it: UnmetConstraint naming both."""
+    for stop in plan.stops:
+        i = out.value.find(stop.phrase)
+        if i >= 0 and (not stop.include or i + len(stop.phrase) < len(out.value)):
+            floors = [c for c in (plan.floor, *(c for c in plan.conditions if c.startswith(f"len({name})")))
+                      if c]
+            raise UnmetConstraint(name, f"the value {out.value!r} holds its stop phrase {stop.phrase!r} inside the "
+                                        f"part {' and '.join(floors) or 'its length'} requires: "
+                                        f"{stop_name(name, stop)} and {' and '.join(floors) or 'its length'} "
+                                        f"cannot both hold for it", out.value)
 
 
 def _why_cut(tokens, max_tokens, bound) -> str:
