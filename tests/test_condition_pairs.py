@@ -1,8 +1,8 @@
 """No value breaks its where clause: for each pair of condition kinds (token length, stop phrase, choice, regex,
 type) on one hole, the value a query returns obeys both as LMQL enforces them (a stop phrase ends the value
 wherever it appears after the part a length lower bound requires, also inside a value the grammar would have
-continued), or the hole fails with UnmetConstraint naming both; on the local engine and through the remote
-backend. Checked here by code of the test's own, not kvql's."""
+continued; a value its length ended holds no stop phrase), or the hole fails with UnmetConstraint naming both;
+on the local engine and through the remote backend. Checked here by code of the test's own, not kvql's."""
 
 from __future__ import annotations
 

@@ -150,10 +150,13 @@ def _check_value(name: str, plan: HolePlan, out: HoleResult, max_tokens: int, bo
 
 
 def _check_stops(name: str, plan: HolePlan, out: HoleResult) -> None:
-    """A stop phrase ends the value where it first appears, but not inside the part a length lower bound
-    (`len(TOKENS(X)) == 4`, `len(X) > 9`) requires: where the model wrote it there, the value would hold its own
-    stop phrase (STOPS_AT: before its end), which LMQL's where clause forbids, so the two conditions cannot
-    both hold for it: UnmetConstraint naming both."""
+    """A stop phrase ends the value where it first appears past the part a length lower bound requires
+    (`len(TOKENS(X)) > 3`, `len(X) > 9`): inside that part it does not (LMQL's guarded stop; the value then
+    holds it). A value that holds its stop phrase (STOPS_AT: before its end) and was not ended by one, because
+    its length ended it first (`len(TOKENS(X)) == 4`), meets its length but not its stop condition: the two
+    cannot both hold for it, an UnmetConstraint naming both."""
+    if plan.stop_index(out.full, out.guard) is not None:
+        return
     for stop in plan.stops:
         i = out.value.find(stop.phrase)
         if i >= 0 and (not stop.include or i + len(stop.phrase) < len(out.value)):
