@@ -214,6 +214,9 @@ def test_a_trace_shows_the_drafted_and_accepted_tokens_of_each_hole(make_model, 
     assert again.prompt == first.prompt and hole.drafted >= hole.accepted >= 15
     again.trace.save(tmp_path / "t.html")
     assert f"{hole.accepted} of {hole.drafted} drafted tokens accepted" in (tmp_path / "t.html").read_text()
+    # and per token: the accepted ones marked, in the trace's tokens and on its page
+    assert again.trace.summary()["drafted"] == hole.accepted == (tmp_path / "t.html").read_text().count(" drafted\"")
+    assert all(t.hole == "A" for t in again.trace.tokens if t.drafted) and first.trace.summary()["drafted"] == 0
     m.engine.speculate = False
     plain = kvql.run_sync(query, model=m)
     assert plain.prompt == first.prompt and plain.trace.holes[0].drafted == 0

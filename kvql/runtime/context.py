@@ -119,8 +119,8 @@ class Context(Holes, Nested):
             self._role = None
 
     def _append_value(self, value: str, token_ids: list[int] | None, hole: str | None = None,
-                      healed: tuple[int, str] | None = None, forced: list[int] = ()) -> None:
-        self.buffer.add_value(value, token_ids, hole, healed, forced)
+                      healed: tuple[int, str] | None = None, forced: list[int] = (), drafted: list[int] = ()) -> None:
+        self.buffer.add_value(value, token_ids, hole, healed, forced, drafted)
         self._shown += value
 
     def sent(self, n: int, cached: int) -> None:

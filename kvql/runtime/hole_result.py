@@ -29,7 +29,8 @@ class HoleResult:
     forced_own: int = 0   # how many of those are the value's own (healed: not re-spelling backed-up text)
     prepared: float = 0.0  # the backend's time before the request was queued (Completion.prepare_seconds)
     drafted: int = 0      # speculative decoding: tokens drafted and verified for it,
-    accepted: int = 0     # and how many of them it accepted
+    accepted: int = 0     # and how many of them it accepted,
+    drafted_at: list[int] = field(default_factory=list)  # at these indices in `added`
 
     @classmethod
     def sampled(cls, c: Completion, plan: HolePlan, guard: int | None) -> "HoleResult":
@@ -40,10 +41,11 @@ class HoleResult:
         skip, healed = c.healed_output_tokens, c.healed_prompt_tokens
         tokens = c.token_ids[skip:]
         own = [i - skip for i in c.forced if i >= skip]  # indices into `tokens`
+        drafted = list(c.accepted) if healed else [i - skip for i in c.accepted if i >= skip]
         return cls(plan.cut(full, guard), tokens, full, guard, added=list(c.token_ids) if healed else tokens,
                    healed=healed, healed_text=c.healed, forced=list(c.forced) if healed else own,
                    forced_own=len(own), prepared=c.prepare_seconds, drafted=c.drafted_tokens,
-                   accepted=len(c.accepted))
+                   accepted=len(c.accepted), drafted_at=drafted)
 
     @property
     def healed_prefix(self) -> tuple[int, str] | None:

@@ -330,7 +330,8 @@ class Holes:
             value, shown = chain.post(value, shown, self.program_state())
         changed = plan.as_int or plan.as_float or shown != out.value
         # healed, the backed-up prompt tokens go and the tokens generated in their place come
-        self._append_value(shown, None if changed else out.added, name, out.healed_prefix, out.forced)
+        self._append_value(shown, None if changed else out.added, name, out.healed_prefix, out.forced,
+                           out.drafted_at)
         self.variables[name] = value
         return value
 

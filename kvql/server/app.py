@@ -43,6 +43,7 @@ from . import errors
 from .guard import Guard
 from .logprobs import Spelling, chat_logprobs, completion_logprobs, prompt_logprobs
 from .metrics import AccessLog, throughput_lines
+from .playground import routes as playground_routes
 from .protocol import ChatRequest, CompletionRequest, RequestError
 from .served import Served, completion_prompts, rendered, usage
 from .tokenization import tokenization_routes
@@ -52,7 +53,8 @@ from .tools import ToolCalling
 def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterable[str] = (),
                api_key: str | Iterable[str] | None = None, salt_per_key: bool = False,
                allowed_hosts: Iterable[str] | None = None, max_body_bytes: int = 1 << 20,
-               max_tokens_cap: int = 4096, log_interval: float = 10.0, metrics_auth: bool = True) -> FastAPI:
+               max_tokens_cap: int = 4096, log_interval: float = 10.0, metrics_auth: bool = True,
+               playground: bool = True) -> FastAPI:
     """The app serving `model` as `name` (default `model.name`); requests may also name it by an alias.
 
     `api_key`: one key or several (each `Authorization: Bearer KEY`). `salt_per_key`: each key's
@@ -60,6 +62,8 @@ def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterabl
     IP addresses and `localhost` (`"*"`: any); see guard.py. `log_interval`: seconds between throughput
     lines (logger `kvql.server`) while busy. `metrics_auth=False`: `GET /metrics` answers without a key
     (as vLLM's does), for a Prometheus scraper; by default it needs one, as every route but /health.
+    `playground`: the query playground (`GET /playground`, open like /health; running a query needs a key:
+    kvql.server.playground).
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k for k in keys):
@@ -75,8 +79,9 @@ def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterabl
         model.close()  # on shutdown: cancel what is still queued, stop the engine thread
 
     app = FastAPI(title="kvql", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    open_paths = ("/health",) + (() if metrics_auth else ("/metrics",)) + (("/playground",) if playground else ())
     app.add_middleware(Guard, api_keys=keys, allowed_hosts=list(allowed_hosts or ()), max_body_bytes=max_body_bytes,
-                       open_paths=("/health",) if metrics_auth else ("/health", "/metrics"))
+                       open_paths=open_paths)
     app.add_middleware(AccessLog)
     counters = {"requests": 0, "errors": 0}
     s = Served(model, name or model.name, aliases, counters, salt_per_key=salt_per_key,
@@ -86,6 +91,8 @@ def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterabl
     _service_routes(app, s)
     _completion_routes(app, s)
     _chat_routes(app, s)
+    if playground:
+        playground_routes(app, model, salt_per_key=salt_per_key, keys=bool(keys), max_body_bytes=max_body_bytes)
     return app
 
 

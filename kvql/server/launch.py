@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-auth", action=argparse.BooleanOptionalAction, default=True,
                    help="with --api-key, GET /metrics needs a key too (default); --no-metrics-auth leaves it "
                         "open for a Prometheus scraper, as vLLM does")
+    p.add_argument("--playground", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the query playground at /playground (the page is open; running a query needs a "
+                        "key, or a loopback client where there is none)")
     p.add_argument("--salt-per-key", action="store_true",
                    help="each API key gets its own prefix-cache partition (tenants cannot probe each other)")
     p.add_argument("--allowed-host", action="append", metavar="HOST",
@@ -127,7 +130,7 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     app = create_app(m, name=args.served_model_name, aliases=[args.model], api_key=args.api_key,
                      salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
                      max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap,
-                     metrics_auth=args.metrics_auth)
+                     metrics_auth=args.metrics_auth, playground=args.playground)
     grace = max(0.0, args.shutdown_timeout)
 
     class Server(uvicorn.Server):
@@ -159,7 +162,8 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     connections.raise_fd_limit()
     cap = connections.connection_cap(args.max_connections)
     connections.quiet_accept_errors()
-    print(f"kvql serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
+    print(f"kvql serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1"
+          + (f" · playground http://{args.host}:{args.port}/playground" if args.playground else ""), flush=True)
     Server(uvicorn.Config(app, log_level="warning" if quiet else args.log_level, access_log=False,
                           # uvicorn's 503 when open connections (or requests) pass this: all of them busy, as
                           # the protocol closes idle ones at the cap; the margin covers closes still under way
