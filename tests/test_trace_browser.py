@@ -135,5 +135,6 @@ def test_reused_model_output_is_painted_as_cached(make_model, tmp_path):
         bg.setdefault((s["data-served"], "gen" in s["class"].split()), set()).add(s["data-bg"])
     assert len(bg[("cached", False)]) == 1 and bg[("cached", True)] == bg[("cached", False)]
     assert bg[("cached", True)] != bg[("computed", False)]
-    assert all(s["data-line"] == "solid" for s in dom.spans if "gen" in s["class"].split())
+    assert all(s["data-line"] == ("double" if "drafted" in s["class"].split() else "solid")
+               for s in dom.spans if "gen" in s["class"].split())  # drafted and accepted: a double underline
     assert all(s["data-line"] == "none" for s in dom.spans if "gen" not in s["class"].split())
