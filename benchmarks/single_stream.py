@@ -21,7 +21,9 @@ What is measured (one process, side by side, each model in --models and dtype in
   llama-cpp-python==0.3.36`), on the same weights converted to an F32 / BF16 GGUF (--gguf-dir, files
   `{model}-f32.gguf`, `{model}-bf16.gguf`, made by llama.cpp's `convert_hf_to_gguf.py` from the directory kvql
   converts the embedded model to), same threads, greedy with EOS banned, the same N - 1 subtraction; a column
-  says why it is missing where it is.
+  says why it is missing where it is. And llama.cpp on the embedded GGUF file itself, at the bits it ships in
+  (SmolLM2: Q4_1, Gemma 3: Q4_K_M: what a CPU user runs; issue 44), its limit from the file's size, with the
+  ratio of kvql's best dtype to it.
 Timings alternate the sides in each repeat; the best of --repeats is reported (decode speed is bounded above,
 noise only slows it), with the fraction of the limit. The machine is shared and noisy: only ratios inside one
 run mean much. Usage:
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,7 +44,7 @@ import torch
 
 import kvql
 from kvql.backends.dtype import resolve
-from kvql.backends.loader import load_hf
+from kvql.backends.loader import builtin_gguf, load_hf
 
 PROMPT = "Write a long story about a robot who learns to paint. Once upon a time,"
 
@@ -143,6 +146,7 @@ def main() -> None:
     print(f"{'model':<14} {'dtype':<9} {'weights':>9} {'limit':>9} {'kvql':>14} {'kvql module path':>16} "
           f"{'transformers':>14} {'llama.cpp':>14}")
     for spec in args.models.split(","):
+        kvql_best = 0.0
         for name in args.dtypes.split(","):
             m = kvql.model(spec, dtype=name, silent=True, speculate=args.speculate)
             hf, _ = load_hf(spec, dtype=resolve(name))  # a copy as loaded: the engine sets its own up for itself
@@ -161,6 +165,7 @@ def main() -> None:
             gguf = args.gguf_dir / f"{spec}-{'f32' if dtype == 'float32' else 'bf16'}.gguf"
             llama = llama_decode(args.llama_python, gguf, args.tokens, args.threads, args.repeats)
             rate = {k: (args.tokens - 1) / v for k, v in best.items()}
+            kvql_best = max(kvql_best, rate["kvql"])
             cells = " ".join(f"{rate[k]:{w}.1f} ({rate[k] / limit:4.0%})"
                              for k, w in (("kvql", 6), ("kvql module path", 8), ("transformers", 6)))
             if isinstance(llama, float):
@@ -169,6 +174,16 @@ def main() -> None:
             else:
                 cells += f"  {llama}"
             print(f"{spec:<14} {dtype:<9} {size / 2**20:7.0f}MB {limit:6.1f}/s {cells}", flush=True)
+        with tempfile.TemporaryDirectory() as staging:  # the file as shipped (joined from its chunks where split)
+            shipped = builtin_gguf(spec, Path(staging))
+            llama = llama_decode(args.llama_python, shipped, args.tokens, args.threads, args.repeats)
+            size = shipped.stat().st_size
+        line = f"{spec:<14} {'file':<9} {size / 2**20:7.0f}MB {bw / size:6.1f}/s llama.cpp on {shipped.name}: "
+        if isinstance(llama, str):
+            print(line + llama, flush=True)
+        else:
+            r = (args.tokens - 1) / llama
+            print(line + f"{r:6.1f} ({r / (bw / size):4.0%}); kvql's best dtype / it: {kvql_best / r:.2f}", flush=True)
     print("tok/s of one stream's decode (fraction of the bandwidth limit); best of", args.repeats)
 
 

