@@ -238,7 +238,7 @@ def run(args) -> None:
         raise UsageError(f"input {clash[0]!r} is also a decoder option given by a flag; rename one of them")
     decoding = q.check(inputs, overrides)  # the decoder and its options, before any model loads
     live = args.stream if args.stream is not None else sys.stderr.isatty() and decoding.runs == 1
-    if live:
+    if live and q.output_variables:  # (a query without holes has nothing to watch)
         overrides["output_writer"] = TerminalWriter(sys.stderr)
     if not q.output_variables:
         model = args.model  # no hole: the query never needs its model, so none is loaded
