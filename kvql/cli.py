@@ -174,25 +174,6 @@ def query_model_spec(q, inputs: dict, given: str | None) -> str | None:
     return None if compiled.model_source else DEFAULT_MODEL
 
 
-class TerminalWriter:
-    """`kvql run --stream`'s output writer: the prompt on `out` as its holes fill, token by token (with
-    several samples running at once, each one's prompt starts on a new line when it interleaves)."""
-
-    def __init__(self, out):
-        self.out, self.shown = out, ""
-
-    async def add_interpreter_head_state(self, variable, head, prompt, where, trace, is_valid, is_final, mask,
-                                         num_tokens, program_variables) -> None:
-        if is_final:
-            new = prompt[len(self.shown):] if prompt.startswith(self.shown) else "\n" + prompt
-            self.out.write(new + "\n")
-            self.shown = ""
-        else:
-            self.out.write(prompt[len(self.shown):] if prompt.startswith(self.shown) else "\n" + prompt)
-            self.shown = prompt
-        self.out.flush()
-
-
 def located(e: SyntaxError, file: str) -> str:
     """A query's syntax error as compilers print one: `FILE:LINE:COLUMN: message`, then the line, a caret
     under the column."""
@@ -227,6 +208,7 @@ def run(args) -> None:
     except OSError as e:
         raise UsageError(f"cannot read query file {args.file!r}: {e.strerror or e}") from None
     import kvql
+    from kvql.output import TerminalWriter
 
     try:
         q = kvql.Query(source, name=args.file)

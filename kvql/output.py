@@ -1,5 +1,6 @@
 """Output writers (LMQL's `output_writer=`): `lmql.printing`, `lmql.stream("VAR")`, `lmql.silent`,
-`lmql.headless`, or any object with LMQL's `add_interpreter_head_state(...)` method.
+`lmql.headless`, or any object with LMQL's `add_interpreter_head_state(...)` method; `TerminalWriter` is
+`kvql run --stream`'s.
 
 As LMQL does, kvql calls a writer after each generated token of a hole, with the prompt so far (the hole's
 text included), `is_final=False` and the run's state with the hole growing (kvql.runtime.live: on the query's
@@ -61,6 +62,26 @@ class StreamingOutputWriter(BaseOutputWriter):
         new = value[len(self.last_value):] if value.startswith(self.last_value) else value
         print(new, end="", flush=True)
         self.last_value = value
+
+
+class TerminalWriter(BaseOutputWriter):
+    """`kvql run --stream`'s output writer: the prompt on `out` as its holes fill, token by token (with
+    several samples running at once, each one's prompt starts on a new line when it interleaves)."""
+
+    def __init__(self, out):
+        super().__init__()
+        self.out, self.shown = out, ""
+
+    async def add_interpreter_head_state(self, variable, head, prompt, where, trace, is_valid, is_final, mask,
+                                         num_tokens, program_variables) -> None:
+        if is_final:
+            new = prompt[len(self.shown):] if prompt.startswith(self.shown) else "\n" + prompt
+            self.out.write(new + "\n")
+            self.shown = ""
+        else:
+            self.out.write(prompt[len(self.shown):] if prompt.startswith(self.shown) else "\n" + prompt)
+            self.shown = prompt
+        self.out.flush()
 
 
 silent = BaseOutputWriter()

@@ -131,7 +131,8 @@ def test_kvql_run_streams_the_prompt_to_stderr_as_the_holes_fill(tmp_path, capsy
     still goes to stdout."""
     import sys
 
-    from kvql.cli import TerminalWriter, main
+    from kvql.cli import main
+    from kvql.output import TerminalWriter
 
     query = tmp_path / "q.lmql"
     query.write_text("argmax\n    'Tell me a story:[STORY]' where len(TOKENS(STORY)) < 12\nfrom 'random'\n")

@@ -19,8 +19,8 @@ from .beam import beam_search
 from .constraints import INT_REGEX, And, Atom, Node
 from .decorators import Chain
 from .errors import QueryError, UnmetConstraint
-from .hole_plan import HolePlan, Stop, hole_plan
-from .hole_result import HoleResult
+from .hole_plan import HolePlan, hole_plan
+from .hole_result import HoleResult, check, stop_name, tokens_text
 from .json_types import from_json
 from .live import LiveHole, UserCodeFailed
 from .program import Program
@@ -39,14 +39,6 @@ def _and(constraint, atom: Atom):
     if not isinstance(constraint, Node):
         return atom
     return And((constraint.items if isinstance(constraint, And) else (constraint,)) + (atom,))
-
-
-def tokens_text(n: int) -> str:
-    return f"{n} token" + ("" if n == 1 else "s")
-
-
-def stop_name(name: str, stop: Stop) -> str:
-    return f"{'STOPS_AT' if stop.include else 'STOPS_BEFORE'}({name}, {stop.phrase!r})"
 
 
 def _constraint(plan: HolePlan, model, heal: bool = False) -> dict:
@@ -132,58 +124,6 @@ def _plan(name: str, constraint, type) -> HolePlan:
     return plan
 
 
-def _check_value(name: str, plan: HolePlan, out: HoleResult, max_tokens: int, bound: str) -> None:
-    """Raise UnmetConstraint unless the generated text behind `out.value` (see `HolePlan.constrained`)
-    meets every condition of the hole's grammar, or is a prefix of a value that does and a stop phrase
-    ended it: a stop phrase ends the value wherever it appears, also inside a value its grammar would
-    have continued (LMQL's rule: `STOPS_BEFORE(X, "b") and X == "abc"` gives "a"). Then its token lower
-    bound (`_check_min_tokens`). `max_tokens` and `bound` (see `Holes._budget`) say what cut a value short."""
-    state = plan.check(plan.constrained(out.full, out.guard))
-    if state == "no":  # the local mask only allows prefixes: a server that ignored the regex sent this
-        raise UnmetConstraint(name, f"the value {out.value!r} does not satisfy its constraint ({plan.describe()})",
-                              out.value)
-    if state != "complete" and plan.stop_index(out.full, out.guard) is None:
-        raise UnmetConstraint(name, f"the value {out.value!r} is incomplete: its constraint ({plan.describe()}) "
-                                    f"{_why_cut(out.tokens, max_tokens, bound)}", out.value)
-    _check_min_tokens(name, plan, out)
-    _check_stops(name, plan, out)
-
-
-def _check_stops(name: str, plan: HolePlan, out: HoleResult) -> None:
-    """A stop phrase ends the value where it first appears past the part a length lower bound requires
-    (`len(TOKENS(X)) > 3`, `len(X) > 9`): inside that part it does not (LMQL's guarded stop; the value then
-    holds it). A value that holds its stop phrase (STOPS_AT: before its end) and was not ended by one, because
-    its length ended it first (`len(TOKENS(X)) == 4`), meets its length but not its stop condition: the two
-    cannot both hold for it, an UnmetConstraint naming both."""
-    if plan.stop_index(out.full, out.guard) is not None:
-        return
-    for stop in plan.stops:
-        i = out.value.find(stop.phrase)
-        if i >= 0 and (not stop.include or i + len(stop.phrase) < len(out.value)):
-            floors = [c for c in (plan.floor, *(c for c in plan.conditions if c.startswith(f"len({name})")))
-                      if c]
-            raise UnmetConstraint(name, f"the value {out.value!r} holds its stop phrase {stop.phrase!r} inside the "
-                                        f"part {' and '.join(floors) or 'its length'} requires: "
-                                        f"{stop_name(name, stop)} and {' and '.join(floors) or 'its length'} "
-                                        f"cannot both hold for it", out.value)
-
-
-def _why_cut(tokens, max_tokens, bound) -> str:
-    if len(tokens) >= max_tokens:
-        return f"needs more than the {tokens_text(max_tokens)} that {bound}"
-    return "was ended by the model"
-
-
-def _check_min_tokens(name: str, plan: HolePlan, out: HoleResult) -> None:
-    """A server lets a complete grammar end the value before min_tokens (vLLM's rule); kvql's engine
-    would have found no token to continue with: the value is refused here."""
-    n = len(out.tokens)
-    if plan.min_tokens and (out.tokens or not out.full) and n < plan.min_tokens:
-        raise UnmetConstraint(name, f"the value {out.value!r} has {tokens_text(n)}; {plan.floor} needs "
-                                    f"{plan.min_tokens}, and its constraint ({plan.describe()}) allowed no more",
-                              out.value)
-
-
 def _converted(name: str, plan: HolePlan, text: str):
     """The generated text as the hole's type: an int, a float, or a dataclass read from its JSON."""
     if plan.as_int or plan.as_float:
@@ -237,7 +177,7 @@ class Holes:
         where = where_text(constraint, name, plan)
         self._hole_log.append(out.trace_row(name, where, time.perf_counter() - started, setup,
                                             unbounded=plan.max_tokens is None))
-        _check_value(name, plan, out, max_tokens, bound)
+        check(name, plan, out, max_tokens, bound)
         return await self._finish_hole(name, plan, out, chain, live)
 
     def _supplied(self, name: str, value, shown: str):

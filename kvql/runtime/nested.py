@@ -9,7 +9,7 @@ from ..backends import base  # the contract only: no torch, no engine
 from .decorators import Chain
 from .errors import QueryError, UnmetConstraint
 from .hole_plan import HolePlan, hole_plan
-from .holes import stop_name, tokens_text
+from .hole_result import stop_name, tokens_text
 from .program import Program
 from .result import LMQLResult
 from .scoring import normalized
