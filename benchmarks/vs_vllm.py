@@ -14,12 +14,19 @@ Workloads (24 concurrent greedy requests each; --quick: 8):
   long_doc       one ~1,500-token document shared by all, a different question each, 10 new tokens
   long_answers   the few-shot prefix, 96 new tokens each (ignore_eos)
   json           the few-shot prefix, a JSON schema (structured_outputs.json on both servers), <= 48 tokens
+With `--llama-server PATH` (llama.cpp's own server, built from the llama.cpp sources; issue 44), also llama.cpp
+on the model's GGUF file as shipped (SmolLM2: Q4_1, Gemma 3: Q4_K_M: the bits a CPU user runs), once: --parallel
+24, one KV cache shared by the slots (--kv-unified), its prompt cache on (each slot keeps its prompt; a request
+goes to the slot whose prompt it shares most), the same threads and requests (the JSON schema as its
+`json_schema` field); its answers come from other arithmetic (4-bit weights), so they are counted, not required
+equal. Its ratio is llama.cpp time / kvql time for each dtype.
 Printed per dtype and workload: each server's wall seconds, vLLM time / kvql time (> 1: kvql faster),
 answers equal to the reference (per server), and kvql's overhead: wall / seconds inside its model forward
 (from /metrics; the server's overlapping requests make it a whole-workload figure). A figure
 (vs_vllm.png: the ratios, one bar per workload and dtype) and vs_vllm.json go to benchmarks/results/.
 
 Usage: python benchmarks/vs_vllm.py [--quick] [--dtypes float32,bfloat16] [--threads 2] [--no-vllm]
+    [--llama-server PATH]
 """
 
 from __future__ import annotations
@@ -161,6 +168,31 @@ def run_vllm(dtype: str, threads: int, reqs: dict, ref: dict) -> dict:
         subprocess.run(["bash", script, "stop", str(port)], check=False)
 
 
+def run_llama_server(binary: Path, threads: int, reqs: dict, ref: dict) -> dict:
+    """llama.cpp's server on the model's GGUF file as shipped (module doc)."""
+    import tempfile
+
+    from kvql.backends.loader import builtin_gguf
+
+    port, n = free_port(), len(reqs["fewshot_cold"])
+    bodies = {w: [{k: v for k, v in b.items() if k != "structured_outputs"}
+                  | ({"json_schema": b["structured_outputs"]["json"]} if "structured_outputs" in b else {})
+                  for b in bs] for w, bs in reqs.items()}
+    with tempfile.TemporaryDirectory() as staging:
+        gguf = builtin_gguf(NAME, Path(staging))
+        print(f"  llama.cpp on {gguf.name} ({gguf.stat().st_size / 2**20:.0f} MiB)", flush=True)
+        proc = subprocess.Popen([str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb",
+                                 str(threads), "--parallel", str(n), "--kv-unified", "-c", str(2048 * n),
+                                 "--alias", NAME, "--no-webui"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", proc)
+            return measure("llama", f"http://127.0.0.1:{port}", bodies, ref)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -190,6 +222,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of each server")
     ap.add_argument("--no-vllm", action="store_true", help="kvql serve only (no ratios)")
     ap.add_argument("--model", default=NAME, help="a built-in model: smollm2-135m or gemma3-270m")
+    ap.add_argument("--llama-server", type=Path, default=None, metavar="PATH",
+                    help="llama.cpp's llama-server: also run it on the model's GGUF file as shipped")
     args = ap.parse_args()
     NAME = args.model
     from kvql.backends.loader import load_tokenizer
@@ -205,11 +239,19 @@ def main():
         results[dtype] = {"kvql": run_kvql(dtype, args.threads, reqs, ref)}
         if not args.no_vllm:
             results[dtype]["vllm"] = run_vllm(dtype, args.threads, reqs, ref)
+    llama = run_llama_server(args.llama_server, args.threads, reqs, ref) if args.llama_server else None
+    if llama is not None:
+        print("\nllama.cpp (the GGUF file's own bits) time / kvql time (> 1: kvql faster), per kvql dtype")
+        for w in WORKLOADS:
+            print(f"{w:<14}" + "".join(f"{d:>12} {llama[w]['wall_s'] / r['kvql'][w]['wall_s']:5.2f}x"
+                                       for d, r in results.items()))
+        results["llama.cpp"] = llama
     print("\nvLLM time / kvql time (> 1: kvql faster); answers equal to the uncached solo reference, kvql | vLLM")
-    print(f"{'workload':<14}" + "".join(f"{d:>30}" for d in results))
+    dtypes = [d for d in results if d != "llama.cpp"]
+    print(f"{'workload':<14}" + "".join(f"{d:>30}" for d in dtypes))
     for w in WORKLOADS:
         cells = []
-        for d, r in results.items():
+        for d, r in ((d, results[d]) for d in dtypes):
             k = r["kvql"][w]
             v = r.get("vllm", {}).get(w)
             ratio = f"{v['wall_s'] / k['wall_s']:.2f}x" if v else "-"
