@@ -177,3 +177,29 @@ def test_a_snapshots_file_that_is_not_this_models_is_not_used(tokenizer, tmp_pat
         assert again.token_ids == want and again.cached_tokens == 0  # K/V on disk, but no state to resume from
     finally:
         b.close()
+
+
+def test_the_snapshots_file_counts_in_the_disk_budget(tokenizer, tmp_path):
+    """The tier's bytes are its K/V files' and the snapshots file's; the file holds the most recently used
+    snapshots that fit in a quarter of the budget, so a small budget keeps fewer and the tier stays within it."""
+    import kvql
+    from kvql.engine.cache.state_snapshots import DISK_SHARE, FILE
+
+    hf = F.build(*F.FAMILIES["qwen3_5"], len(tokenizer), tokenizer.eos_token_id)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, len(tokenizer), (40,), generator=g).tolist() for _ in range(4)]
+    kept = {}
+    for budget in (64 << 20, 96 << 10):
+        d = tmp_path / str(budget)
+        m = kvql.Model(hf, tokenizer, cache_budget=8 << 20, disk_cache=d, disk_budget=budget, cache_save_interval=0)
+        try:
+            m.generate(prompts, max_tokens=4)
+            m.save_cache()
+            tier = m.engine.tier
+            side = (tier.path / FILE).stat().st_size if (tier.path / FILE).exists() else 0
+            assert tier.side_bytes == side and side <= budget // DISK_SHARE + 4096  # the header beside the states
+            assert tier.bytes <= budget
+            kept[budget] = side
+        finally:
+            m.close()
+    assert 0 < kept[96 << 10] < kept[64 << 20]

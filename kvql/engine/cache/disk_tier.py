@@ -167,7 +167,8 @@ class DiskTier:
                 raise TierUnavailable(f"{self.path} cannot be locked: {e.strerror or e}") from None
             raise TierBusy(f"{self.path} is in use by another kvql model (this process or another)") from None
         self.pool, self.budget = pool, budget
-        self.bytes = 0  # the live files' sizes (module doc)
+        self.bytes = 0  # the live files' sizes (module doc), the side file's included
+        self.side_bytes = 0  # the recurrent states' snapshots file beside the K/V files (`side_file`)
         self.staged_bytes = 0
         self.written_tokens = self.read_tokens = self.failed_reads = 0
         self._token_bytes = pool.token_bytes
@@ -231,6 +232,13 @@ class DiskTier:
         now = time.time_ns() - len(files)
         for i, file in enumerate(files):
             self._writes.put(("touch", file, now + i))
+
+    def side_file(self, nbytes: int) -> None:
+        """The size of the tier's one side file now (the recurrent states' snapshots, state_snapshots.FILE; 0:
+        none): counted in the budget beside the K/V files, so that reclaiming makes room for it too."""
+        with self._lock:
+            self.bytes += nbytes - self.side_bytes
+            self.side_bytes = nbytes
 
     def over_budget(self) -> bool:
         return self.bytes > self.budget

@@ -13,6 +13,8 @@ Uses the engine's state lock, tree, memory, pool, runner and tokenizer."""
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from pathlib import Path
 
 from .. import openmp
@@ -60,6 +62,7 @@ class Persistence:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("kvql disk tier: %s not used (%s); prefixes are resumed from snapshots taken from now "
                             "on", tier.path / state_snapshots.FILE, e)
+        tier.side_file(_size(tier.path / state_snapshots.FILE))  # in the budget until the next save replaces it
         if save_interval > 0:
             self._autosave = Autosave(self, save_interval)
 
@@ -81,10 +84,11 @@ class Persistence:
             written, todo = written + staged.tokens, staged.todo
             tier.flush()
         with self._state:
+            if self.memory.snapshots is not None:  # in the tier's budget, at most a share of it
+                self.memory.snapshots.save(tier.path, tier.digest, tier.budget // state_snapshots.DISK_SHARE)
+                tier.side_file(_size(tier.path / state_snapshots.FILE))
             policy.reclaim()
             policy.order()
-            if self.memory.snapshots is not None:
-                self.memory.snapshots.save(tier.path, tier.digest)
         tier.flush()
         self.saves += 1
         return {"tokens": written, "tier_bytes": tier.bytes}
@@ -100,3 +104,12 @@ class Persistence:
         self.memory.install_loads()
         self.save_cache()  # the next start finds what only the pool held
         policy.disk.close()
+
+
+def _size(path: Path) -> int:
+    """The size of a regular file at `path` (not followed where it is a link), 0 where there is none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0

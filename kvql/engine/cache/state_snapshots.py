@@ -13,8 +13,9 @@ Snapshots are opaque objects with `clone()` and `nbytes` (and `encode()` for the
 `budget` bytes of them (its share of the cache budget), the least recently used going first. A snapshot is keyed
 by (salt, length, a BLAKE2b digest of the tokens): a request of one salt never resumes from another's state.
 
-With a disk tier, `save` writes every snapshot to one file in the tier's directory (`FILE`, beside the K/V files;
-at every `save_cache`: close and idle autosaves) and `load` reads it back at the next start, as untrustingly as
+With a disk tier, `save` writes the snapshots to one file in the tier's directory (`FILE`, beside the K/V files;
+at every `save_cache`: close and idle autosaves; the most recently used that fit in `DISK_SHARE` of the tier's
+budget, in which the file counts: disk_tier.DiskTier.side_file) and `load` reads it back at the next start, as untrustingly as
 the tier reads its files (tier_file.py: no links, no blocking, copied into memory, a SHA-256 keyed by the
 model's fingerprint over the description and the tensors; anything wrong is a start without snapshots).
 """
@@ -34,6 +35,7 @@ from . import tier_file
 
 FILE = "snapshots.safetensors"
 FORMAT = "kvql-state-snapshots-1"
+DISK_SHARE = 4  # the file holds the most recently used snapshots that fit in this share of the tier's budget
 
 
 def _key(salt, tokens: list[int]) -> tuple:
@@ -99,11 +101,18 @@ class StateSnapshots:
         self.hits += 1
         return self._items[key].clone()
 
-    def save(self, directory: Path, digest: str) -> int:
-        """Write every snapshot (least recently used first) to `directory / FILE`, replacing it at once (a
-        temporary file renamed); the number written. `digest`: the model's fingerprint digest (module doc)."""
+    def save(self, directory: Path, digest: str, max_bytes: int | None = None) -> int:
+        """Write the snapshots (least recently used first) to `directory / FILE`, replacing it at once (a
+        temporary file renamed); the number written. `digest`: the model's fingerprint digest (module doc);
+        `max_bytes`: the most recently used only, as many as fit in that many bytes of states."""
         entries, tensors = [], {}
-        for (salt, length, key), state in self._items.items():
+        kept, room = [], max_bytes if max_bytes is not None else float("inf")
+        for item in reversed(self._items.items()):
+            if item[1].nbytes > room:
+                break
+            kept.append(item)
+            room -= item[1].nbytes
+        for (salt, length, key), state in reversed(kept):
             try:
                 description, own = state.encode()
             except ValueError:
