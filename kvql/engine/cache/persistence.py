@@ -83,10 +83,13 @@ class Persistence:
                 staged = policy.write_back(todo)
             written, todo = written + staged.tokens, staged.todo
             tier.flush()
+        snapshots = self.memory.snapshots
+        if snapshots is not None:  # in the tier's budget, at most a share of it; written with the engine going on
+            with self._state:
+                encoded = snapshots.encoded(tier.budget // state_snapshots.DISK_SHARE)
+            state_snapshots.write(tier.path, tier.digest, encoded)
+            tier.side_file(_size(tier.path / state_snapshots.FILE))
         with self._state:
-            if self.memory.snapshots is not None:  # in the tier's budget, at most a share of it
-                self.memory.snapshots.save(tier.path, tier.digest, tier.budget // state_snapshots.DISK_SHARE)
-                tier.side_file(_size(tier.path / state_snapshots.FILE))
             policy.reclaim()
             policy.order()
         tier.flush()

@@ -13,7 +13,7 @@ Snapshots are opaque objects with `clone()` and `nbytes` (and `encode()` for the
 `budget` bytes of them (its share of the cache budget), the least recently used going first. A snapshot is keyed
 by (salt, length, a BLAKE2b digest of the tokens): a request of one salt never resumes from another's state.
 
-With a disk tier, `save` writes the snapshots to one file in the tier's directory (`FILE`, beside the K/V files;
+With a disk tier, `write` writes the snapshots (`encoded`) to one file in the tier's directory (`FILE`, beside the K/V files;
 at every `save_cache`: close and idle autosaves; the most recently used that fit in `DISK_SHARE` of the tier's
 budget, in which the file counts: disk_tier.DiskTier.side_file) and `load` reads it back at the next start, as untrustingly as
 the tier reads its files (tier_file.py: no links, no blocking, copied into memory, a SHA-256 keyed by the
@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from array import array
 from collections import OrderedDict
 from pathlib import Path
@@ -101,10 +102,10 @@ class StateSnapshots:
         self.hits += 1
         return self._items[key].clone()
 
-    def save(self, directory: Path, digest: str, max_bytes: int | None = None) -> int:
-        """Write the snapshots (least recently used first) to `directory / FILE`, replacing it at once (a
-        temporary file renamed); the number written. `digest`: the model's fingerprint digest (module doc);
-        `max_bytes`: the most recently used only, as many as fit in that many bytes of states."""
+    def encoded(self, max_bytes: int | None = None) -> tuple[list, dict]:
+        """(entries, tensors) for `write`: the snapshots, least recently used first; `max_bytes`: the most
+        recently used only, as many as fit in that many bytes of states. The states are the store's own, never
+        changed, so `write` may run after the caller lets the engine go on."""
         entries, tensors = [], {}
         kept, room = [], max_bytes if max_bytes is not None else float("inf")
         for item in reversed(self._items.items()):
@@ -119,18 +120,7 @@ class StateSnapshots:
                 continue  # a state holding a value the file cannot: not kept across the restart
             tensors.update({f"{len(entries)}.{name}": t for name, t in own.items()})
             entries.append([salt, length, key.hex(), description])
-        path = directory / FILE
-        if not entries:
-            path.unlink(missing_ok=True)
-            return 0
-        from safetensors.torch import save_file
-
-        text = json.dumps(entries)
-        tmp = directory / f".{FILE}.tmp"
-        save_file(tensors, str(tmp), metadata={"kvql_format": FORMAT, "entries": text,
-                                               "sha256": _sha256(digest, text, tensors)})
-        os.replace(tmp, path)
-        return len(entries)
+        return entries, tensors
 
     def load(self, directory: Path, digest: str, decode) -> int:
         """The snapshots `save` wrote to `directory / FILE`, each rebuilt by `decode(description, tensors)`
@@ -171,3 +161,21 @@ def _sha256(digest: str, text: str, tensors: dict[str, torch.Tensor]) -> str:
     for n in names:
         h.update(tensors[n].contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+def write(directory: Path, digest: str, encoded: tuple[list, dict]) -> int:
+    """Write `StateSnapshots.encoded`'s snapshots to `directory / FILE`, replacing it at once (a temporary file
+    renamed; none: the file removed); the number written. `digest`: the model's fingerprint digest (module doc)."""
+    entries, tensors = encoded
+    path = directory / FILE
+    if not entries:
+        path.unlink(missing_ok=True)
+        return 0
+    from safetensors.torch import save_file
+
+    text = json.dumps(entries)
+    tmp = directory / f".{FILE}.{threading.get_ident()}.tmp"  # a save of its own: saves may overlap, the last wins
+    save_file(tensors, str(tmp), metadata={"kvql_format": FORMAT, "entries": text,
+                                           "sha256": _sha256(digest, text, tensors)})
+    os.replace(tmp, path)
+    return len(entries)
