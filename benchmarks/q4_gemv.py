@@ -44,8 +44,10 @@ void q4_gemv_f32(const float *x, const block_q4_1 *w, float *out, int64_t n, int
         float extra = 0;
         for (int64_t b = 0; b < nb; b++) {
             __m128i q = _mm_loadu_si128((const __m128i *)row[b].qs);
-            __m128i lo = _mm_and_si128(q, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15));
-            __m512 flo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), fhi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+            __m128i lo = _mm_and_si128(q, _mm_set1_epi8(15));
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15));
+            __m512 flo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+            __m512 fhi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
             __m512 dot = _mm512_mul_ps(flo, _mm512_loadu_ps(x + 32 * b));
             dot = _mm512_fmadd_ps(fhi, _mm512_loadu_ps(x + 32 * b + 16), dot);
             acc = _mm512_fmadd_ps(_mm512_set1_ps(h2f(row[b].d)), dot, acc);
@@ -56,7 +58,8 @@ void q4_gemv_f32(const float *x, const block_q4_1 *w, float *out, int64_t n, int
 }
 
 // int8 activations: xq[k] int8, xs[b] scale per 32; per block: d * xs * sum(q * xq) + m * sx
-void q4_gemv_i8(const int8_t *xq, const float *xs, const float *sx, const block_q4_1 *w, float *out, int64_t n, int64_t k) {
+void q4_gemv_i8(const int8_t *xq, const float *xs, const float *sx, const block_q4_1 *w, float *out, int64_t n,
+                int64_t k) {
     int64_t nb = k / 32;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++) {
@@ -65,7 +68,8 @@ void q4_gemv_i8(const int8_t *xq, const float *xs, const float *sx, const block_
         float extra = 0;
         int64_t b = 0;
         for (; b + 2 <= nb; b += 2) {  // two blocks: 64 weights, one vpdpbusd
-            __m128i q0 = _mm_loadu_si128((const __m128i *)row[b].qs), q1 = _mm_loadu_si128((const __m128i *)row[b + 1].qs);
+            __m128i q0 = _mm_loadu_si128((const __m128i *)row[b].qs);
+            __m128i q1 = _mm_loadu_si128((const __m128i *)row[b + 1].qs);
             __m128i m4 = _mm_set1_epi8(15);
             __m256i u0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q0, 4), m4), _mm_and_si128(q0, m4));
             __m256i u1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q1, 4), m4), _mm_and_si128(q1, m4));
@@ -73,11 +77,8 @@ void q4_gemv_i8(const int8_t *xq, const float *xs, const float *sx, const block_
             __m512i xv = _mm512_loadu_si512(xq + 32 * b);
             __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv);  // 16 int32: 8 per block
             __m512 fs = _mm512_cvtepi32_ps(s);
-            __m512 sc = _mm512_set_ps(
-                h2f(row[b + 1].d) * xs[b + 1], h2f(row[b + 1].d) * xs[b + 1], h2f(row[b + 1].d) * xs[b + 1], h2f(row[b + 1].d) * xs[b + 1],
-                h2f(row[b + 1].d) * xs[b + 1], h2f(row[b + 1].d) * xs[b + 1], h2f(row[b + 1].d) * xs[b + 1], h2f(row[b + 1].d) * xs[b + 1],
-                h2f(row[b].d) * xs[b], h2f(row[b].d) * xs[b], h2f(row[b].d) * xs[b], h2f(row[b].d) * xs[b],
-                h2f(row[b].d) * xs[b], h2f(row[b].d) * xs[b], h2f(row[b].d) * xs[b], h2f(row[b].d) * xs[b]);
+            float s0 = h2f(row[b].d) * xs[b], s1 = h2f(row[b + 1].d) * xs[b + 1];  /* lanes 0-7: block b */
+            __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
             acc = _mm512_fmadd_ps(fs, sc, acc);
             extra += h2f(row[b].m) * sx[b] + h2f(row[b + 1].m) * sx[b + 1];
         }

@@ -78,9 +78,9 @@ class LocalBackend(Backend):
     (`kvql.backends.base`), with every capability. Thread-safe: calls from many threads or tasks share
     batches and the cache. LMQL's model methods come on top, in `kvql.Model` (`kvql.local_model`).
 
-    Beyond the contract it takes `mask` (a Python function of the generated ids -> allowed tokens) and `prompt_logprobs=k`
-    (every prompt token's log-probability and top k, vLLM's option). A server drives it through `submit`,
-    `collect`, `cancel` and `stream`'s hooks.
+    Beyond the contract it takes `mask` (a Python function of the generated ids -> allowed tokens) and
+    `prompt_logprobs=k` (every prompt token's log-probability and top k, vLLM's option). A server drives it
+    through `submit`, `collect`, `cancel` and `stream`'s hooks.
 
     `disk_cache` (also spelled `cache_dir`): a second cache tier in that directory, `disk_budget` bytes, that keeps
     the cache across restarts too (kvql.engine.cache.disk_tier): the cache starts as what it holds for this model;
