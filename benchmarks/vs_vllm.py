@@ -140,18 +140,22 @@ def measure(label: str, url: str, reqs: dict, ref: dict) -> dict:
     return rows
 
 
-def run_kvql(dtype: str, threads: int, reqs: dict, ref: dict) -> dict:
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen([sys.executable, "-m", "kvql.cli", "serve", "--model", NAME, "--port", str(port),
-                             "--dtype", dtype, "--cache-budget", "1GiB", "--log-level", "warning"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+def _served(label: str, argv: list[str], port: int, reqs: dict, ref: dict, env=None) -> dict:
+    """Start the server `argv` (listening on `port`), measure it once healthy, stop it."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc)
-        return measure("kvql", f"http://127.0.0.1:{port}", reqs, ref)
+        return measure(label, f"http://127.0.0.1:{port}", reqs, ref)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def run_kvql(dtype: str, threads: int, reqs: dict, ref: dict) -> dict:
+    port = free_port()
+    return _served("kvql", [sys.executable, "-m", "kvql.cli", "serve", "--model", NAME, "--port", str(port),
+                            "--dtype", dtype, "--cache-budget", "1GiB", "--log-level", "warning"],
+                   port, reqs, ref, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
 
 
 def run_vllm(dtype: str, threads: int, reqs: dict, ref: dict) -> dict:
@@ -181,16 +185,9 @@ def run_llama_server(binary: Path, threads: int, reqs: dict, ref: dict) -> dict:
     with tempfile.TemporaryDirectory() as staging:
         gguf = builtin_gguf(NAME, Path(staging))
         print(f"  llama.cpp on {gguf.name} ({gguf.stat().st_size / 2**20:.0f} MiB)", flush=True)
-        proc = subprocess.Popen([str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb",
+        return _served("llama", [str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb",
                                  str(threads), "--parallel", str(n), "--kv-unified", "-c", str(2048 * n),
-                                 "--alias", NAME, "--no-webui"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", proc)
-            return measure("llama", f"http://127.0.0.1:{port}", bodies, ref)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+                                 "--alias", NAME, "--no-webui"], port, bodies, ref)
 
 
 def plot(results: dict, path: Path) -> None:

@@ -92,7 +92,7 @@ def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterabl
     _completion_routes(app, s)
     _chat_routes(app, s)
     if playground:
-        playground_routes(app, model, salt_per_key=salt_per_key, keys=bool(keys), max_body_bytes=max_body_bytes)
+        playground_routes(app, s, keys=bool(keys))
     return app
 
 

@@ -29,7 +29,7 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 
-from .protocol import RequestError
+from .protocol import RequestError, parse_json
 
 STATS_EVERY = 16  # tokens between two stats events while a hole grows
 STATS = ("prompt_tokens", "cached_tokens", "computed_tokens", "hit_rate", "generated_tokens", "drafted_tokens",
@@ -73,8 +73,10 @@ def stats(model) -> dict:
     return {"type": "stats", **{k: got[k] for k in STATS if k in got}}
 
 
-def routes(app: FastAPI, model, *, salt_per_key: bool, keys: bool, max_body_bytes: int) -> None:
-    """Add the playground's two routes (module doc) for `model`; `keys`: whether the server has API keys."""
+def routes(app: FastAPI, s, *, keys: bool) -> None:
+    """Add the playground's two routes (module doc) for `s` (the app's `Served`); `keys`: whether the server has
+    API keys."""
+    model = s.model
     page = resources.files(__package__).joinpath("playground.html").read_text(encoding="utf-8")
 
     @app.get("/playground")
@@ -84,7 +86,7 @@ def routes(app: FastAPI, model, *, salt_per_key: bool, keys: bool, max_body_byte
 
     @app.post("/playground/run")
     async def run(request: Request):
-        if salt_per_key:
+        if s.salt_per_key:
             raise RequestError("the playground runs no queries on a server that partitions its cache by API key "
                                "(--salt-per-key): a query's requests would not be partitioned", status=403,
                                code="playground_refused")
@@ -92,7 +94,7 @@ def routes(app: FastAPI, model, *, salt_per_key: bool, keys: bool, max_body_byte
         if not keys and not _loopback(client):
             raise RequestError("a query is Python run in the server process: without --api-key the playground runs "
                                "queries only for clients on the loopback", status=403, code="playground_refused")
-        source, inputs = await _body(request, max_body_bytes)
+        source, inputs = _query(parse_json(await s.body(request), "the request body"))
         loop, queue, gone = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
 
         def emit(event: dict) -> None:
@@ -120,16 +122,8 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-async def _body(request: Request, limit: int) -> tuple[str, dict]:
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise RequestError(f"request body over {limit} bytes", status=413)
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise RequestError(f"the request body is not JSON: {e}") from None
+def _query(body) -> tuple[str, dict]:
+    """(source, inputs) of a run's request body."""
     if not isinstance(body, dict) or not isinstance(body.get("source"), str):
         raise RequestError("the request body must be {\"source\": QUERY, \"inputs\": {NAME: VALUE}}", "source")
     inputs = body.get("inputs") or {}

@@ -30,13 +30,17 @@ class Served:
         self.salt_per_key, self.max_body_bytes, self.max_tokens_cap = salt_per_key, max_body_bytes, max_tokens_cap
         self._takes_tools: bool | None = None  # whether the chat template renders tools: found on first use
 
-    async def parse(self, request: Request, cls):
+    async def body(self, request: Request) -> bytes:
+        """The request's body, read within `max_body_bytes` (413 past it), also when no content-length was sent."""
         raw = bytearray()
-        async for chunk in request.stream():  # bounded also when no content-length was sent
+        async for chunk in request.stream():
             raw += chunk
             if len(raw) > self.max_body_bytes:
                 raise RequestError(f"request body over {self.max_body_bytes} bytes", status=413)
-        req = parse_request(bytes(raw), cls)
+        return bytes(raw)
+
+    async def parse(self, request: Request, cls):
+        req = parse_request(await self.body(request), cls)
         if req.model is not None and req.model not in self.served:
             raise RequestError(f"model {req.model!r} is not served here; this server serves {self.name!r}",
                                "model", 404, "model_not_found")

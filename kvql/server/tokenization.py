@@ -44,12 +44,7 @@ def tokenization_routes(app: FastAPI, s) -> None:
     tok = s.model.tokenizer
 
     async def read(request: Request, cls):
-        raw = bytearray()
-        async for chunk in request.stream():  # bounded also when no content-length was sent
-            raw += chunk
-            if len(raw) > s.max_body_bytes:
-                raise RequestError(f"request body over {s.max_body_bytes} bytes", status=413)
-        body = parse_json(bytes(raw), "the request body")
+        body = parse_json(await s.body(request), "the request body")
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
         try:
