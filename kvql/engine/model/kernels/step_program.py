@@ -6,7 +6,7 @@ kernel starts, and residual adds and K/V writes done as torch ops pay torch's di
 tenth of a bf16 batch-1 step (docs/benchmarks.md, Design measurements).
 
 Contract: `Program.add(kind, fn, *args)` appends a call: `fn` a ctypes function of kvql's kernel libraries
-whose signature is the kind's (gemv, rms_norm, rope, gated_mul, attention: their C files), `args` its
+whose signature is the kind's (gemv, qgemm, rms_norm, rope, gated_mul, attention: their C files), `args` its
 arguments as integers (pointers as addresses; float arguments through `f32`); attention takes 18 and the
 step's 8 segment arguments (`run`'s `tail`). Two kinds are this library's own: `add(dst, dst_stride, src,
 src_stride, rows, n, is_bf16)` (dst += src row by row; src_stride 0 adds one row to every row, a bias) and
@@ -31,7 +31,7 @@ from . import build
 SIGNATURES = {"kvql_step_run": (build.I64, [build.PTR, build.I64, build.PTR])}
 LIBRARY = build.Library("step_program", "KVQL_STEP_PROGRAM", "calling each kernel from Python", SIGNATURES,
                         flags=["-ffp-contract=off"], limits=("kvql_step_op_words",))
-KINDS = {"gemv": 0, "rms_norm": 1, "rope": 2, "gated_mul": 3, "attention": 4, "add": 5, "write_kv": 6}
+KINDS = {"gemv": 0, "rms_norm": 1, "rope": 2, "gated_mul": 3, "attention": 4, "add": 5, "write_kv": 6, "qgemm": 7}
 TAIL = 8
 
 

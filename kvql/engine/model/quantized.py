@@ -1,0 +1,213 @@
+"""A model's linear layers on quantized weights (`kernels/qgemm.py`): `apply(model, weights, gguf=PATH)`.
+
+`weights`:
+- `"gguf"`: each linear layer takes the GGUF file's own blocks where qgemm runs their type (`gguf_blocks.TYPES`:
+  Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K): the weights a CPU user runs with llama.cpp, bit for bit. A layer is matched
+  to its tensor by transformers' own GGUF name map, its rows put in the model's order by transformers' own tensor
+  processor (Llama's q/k permutation), and taken only where the blocks, dequantized, equal the loaded weight (in
+  its dtype): a layer the file holds in another type, or cannot be matched, stays dequantized, and the report says
+  so.
+- `"int8"` / `"int4"`: any model's linear weights quantized per group of 32 inputs: int8 symmetric (scale = max |w|
+  / 127), int4 with a minimum (scale = (max - min) / 15), scales rounded to float16 first (as GGUF's Q8_0 / Q4_1).
+
+Which layers: every `nn.Linear` of the model (the decoder's projections and the LM head, a tied one too: the
+embedding keeps its own copy) whose shape qgemm takes (`qgemm.fits`); others stay as they are. The layer becomes a
+`QuantizedLinear` (its float weight dropped: memory is the quantized bytes), which the engine's forwards run as
+any linear layer: the swapped modules and the lean forward stack q/k/v and gate/up into one quantized GEMM
+(`QuantizedStack`), and the lean forward's C step program calls qgemm directly. Every output is batch-invariant
+(qgemm's chain per output), so cached == uncached and batched == alone hold for a quantized model as for any, its
+reference being its own forward. The quantized tensors are the module's buffers: they are in the state dict, so
+the disk tier's fingerprint tells a quantized model from its dequantized twin.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import gguf_blocks
+from .kernels import qgemm
+
+WEIGHTS = ("gguf", "int8", "int4")
+
+
+class QuantizedLinear(torch.nn.Module):
+    """`y = x @ w.T + bias` with w a `qgemm.QWeight` (module doc); `kind` names its format ("Q4_1", "int8", ...)."""
+
+    def __init__(self, weight: qgemm.QWeight, bias: torch.Tensor | None, kind: str):
+        super().__init__()
+        self.in_features, self.out_features, self.kind = weight.k, weight.n, kind
+        self.bits, self.group = weight.bits, weight.group
+        self.register_buffer("qweight", weight.q)
+        self.register_buffer("qscale", weight.scale)
+        self.register_buffer("qmin", weight.min)
+        self.register_buffer("qcorr", weight.corr)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    @property
+    def packed(self) -> qgemm.QWeight:
+        return qgemm.QWeight(self.qweight, self.qscale, self.qmin, self.qcorr, self.out_features, self.in_features,
+                             self.bits, self.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, [self.packed], self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+def _linear(x: torch.Tensor, weights: list[qgemm.QWeight], bias: torch.Tensor | None) -> torch.Tensor:
+    dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
+    outs = [qgemm.qgemm(rows, w) for w in weights]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+    out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+class QuantizedStack:
+    """Quantized layers reading the same input (q/k/v, gate/up) as one GEMM: their weights stacked along the outputs
+    where they share bits and groups (`weights` then has one entry), else one GEMM each, concatenated. Equal to
+    `cat([part(x) ...], -1)` bit for bit: each output is its own chain (qgemm). Not a module (as `cpu_linear.Stacked`)."""
+
+    def __init__(self, parts: list[QuantizedLinear]):
+        self.parts = list(parts)
+        self.in_features = parts[0].in_features
+        packed = [p.packed for p in parts]
+        same = all((w.bits, w.group) == (packed[0].bits, packed[0].group) for w in packed)
+        self.weights = [qgemm.QWeight.cat(packed)] if same else packed
+        biases = [p.bias for p in parts]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.weights, self.bias)
+
+    __call__ = forward
+
+
+def quantizable(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear) and qgemm.fits(module.out_features, module.in_features)
+
+
+def _group_quantize(w: torch.Tensor, bits: int) -> tuple:
+    """`(q, scale, min)` of float weight `w` [n, k] per group of 32 (module doc)."""
+    n, k = w.shape
+    g = w.detach().float().reshape(n, k // 32, 32)
+    if bits == 8:
+        scale = (g.abs().amax(-1) / 127).half().float()
+        q = torch.where(scale[..., None] > 0, g / scale[..., None], 0).round().clamp(-128, 127)
+        return q.reshape(n, k).to(torch.int32), scale, None
+    lo, hi = g.amin(-1).half().float(), g.amax(-1)
+    scale = ((hi - lo) / 15).half().float()
+    q = torch.where(scale[..., None] > 0, (g - lo[..., None]) / scale[..., None], 0).round().clamp(0, 15)
+    return q.reshape(n, k).to(torch.int32), scale, lo
+
+
+@dataclass
+class Report:
+    """What `apply` did: layers per format, their bytes, and the layers left dequantized with why."""
+    weights: str
+    kinds: collections.Counter = field(default_factory=collections.Counter)
+    quantized_bytes: int = 0
+    float_bytes: int = 0
+    left: dict[str, list[str]] = field(default_factory=dict)
+
+    def line(self) -> str:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
+        text = (f"weights {self.weights}: {sum(self.kinds.values())} linear layers quantized ({kinds}), "
+                f"{self.quantized_bytes / 2**20:.0f} MiB; other parameters {self.float_bytes / 2**20:.0f} MiB")
+        for why, names in sorted(self.left.items()):
+            text += f"; {len(names)} left dequantized ({why}: {names[0]}{', ...' if len(names) > 1 else ''})"
+        return text
+
+
+def apply(model: torch.nn.Module, weights: str, gguf: str | Path | None = None) -> Report:
+    """Replace the linear layers of `model` (on the CPU) by `QuantizedLinear` (module doc). Raises ValueError for an
+    unknown `weights`, `"gguf"` without a file, or a model not on the CPU."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS} (or None: dequantized), got {weights!r}")
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        raise ValueError("quantized weights run on the CPU (qgemm); load the model with device='cpu'")
+    if not qgemm.available():
+        raise ValueError(f"quantized weights need kvql's qgemm kernel, which cannot be built here "
+                         f"({qgemm.LIBRARY.error or 'KVQL_QGEMM=0'})")
+    if weights == "gguf" and gguf is None:
+        raise ValueError("weights='gguf' needs the model's GGUF file")
+    report = Report(weights)
+    blocks = _GGUF(model, Path(gguf)) if weights == "gguf" else None
+    names = {id(m): n for n, m in model.named_modules()}
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if not isinstance(child, torch.nn.Linear):
+                continue
+            name = f"{names[id(parent)]}.{child_name}".lstrip(".")
+            if not quantizable(child):
+                report.left.setdefault("shape", []).append(name)
+                continue
+            if blocks is not None:
+                found = blocks.layer(name, child)
+                if isinstance(found, str):
+                    report.left.setdefault(found, []).append(name)
+                    continue
+                (q, scale, mins), kind = found
+            else:
+                bits = 8 if weights == "int8" else 4
+                (q, scale, mins), kind = _group_quantize(child.weight, bits), weights
+            layer = QuantizedLinear(qgemm.QWeight.pack(q, scale, mins), child.bias, kind)
+            setattr(parent, child_name, layer)
+            report.kinds[kind] += 1
+            report.quantized_bytes += layer.packed.nbytes()
+    report.float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return report
+
+
+class _GGUF:
+    """A GGUF file's tensors for `model`'s linear layers (module doc: matched by transformers' name map, rows
+    ordered by its tensor processor, checked against the loaded weight)."""
+
+    def __init__(self, model: torch.nn.Module, path: Path):
+        import gguf
+        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                              get_gguf_hf_weights_map)
+
+        self.reader = gguf.GGUFReader(str(path))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        config = model.config.to_dict()
+        arch = str(self.reader.fields["general.architecture"].contents())
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
+        self.hf_to_gguf = {hf: g for g, hf in get_gguf_hf_weights_map(model, self.processor).items()}
+        embed = model.get_input_embeddings()
+        head = model.get_output_embeddings()
+        if head is not None and embed is not None and head.weight is embed.weight and "output.weight" not in self.tensors:
+            embed_name = next(n for n, p in model.named_parameters(remove_duplicate=False) if p is embed.weight
+                              and n in self.hf_to_gguf)
+            head_name = next(n for n, m in model.named_modules() if m is head)
+            self.hf_to_gguf[f"{head_name}.weight"] = self.hf_to_gguf[embed_name]
+
+    def layer(self, name: str, linear: torch.nn.Linear):
+        """`((q, scale, min), type name)` for the layer `name`, or why it stays dequantized."""
+        import numpy as np
+
+        tensor = self.tensors.get(self.hf_to_gguf.get(f"{name}.weight", ""))
+        if tensor is None:
+            return "not matched to a tensor of the file"
+        kind = tensor.tensor_type.name
+        n, k = linear.out_features, linear.in_features
+        raw = np.asarray(tensor.data).reshape(n, -1) if tensor.data.size else None
+        decoded = gguf_blocks.decode(kind, raw, k) if raw is not None and raw.shape[0] == n else None
+        if decoded is None:
+            return f"{kind}: a type qgemm does not run"
+        order = torch.from_numpy(np.ascontiguousarray(
+            self.processor.process(np.arange(n).reshape(n, 1), tensor.name).weights.reshape(n))).long()
+        q, scale, mins = (None if t is None else t.index_select(0, order) for t in decoded)
+        g = k // scale.shape[1]
+        w = scale.repeat_interleave(g, 1) * q.float()
+        if mins is not None:
+            w = w + mins.repeat_interleave(g, 1)
+        if not torch.equal(w.to(linear.weight.dtype), linear.weight.detach()):
+            return f"{kind}: blocks differ from the loaded weight"
+        return (q, scale, mins), kind
