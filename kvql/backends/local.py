@@ -18,7 +18,7 @@ import torch
 from ..completion import Completion
 from ..engine.engine import Engine
 from ..engine.decode import healing, masks
-from ..engine.model import model_runner
+from ..engine.model import model_runner, quantized
 from ..engine.decode.grammar import Grammar, warm_up
 from ..engine.cache.kv_pool import KVPool
 from ..engine.request import RequestGroup, SamplingParams
@@ -87,7 +87,11 @@ class LocalBackend(Backend):
     what only memory holds is written there on `close()` / exit, every `cache_save_interval` seconds when idle
     (0: only on close) and on `save_cache()`. `disk_budget` needs it (ValueError). A start never fails over the
     tier: without a `disk_budget`, a disk with no free space leaves the model memory-only (one WARNING line, logger
-    `kvql.cache`, naming the directory), and so does a directory that cannot be used (kvql.engine.cache.persistence)."""
+    `kvql.cache`, naming the directory), and so does a directory that cannot be used (kvql.engine.cache.persistence).
+
+    `weights` ("gguf" with `gguf` the model's GGUF file, "int8", "int4"; None: as loaded): the linear layers on
+    quantized weights (kvql.engine.model.quantized), done to `hf_model` in place before the engine prepares it;
+    `quantization` says what was done (one line), None without."""
 
     capabilities = frozenset({base.TOKEN_IDS, base.SCORE, base.LOGPROBS, base.MASKED_LOGPROBS, base.MIN_TOKENS,
                               base.STOP_FN, base.SAMPLING, base.CACHE_SALT, base.TOKEN_GRAMMAR, base.HEAL,
@@ -96,8 +100,10 @@ class LocalBackend(Backend):
     def __init__(self, hf_model, tokenizer, *, name: str = "model", cache_budget: int | str | None = None,
                  max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True,
                  cache_dir=None, cache_save_interval: float = 300.0, speculate: bool = True,
-                 disk_cache=None, disk_budget: int | str | None = None):
+                 disk_cache=None, disk_budget: int | str | None = None, weights: str | None = None, gguf=None):
         disk_cache = tier_directory(cache_dir, disk_cache, disk_budget)
+        # quantized linear layers (kvql.engine.model.quantized) before the engine prepares the model's layers
+        self.quantization = None if weights is None else quantized.apply(hf_model, weights, gguf).line()
         if not cache_save_interval >= 0:
             raise ValueError(f"cache_save_interval must be >= 0 seconds, got {cache_save_interval!r}")
         config = hf_model.config

@@ -26,7 +26,8 @@ import sys
 import threading
 import time
 
-from ..arguments import DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, at_least, disk_options, non_negative, size
+from ..arguments import (DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, WEIGHTS, WEIGHTS_HELP, at_least, disk_options,
+                         non_negative, size)
 from ..backends.dtype import DEFAULT, NAMES
 from ..registry import DEFAULT_MODEL
 
@@ -44,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                    help="cap the context (prompt + generated tokens) below the model's own")
     p.add_argument("--dtype", choices=NAMES, default=DEFAULT, help=DTYPE_HELP)
+    p.add_argument("--weights", choices=WEIGHTS, default=None, help=WEIGHTS_HELP)
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) replacing the tokenizer's")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"), default="info",
@@ -114,7 +116,8 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
 
     options = check(args.model, device=args.device, dtype=args.dtype, cache_budget=args.cache_budget,
                     cache_save_interval=args.cache_save_interval, speculate=args.speculate,
-                    disk_cache=args.disk_cache, disk_budget=args.disk_budget)  # the device, before the "loading" line
+                    disk_cache=args.disk_cache, disk_budget=args.disk_budget,
+                    weights=args.weights)  # the device, before the "loading" line
     print(f"kvql serve: loading {args.model} on {args.device} ({name(options.dtype)}) ...", flush=True)
     m = make(args.model, options)
     if args.max_model_len is not None:
@@ -126,7 +129,8 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     # the first constrained request would otherwise pay for building llguidance's view of the tokenizer
     threading.Thread(target=m.warm_up, name="kvql-grammar-warm-up", daemon=True).start()
     print(f"kvql serve: model {m.name} | device {m.device} | dtype {name(m.dtype)} | context {m.context_length} "
-          f"tokens | KV cache {m.cache_slots} tokens ({size_text(m.cache_bytes)})", flush=True)
+          f"tokens | KV cache {m.cache_slots} tokens ({size_text(m.cache_bytes)})"
+          + (f" | {m.quantization}" if m.quantization else ""), flush=True)
     app = create_app(m, name=args.served_model_name, aliases=[args.model], api_key=args.api_key,
                      salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
                      max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap,

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import cpu_linear, step
+from . import cpu_linear, quantized, step
 from .kernels import fused_ops
 
 
@@ -208,14 +208,18 @@ _PARTS = {"attention": ("q_proj", "k_proj", "v_proj"), "attention_qk_norm": ("q_
 _STACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def stacked(module: torch.nn.Module) -> cpu_linear.Stacked:
+def stacked(module: torch.nn.Module) -> cpu_linear.Stacked | quantized.QuantizedStack:
     """The one GEMM of a swapped attention's q/k/v or MLP's gate/up projections, held here rather than on the
     module (transformers' modules carry nothing of kvql's). A copy of a swapped model (`copy.deepcopy`) gets
-    its own at its first call, over its own parts, sliced as its class says (`prepare`)."""
+    its own at its first call, over its own parts, sliced as its class says (`prepare`). Quantized parts
+    (`quantized.apply`, which quantizes such a group whole or not at all) stack as one quantized GEMM."""
     s = _STACKED.get(module)
     if s is None:
         parts = [getattr(module, name) for name in _PARTS[kind(original(module))[0]]]
-        s = _STACKED[module] = cpu_linear.Stacked(parts, type(module).kvql_max_reduction)
+        if all(isinstance(p, quantized.QuantizedLinear) for p in parts):
+            s = _STACKED[module] = quantized.QuantizedStack(parts)
+        else:
+            s = _STACKED[module] = cpu_linear.Stacked(parts, type(module).kvql_max_reduction)
     return s
 
 

@@ -35,8 +35,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import cpu_linear, fused_layers, step
-from .kernels import fused_ops, gemv, paged_attention, step_program
+from . import cpu_linear, fused_layers, quantized, step
+from .kernels import fused_ops, gemv, paged_attention, qgemm, step_program
 
 
 def _references() -> dict[str, dict[str, list]]:
@@ -173,8 +173,20 @@ class _Gemm(NamedTuple):
     packs: object
 
 
-def _gemm_parts(linear) -> _Gemm | None:
-    """A `cpu_linear.Linear` or `Stacked`'s `_Gemm`, or None where a slice has no blocked copy."""
+class _QGemm(NamedTuple):
+    """What a `quantized.QuantizedLinear` or `QuantizedStack` runs: one quantized weight, its bias."""
+    weight: qgemm.QWeight
+    bias: torch.Tensor | None
+    source: list = []  # nothing to watch: quantized weights are not edited (cpu_linear.unchanged([]) is True)
+
+
+def _gemm_parts(linear) -> _Gemm | _QGemm | None:
+    """A `cpu_linear.Linear` or `Stacked`'s `_Gemm` (None where a slice has no blocked copy), or a quantized layer's
+    `_QGemm` (None where its parts did not stack into one weight)."""
+    if isinstance(linear, quantized.QuantizedLinear):
+        return _QGemm(linear.packed, linear.bias)
+    if isinstance(linear, quantized.QuantizedStack):
+        return _QGemm(linear.weights[0], linear.bias) if len(linear.weights) == 1 else None
     if not isinstance(linear, (cpu_linear.Linear, cpu_linear.Stacked)):
         return None
     packs = linear.current_packs()
@@ -196,13 +208,15 @@ class _Program:
     def build(cls, lean: LeanModel, rows: int, pool, threads: int) -> _Program | None:
         gemms = {id(s): _gemm_parts(s.linear) for layer in lean.layers for s in layer.steps
                  if isinstance(s, step.Gemm)}
-        if any(g is None for g in gemms.values()) or rows > gemv.max_rows() or not step_program.available():
+        plain = any(isinstance(g, _Gemm) for g in gemms.values())
+        if (any(g is None for g in gemms.values()) or (plain and rows > gemv.max_rows())
+                or not step_program.available()):
             return None
         return cls(lean, rows, pool, threads, gemms)
 
     def __init__(self, lean: LeanModel, rows: int, pool, threads: int, gemms: dict):
         self.lean, self.rows, self.threads, self.pool, self.gemms = lean, rows, threads, pool, gemms
-        self.sources = [g.packs.source for g in gemms.values()]  # what the packed copies were made from
+        self.sources = [g.packs.source if isinstance(g, _Gemm) else g.source for g in gemms.values()]
         self.dtype, self.is_bf16 = lean.dtype, fused_ops.DTYPES[lean.dtype]
         self.fo, self.pa = fused_ops.LIBRARY.get(), paged_attention.LIBRARY.get()
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}  # the program holds raw pointers into these
@@ -290,7 +304,11 @@ class _Program:
         reduction slice, the slices added in order, then the bias."""
         x, gemm = self.bound[s.src], self.gemms[id(s)]
         out = self._out(s.dst, s.width)
-        for i, (a, _, blocked) in enumerate(gemm.slices):
+        if isinstance(gemm, _QGemm):  # quantized.QuantizedLinear's qgemm call
+            self.program.add("qgemm", qgemm.LIBRARY.get().kvql_qgemm, x.data_ptr(), x.stride(0),
+                             *qgemm.pointers(gemm.weight), out.data_ptr(), out.stride(0), x.shape[0],
+                             *qgemm.call_args(gemm.weight), self.is_bf16, self.threads)
+        for i, (a, _, blocked) in enumerate(gemm.slices if isinstance(gemm, _Gemm) else ()):
             target = out if i == 0 else self._out("gemm.partial", s.width)
             n, k = gemv.shape(blocked)
             self.program.add("gemv", gemv.LIBRARY.get().kvql_gemv, x.data_ptr() + a * x.element_size(), x.stride(0),

@@ -32,6 +32,8 @@ from . import gguf_blocks
 from .kernels import qgemm
 
 WEIGHTS = ("gguf", "int8", "int4")
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Layers the engine stacks into one GEMM (`fused_layers.stacked`): quantized together or not at all."""
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -44,13 +46,12 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("qweight", weight.q)
         self.register_buffer("qscale", weight.scale)
         self.register_buffer("qmin", weight.min)
-        self.register_buffer("qcorr", weight.corr)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     @property
     def packed(self) -> qgemm.QWeight:
-        return qgemm.QWeight(self.qweight, self.qscale, self.qmin, self.qcorr, self.out_features, self.in_features,
-                             self.bits, self.group)
+        return qgemm.QWeight(self.qweight, self.qscale, self.qmin, self.out_features, self.in_features, self.bits,
+                             self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, [self.packed], self.bias)
@@ -140,27 +141,31 @@ def apply(model: torch.nn.Module, weights: str, gguf: str | Path | None = None) 
     report = Report(weights)
     blocks = _GGUF(model, Path(gguf)) if weights == "gguf" else None
     names = {id(m): n for n, m in model.named_modules()}
+    found = {}  # (parent, child name) -> ((q, scale, min), kind) or why the layer stays dequantized
     for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if not isinstance(child, torch.nn.Linear):
-                continue
-            name = f"{names[id(parent)]}.{child_name}".lstrip(".")
-            if not quantizable(child):
-                report.left.setdefault("shape", []).append(name)
-                continue
-            if blocks is not None:
-                found = blocks.layer(name, child)
-                if isinstance(found, str):
-                    report.left.setdefault(found, []).append(name)
-                    continue
-                (q, scale, mins), kind = found
-            else:
-                bits = 8 if weights == "int8" else 4
-                (q, scale, mins), kind = _group_quantize(child.weight, bits), weights
-            layer = QuantizedLinear(qgemm.QWeight.pack(q, scale, mins), child.bias, kind)
-            setattr(parent, child_name, layer)
-            report.kinds[kind] += 1
-            report.quantized_bytes += layer.packed.nbytes()
+        for child_name, child in parent.named_children():
+            if isinstance(child, torch.nn.Linear):
+                name = f"{names[id(parent)]}.{child_name}".lstrip(".")
+                if not quantizable(child):
+                    got = "shape"
+                elif blocks is not None:
+                    got = blocks.layer(name, child)
+                else:
+                    got = _group_quantize(child.weight, 8 if weights == "int8" else 4), weights
+                # packed at once: the int32 values of every layer together would take 4 bytes per weight
+                found[parent, child_name] = got if isinstance(got, str) else (qgemm.QWeight.pack(*got[0]), got[1])
+    for (parent, child_name), got in found.items():
+        group = next((g for g in SIBLINGS if child_name in g), ())
+        if not isinstance(got, str) and any(isinstance(found.get((parent, n)), str) for n in group):
+            got = "a layer stacked with it is left dequantized"
+        name = f"{names[id(parent)]}.{child_name}".lstrip(".")
+        if isinstance(got, str):
+            report.left.setdefault(got, []).append(name)
+            continue
+        layer = QuantizedLinear(got[0], getattr(parent, child_name).bias, got[1])
+        setattr(parent, child_name, layer)
+        report.kinds[got[1]] += 1
+        report.quantized_bytes += layer.packed.nbytes()
     report.float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return report
 

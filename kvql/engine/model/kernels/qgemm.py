@@ -3,8 +3,11 @@ and a minimum) per group of inputs, as GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_0 /
 int4 quantization hold them.
 
 Why: a decode step's time is the time to read the weights; 4-bit weights are a quarter of bf16's bytes, 8-bit half.
-The arithmetic is llama.cpp's (each row of x quantized to int8 per 32 inputs, integer dot products per group, one
-float step per group), so kvql computes what a CPU user of the same GGUF file gets from llama.cpp, at its speed.
+The arithmetic is llama.cpp's with a finer grid for x: each row quantized to int16 per 32 inputs (llama.cpp: int8),
+integer dot products per group, one float step per group. The finer grid keeps an output as close to a continuous
+function of its row as float rounding: the model computes its dequantized weights' products to about 1e-5, and
+kvql's exactness (cached == uncached, against the model's own forward) holds as for a float model (qgemm.c says
+why int8 did not).
 
 Contract (CPU; x float32 or bfloat16, `[rows, k]`, last dimension contiguous, any rows):
 - `QWeight.pack(q [n, k] ints, scale [n, k / group], min [n, k / group] or None)`: w = scale * q (+ min); 8-bit q in
@@ -12,12 +15,12 @@ Contract (CPU; x float32 or bfloat16, `[rows, k]`, last dimension contiguous, an
   are kept as float16 where every one is exactly a float16, else float32: packing never rounds a weight.
 - `qgemm(x, w)` -> `[rows, n]` in x's dtype: per row and output one float32 chain over the groups in order
   (qgemm.c), so each output depends on its own row only: batch-invariant whatever the rows beside it, the threads,
-  or the kernel (the AVX512-VNNI one equals the plain C one, `qgemm(..., reference=True)`, bit for bit; tested).
+  or the kernel (the AVX-512 one equals the plain C one, `qgemm(..., reference=True)`, bit for bit; tested).
 - `w.dequantized()`: the float32 weight it stands for (scale * q + min, exactly).
 
 Availability: built once per machine (`build`); `available()` is False without a compiler or with `KVQL_QGEMM=0`
-(the model then keeps dequantized weights). `fast()`: whether the vector kernel runs here (AVX512-VNNI); without it
-the plain C chain computes the same results, slowly, and the loader says so.
+(`kvql.model(weights=...)` then says why it cannot). `fast()`: whether the vector kernel runs here (AVX-512F);
+without it the plain C chain computes the same results, several times slower.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ import torch
 
 from . import build
 
-_ARGS = [build.PTR, build.I64, build.PTR, build.PTR, build.PTR, build.PTR, build.PTR, build.I64, build.I64, build.I64,
-         build.I64, build.I32, build.I32, build.I32, build.I32, build.I32]
+_ARGS = [build.PTR, build.I64, build.PTR, build.PTR, build.PTR, build.PTR, build.I64, build.I64, build.I64, build.I64,
+         build.I32, build.I32, build.I32, build.I32, build.I32]
 SIGNATURES = {"kvql_qgemm": (build.I32, _ARGS), "kvql_qgemm_ref": (build.I32, _ARGS)}
 LIBRARY = build.Library("qgemm", "KVQL_QGEMM", "quantized weights are dequantized", SIGNATURES,
                         flags=["-ffp-contract=off"], limits=("kvql_qgemm_fast",))
@@ -40,7 +43,7 @@ def available() -> bool:
 
 
 def fast() -> bool:
-    """Whether the AVX512-VNNI kernel runs here (else the plain C chain: same results, several times slower)."""
+    """Whether the AVX-512 kernel runs here (else the plain C chain: same results, several times slower)."""
     return available() and bool(LIBRARY.limits["kvql_qgemm_fast"])
 
 
@@ -51,12 +54,11 @@ def fits(n: int, k: int) -> bool:
 
 @dataclass(frozen=True)
 class QWeight:
-    """A packed quantized weight (qgemm.c's layout): `q` int8 / uint8, `scale` (and `min`, 4-bit) float16 or float32
-    `[n / 16, k / group, 16]`, `corr` int32 (8-bit: 128 times each group's sum of q)."""
+    """A packed quantized weight (qgemm.c's layout): `q` int8 `[n / 16, k / 2, 16, 2]` or uint8 `[n / 16, k / 4, 16,
+    2]` (two 4-bit values a byte), `scale` (and `min`, 4-bit) float16 or float32 `[n / 16, k / group, 16]`."""
     q: torch.Tensor
     scale: torch.Tensor
     min: torch.Tensor | None
-    corr: torch.Tensor | None
     n: int
     k: int
     bits: int
@@ -65,22 +67,18 @@ class QWeight:
     @classmethod
     def pack(cls, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None = None) -> QWeight:
         n, k = q.shape
-        group = k // scale.shape[1]
+        group = k // max(scale.shape[1], 1)
         bits = 8 if min is None else 4
         if not fits(n, k) or scale.shape != (n, k // group) or (bits == 4 and group != 32) or group not in (16, 32):
             raise ValueError(f"qgemm: cannot pack a {bits}-bit weight {tuple(q.shape)} in groups of {group}")
-        q = q.to(torch.int32)
         lo, hi = (-128, 127) if bits == 8 else (0, 15)
         if q.min() < lo or q.max() > hi:
             raise ValueError(f"qgemm: {bits}-bit values outside [{lo}, {hi}]")
-        blocks = q.reshape(n // 16, 16, k)
-        corr = None
         if bits == 8:
-            packed = blocks.reshape(n // 16, 16, k // 4, 4).transpose(1, 2).to(torch.int8).contiguous()
-            corr = (128 * blocks.reshape(n // 16, 16, k // group, group).sum(-1)).transpose(1, 2).to(torch.int32).contiguous()
-        else:  # byte i of quad j: input 8 j + i low, 8 j + 4 + i high
-            eights = blocks.reshape(n // 16, 16, k // 8, 2, 4)
-            packed = (eights[:, :, :, 0] | (eights[:, :, :, 1] << 4)).transpose(1, 2).to(torch.uint8).contiguous()
+            packed = q.reshape(n // 16, 16, k // 2, 2).transpose(1, 2).to(torch.int8).contiguous()
+        else:  # quad j of an output: bytes (4 j, 4 j + 2) and (4 j + 1, 4 j + 3), the first input low
+            quads = q.reshape(n // 16, 16, k // 4, 2, 2)
+            packed = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).transpose(1, 2).to(torch.uint8).contiguous()
 
         def per_block(t: torch.Tensor) -> torch.Tensor:
             t = t.float().reshape(n // 16, 16, k // group).transpose(1, 2).contiguous()
@@ -89,15 +87,14 @@ class QWeight:
         scale_, min_ = per_block(scale), None if min is None else per_block(min)
         if min_ is not None and min_.dtype != scale_.dtype:
             scale_, min_ = scale_.float(), min_.float()
-        return cls(packed, scale_, min_, corr, n, k, bits, group)
+        return cls(packed, scale_, min_, n, k, bits, group)
 
     def values(self) -> torch.Tensor:
         """The integers q `[n, k]` (int32), unpacked."""
-        n, k = self.n, self.k
-        if self.bits == 8:
-            return self.q.to(torch.int32).transpose(1, 2).reshape(n, k)
-        b = self.q.to(torch.int32).transpose(1, 2)  # [n / 16, 16, k / 8, 4]
-        return torch.stack([b & 15, b >> 4], 3).reshape(n, k)
+        b = self.q.to(torch.int32).transpose(1, 2)  # [n / 16, 16, k / 2 or k / 4, 2]
+        if self.bits == 4:
+            b = torch.stack([b & 15, b >> 4], 3)  # [n / 16, 16, k / 4, 2 (low, high), 2]
+        return b.reshape(self.n, self.k)
 
     def _per_output(self, t: torch.Tensor) -> torch.Tensor:
         return t.float().transpose(1, 2).reshape(self.n, self.k // self.group).repeat_interleave(self.group, 1)
@@ -109,7 +106,7 @@ class QWeight:
         return w if self.min is None else w + self._per_output(self.min)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min, self.corr) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min) if t is not None)
 
     @classmethod
     def cat(cls, parts: list[QWeight]) -> QWeight:
@@ -123,8 +120,7 @@ class QWeight:
             return None if ts[0] is None else torch.cat(ts)
 
         return cls(cat([p.q for p in parts]), cat([p.scale.to(dtype) for p in parts]),
-                   cat([None if p.min is None else p.min.to(dtype) for p in parts]), cat([p.corr for p in parts]),
-                   sum(p.n for p in parts), first.k, first.bits, first.group)
+                   cat([None if p.min is None else p.min.to(dtype) for p in parts]), sum(p.n for p in parts), first.k, first.bits, first.group)
 
 
 def call_args(w: QWeight) -> tuple:
@@ -133,9 +129,8 @@ def call_args(w: QWeight) -> tuple:
 
 
 def pointers(w: QWeight) -> tuple:
-    """The weight's pointers in `kvql_qgemm`'s arguments after `x, ldx`: (q, scale, min, corr)."""
-    return (w.q.data_ptr(), w.scale.data_ptr(), 0 if w.min is None else w.min.data_ptr(),
-            0 if w.corr is None else w.corr.data_ptr())
+    """The weight's pointers in `kvql_qgemm`'s arguments after `x, ldx`: (q, scale, min)."""
+    return w.q.data_ptr(), w.scale.data_ptr(), 0 if w.min is None else w.min.data_ptr()
 
 
 def qgemm(x: torch.Tensor, w: QWeight, reference: bool = False) -> torch.Tensor:

@@ -20,8 +20,8 @@ typedef struct {
 const int kvql_step_op_words = 2 + ARGS;
 
 typedef int (*gemv_fn)(const void *, int64_t, const void *, void *, int64_t, int64_t, int64_t, int64_t, int, int);
-typedef int (*qgemm_fn)(const void *, int64_t, const void *, const void *, const void *, const int32_t *, void *,
-                        int64_t, int64_t, int64_t, int64_t, int, int, int, int, int);
+typedef int (*qgemm_fn)(const void *, int64_t, const void *, const void *, const void *, void *, int64_t, int64_t,
+                        int64_t, int64_t, int, int, int, int, int);
 typedef void (*norm_fn)(const void *, int64_t, const void *, void *, int64_t, int64_t, int64_t, float, int, int, int);
 typedef void (*rope_fn)(void *, int64_t, int64_t, int64_t, int64_t, const void *, const void *, int64_t, int, int);
 typedef void (*gated_fn)(const void *, int64_t, void *, int64_t, int64_t, int64_t, int, int, int);
@@ -73,9 +73,9 @@ int64_t kvql_step_run(const Op *ops, int64_t n, const int64_t *tail) {
                                             (int)o->a[8], (int)o->a[9]);
             break;
         case QGEMM:
-            rc = ((qgemm_fn)(intptr_t)o->fn)(P(0), o->a[1], P(2), P(3), P(4), (const int32_t *)P(5), P(6), o->a[7],
-                                             o->a[8], o->a[9], o->a[10], (int)o->a[11], (int)o->a[12], (int)o->a[13],
-                                             (int)o->a[14], (int)o->a[15]);
+            rc = ((qgemm_fn)(intptr_t)o->fn)(P(0), o->a[1], P(2), P(3), P(4), P(5), o->a[6], o->a[7], o->a[8],
+                                             o->a[9], (int)o->a[10], (int)o->a[11], (int)o->a[12], (int)o->a[13],
+                                             (int)o->a[14]);
             break;
         case RMS_NORM:
             ((norm_fn)(intptr_t)o->fn)(P(0), o->a[1], P(2), P(3), o->a[4], o->a[5], o->a[6], as_float(o->a[7]),
