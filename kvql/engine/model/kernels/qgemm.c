@@ -115,35 +115,43 @@ static inline __attribute__((always_inline)) void tile_acc(const qweight *w, int
                                                           const float *sx, const float *xsum, __m512 *acc,
                                                           const int NB, const int R) {
     const int64_t k = w->k, G = w->group, groups = k / G;
+    #pragma GCC unroll 8
     for (int i = 0; i < NB * R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512i is[NB * R];
+        __m512i is[8]; /* NB R <= 8; fixed sizes, so that the arrays live in registers once unrolled */
+        #pragma GCC unroll 8
         for (int i = 0; i < NB * R; i++) is[i] = _mm512_setzero_si512();
         if (w->bits == 8) {
             for (int64_t j = g * G / 2; j < (g + 1) * G / 2; j++) { /* inputs 2 j, 2 j + 1 */
-                __m512i wv[NB];
+                __m512i wv[4];
+                #pragma GCC unroll 8
                 for (int i = 0; i < NB; i++)
                     wv[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
                         (const __m256i *)((const int8_t *)w->q + ((b + i) * (k / 2) + j) * 32)));
+                #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
                     int32_t xp;
                     memcpy(&xp, xq + r * k + 2 * j, 4);
                     __m512i xv = _mm512_set1_epi32(xp);
+                    #pragma GCC unroll 8
                     for (int i = 0; i < NB; i++) is[r * NB + i] = _mm512_dpwssd_epi32(is[r * NB + i], wv[i], xv);
                 }
             }
         } else {
             for (int64_t j = g * G / 4; j < (g + 1) * G / 4; j++) { /* inputs 4 j .. 4 j + 3 */
-                __m512i lo[NB], hi[NB];
+                __m512i lo[4], hi[4];
+                #pragma GCC unroll 8
                 for (int i = 0; i < NB; i++) {
                     __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
                         (const __m256i *)((const uint8_t *)w->q + ((b + i) * (k / 4) + j) * 32)));
                     lo[i] = _mm512_and_si512(v, _mm512_set1_epi16(15)), hi[i] = _mm512_srli_epi16(v, 4);
                 }
+                #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
                     int32_t x0, x1;
                     memcpy(&x0, xq + r * k + 4 * j, 4), memcpy(&x1, xq + r * k + 4 * j + 2, 4);
                     __m512i v0 = _mm512_set1_epi32(x0), v1 = _mm512_set1_epi32(x1);
+                    #pragma GCC unroll 8
                     for (int i = 0; i < NB; i++) {
                         is[r * NB + i] = _mm512_dpwssd_epi32(is[r * NB + i], lo[i], v0);
                         is[r * NB + i] = _mm512_dpwssd_epi32(is[r * NB + i], hi[i], v1);
@@ -151,10 +159,12 @@ static inline __attribute__((always_inline)) void tile_acc(const qweight *w, int
                 }
             }
         }
+        #pragma GCC unroll 8
         for (int i = 0; i < NB; i++) {
             int64_t at = ((b + i) * groups + g) * 16;
             __m512 s = scales16(w->scale, at, w->scale_f32);
             __m512 m = w->bits == 4 ? scales16(w->min, at, w->scale_f32) : s;
+            #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 int n = r * NB + i;
                 int64_t xg = r * (k / 32) + g * G / 32;
@@ -178,9 +188,11 @@ static inline void store16(void *out, int64_t at, __m512 v, int is_bf16) {
 static inline __attribute__((always_inline)) void tile(const qweight *w, int64_t b, int64_t m0, const int16_t *xq,
                                                        const float *sx, const float *xsum, void *out, int64_t ldo,
                                                        int is_bf16, const int NB, const int R) {
-    __m512 acc[NB * R];
+    __m512 acc[8];
     tile_acc(w, b, xq + m0 * w->k, sx + m0 * (w->k / 32), xsum + m0 * (w->k / 32), acc, NB, R);
+    #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
+        #pragma GCC unroll 8
         for (int i = 0; i < NB; i++) store16(out, (m0 + r) * ldo + (b + i) * 16, acc[r * NB + i], is_bf16);
 }
 #endif
