@@ -103,7 +103,6 @@ def check(spec: str, *, cache_dir=None, **keywords) -> Options:
 def _local_checked(spec: str, o: Options, cache_dir) -> Options:
     from .backends.cache_options import tier_directory
     from .backends.dtype import resolve
-    from .backends import loader
     from .backends.loader import check_device
     from .backends.sizes import parse_bytes
 
@@ -120,26 +119,31 @@ def _local_checked(spec: str, o: Options, cache_dir) -> Options:
         problem = directory_problem(directory, writable=False)  # a start never fails over the cache (module doc)
         if problem is not None:
             raise ValueError(f"{'cache_dir' if o.disk_cache is None else 'disk_cache'} {str(directory)!r} {problem}")
+    _check_weights(spec, o.weights, o.device)
     dtype = resolve(o.dtype, o.device)
     check_device(o.device)
     if o.tokenizer is not None:
         raise TypeError("tokenizer= is for remote models; a local model uses its own")
     if o.seed is not None and spec != "random":
         raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
-    if o.weights is not None:
-        from .arguments import WEIGHTS
-
-        if o.weights not in WEIGHTS:
-            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} (or None: dequantized to dtype), "
-                             f"got {o.weights!r}")
-        if str(o.device) != "cpu":
-            raise ValueError(f"weights={o.weights!r} runs on the CPU (kvql's quantized kernel); use device='cpu' "
-                             f"or leave weights out")
-        if o.weights == "gguf" and not (spec in loader.BUILTIN or str(spec).endswith(".gguf")):
-            raise ValueError(f"weights='gguf' runs a GGUF file's own blocks: model {spec!r} is no GGUF model (the "
-                             f"built-in models or a path to a .gguf file are); weights='int8' or 'int4' quantizes "
-                             f"any model")
     return dataclasses.replace(o, dtype=dtype, disk_cache=directory)
+
+
+def _check_weights(spec: str, weights, device) -> None:
+    """ValueError (one line) for a `weights=` that cannot load `spec` (`model`'s doc)."""
+    from .arguments import WEIGHTS
+    from .backends.loader import BUILTIN
+
+    if weights is None:
+        return
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} (or None: dequantized to dtype), got {weights!r}")
+    if str(device) != "cpu":
+        raise ValueError(f"weights={weights!r} runs on the CPU (kvql's quantized kernel); use device='cpu' or leave "
+                         f"weights out")
+    if weights == "gguf" and not (spec in BUILTIN or str(spec).endswith(".gguf")):
+        raise ValueError(f"weights='gguf' runs a GGUF file's own blocks: model {spec!r} is no GGUF model (the built-in "
+                         f"models or a path to a .gguf file are); weights='int8' or 'int4' quantizes any model")
 
 
 def _remote_checked(o: Options, cache_dir) -> Options:
@@ -259,8 +263,6 @@ def _random(o: Options):
 
     key = (o.seed or 0, o.device, o.dtype, o.cache_budget, o.max_batch_tokens, o.max_running, o.name,
            o.cache_save_interval, o.speculate, o.disk_cache, o.disk_budget, o.weights)
-    if o.weights == "gguf":
-        raise ValueError("weights='gguf' is for a GGUF model; the 'random' model takes weights='int8' or 'int4'")
     shared = _random_models.get(key)
     if shared is None or shared.closed:
         hf_model, tok = random_model(o.seed or 0, device=o.device, dtype=o.dtype)
