@@ -173,6 +173,22 @@ def test_the_compiled_step_runs_quantized_layers_bit_for_bit(dtype, tokenizer):
     assert lean._programs.get(1) is not None and lean._programs.get(3) is not None
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_tied_embedding_looks_up_the_quantized_head(weights):
+    """LMQL's "random" model ties its embedding to its head: quantized, the embedding's rows are the head's
+    dequantized rows, its float copy gone, and the model stays exact under the cache."""
+    m = kvql.model("random", weights=weights, dtype="float32")
+    hf = m.hf_model
+    embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    assert isinstance(embed, quantized._TiedEmbedding) and embed.weight is None
+    ids = torch.tensor([[3, 70, 49151]])
+    assert torch.equal(embed(ids)[0], head.packed.dequantized()[ids[0]])
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 100, 200]]
+    want = [reference_greedy(hf, p, 8, None) for p in prompts]
+    for _ in range(2):
+        assert [c.token_ids for c in m.generate(prompts, max_tokens=8, ignore_eos=True)] == want
+
+
 def test_the_fingerprint_tells_a_quantized_model_from_its_float_twin(tokenizer):
     model_type, overrides = families.FAMILIES["llama"]
     a = families.build(model_type, overrides, 256, eos_token_id=1)
@@ -188,8 +204,11 @@ def test_the_embedded_model_runs_its_own_q4_1_blocks():
     m = kvql.model("smollm2-135m", dtype="float32", weights="gguf", cache_budget="256MB")
     try:
         assert "210 Q4_1, 1 Q8_0" in m.quantization and "left" not in m.quantization, m.quantization
+        assert "the embedding looks up the head's rows" in m.quantization
         layers = sum(x.packed.nbytes() for x in m.hf_model.modules() if isinstance(x, quantized.QuantizedLinear))
         assert layers < 100 * 2**20
+        # the float embedding dropped: what is left is the norms' few kB
+        assert sum(p.numel() for p in m.hf_model.parameters()) < 100_000
         prompts = ["Q: What is the capital of France?\nA:", "The cat sat on the"]
         want = []
         with torch.inference_mode():

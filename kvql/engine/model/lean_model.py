@@ -126,8 +126,10 @@ class LeanModel:
         return dtype == self.dtype and dtype in fused_ops.DTYPES
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        x = torch.nn.functional.embedding(ids, self.embed.weight)
-        return x if self.embed_scale is None else x * self.embed_scale.to(self.embed.weight.dtype)
+        x = quantized.embedding_rows(self.embed, ids)
+        if x is None:
+            x = torch.nn.functional.embedding(ids, self.embed.weight)
+        return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
 
     def rotations(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
         """layer type -> (cos, sin) `[T, head_dim]` (one entry, None, for Llama's structure)."""
@@ -221,7 +223,7 @@ class _Program:
         self.fo, self.pa = fused_ops.LIBRARY.get(), paged_attention.LIBRARY.get()
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}  # the program holds raw pointers into these
         self.bound: dict[str, torch.Tensor] = {}  # name -> the buffer a step last wrote under it
-        self.x = self._out("x", lean.embed.weight.shape[1])
+        self.x = self._out("x", lean.embed.embedding_dim)
         self.scale = None if lean.embed_scale is None else lean.embed_scale.to(self.dtype)
         self.slots = torch.empty(rows, dtype=torch.long)
         d = lean.head_dim
@@ -325,7 +327,11 @@ class _Program:
 
     def run(self, ids, positions, write_slots, segs, keep) -> torch.Tensor:
         lean = self.lean
-        torch.index_select(lean.embed.weight, 0, ids, out=self.x)
+        rows = quantized.embedding_rows(lean.embed, ids)  # an embedding tied to a quantized head
+        if rows is None:
+            torch.index_select(lean.embed.weight, 0, ids, out=self.x)
+        else:
+            self.x.copy_(rows)
         if self.scale is not None:
             self.x.mul_(self.scale)
         for layer_type, (cos, sin) in lean.rotations(self.x, positions).items():
@@ -351,7 +357,9 @@ def build(hf_model) -> LeanModel | None:
         return None
     gemma = structure == "gemma3"
     embed = base.embed_tokens
-    if not ((_is(embed, refs["embedding"]) if gemma else type(embed) is torch.nn.Embedding)
+    cls = getattr(type(embed), "kvql_embedding", type(embed))  # a quantized head's tied embedding: its own class
+    if not ((any(fused_layers.same_function(cls.forward, r.forward) for r in refs["embedding"]) if gemma
+             else cls is torch.nn.Embedding)
             and embed.max_norm is None and not getattr(base.config, "use_bidirectional_attention", False)):
         return None
     layers = list(base.layers[:base.config.num_hidden_layers])

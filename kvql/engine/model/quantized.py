@@ -10,8 +10,10 @@
 - `"int8"` / `"int4"`: any model's linear weights quantized per group of 32 inputs: int8 symmetric (scale = max |w|
   / 127), int4 with a minimum (scale = (max - min) / 15), scales rounded to float16 first (as GGUF's Q8_0 / Q4_1).
 
-Which layers: every `nn.Linear` of the model (the decoder's projections and the LM head, a tied one too: the
-embedding keeps its own copy) whose shape qgemm takes (`qgemm.fits`); others stay as they are. The layer becomes a
+Which layers: every `nn.Linear` of the model (the decoder's projections and the LM head) whose shape qgemm takes
+(`qgemm.fits`); others stay as they are. An embedding tied to a quantized head looks its rows up in the head
+(`_TiedEmbedding`: the GGUF file's token embedding is that tensor; llama.cpp looks rows up in it too), its float copy
+dropped. The layer becomes a
 `QuantizedLinear` (its float weight dropped: memory is the quantized bytes), which the engine's forwards run as
 any linear layer: the swapped modules and the lean forward stack q/k/v and gate/up into one quantized GEMM
 (`QuantizedStack`), and the lean forward's C step program calls qgemm directly. Every output is batch-invariant
@@ -56,6 +58,24 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, [self.packed], self.bias)
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized as `dequantized()` computes them, in `dtype` (`[*ids.shape, k]`):
+        what a tied embedding looks up."""
+        flat = ids.reshape(-1)
+        block, lane = flat // 16, flat % 16
+        q = self.qweight[block, :, lane].to(torch.int32)  # [T, k / 2 or k / 4, 2]
+        if self.bits == 4:
+            q = torch.stack([q & 15, q >> 4], 2)
+        q = q.reshape(len(flat), self.in_features)
+
+        def per_input(t):
+            return t[block, :, lane].float().repeat_interleave(self.group, 1)
+
+        w = per_input(self.qscale) * q.float()
+        if self.qmin is not None:
+            w = w + per_input(self.qmin)
+        return w.to(dtype).view(*ids.shape, self.in_features)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
 
@@ -71,15 +91,25 @@ def _linear(x: torch.Tensor, weights: list[qgemm.QWeight], bias: torch.Tensor | 
 
 class QuantizedStack:
     """Quantized layers reading the same input (q/k/v, gate/up) as one GEMM: their weights stacked along the outputs
-    where they share bits and groups (`weights` then has one entry), else one GEMM each, concatenated. Equal to
+    where they share bits, groups and scale dtype (`weights` then has one entry, and the parts' buffers are views of
+    it: memory held once), else one GEMM each, concatenated. Equal to
     `cat([part(x) ...], -1)` bit for bit: each output is its own chain (qgemm). Not a module (as `cpu_linear.Stacked`)."""
 
     def __init__(self, parts: list[QuantizedLinear]):
         self.parts = list(parts)
         self.in_features = parts[0].in_features
         packed = [p.packed for p in parts]
-        same = all((w.bits, w.group) == (packed[0].bits, packed[0].group) for w in packed)
+        same = all((w.bits, w.group, w.scale.dtype) == (packed[0].bits, packed[0].group, packed[0].scale.dtype)
+                   for w in packed)
         self.weights = [qgemm.QWeight.cat(packed)] if same else packed
+        if same:  # the parts' buffers become views of the stacked weight: held once
+            start = 0
+            for p in parts:
+                blocks = slice(start, start + p.out_features // 16)
+                p.qweight, p.qscale = self.weights[0].q[blocks], self.weights[0].scale[blocks]
+                if p.qmin is not None:
+                    p.qmin = self.weights[0].min[blocks]
+                start = blocks.stop
         biases = [p.bias for p in parts]
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)])
@@ -88,6 +118,38 @@ class QuantizedStack:
         return _linear(x, self.weights, self.bias)
 
     __call__ = forward
+
+
+class _TiedEmbedding:
+    """An embedding whose weight was the LM head's (tied): it looks its rows up in the quantized head
+    (`QuantizedLinear.rows`, in the dtype the embedding had), its own float copy dropped. Swapped in as a subclass of
+    the embedding's class (`kvql_embedding`: `nn.Embedding`, or Gemma's scaled one, its `embed_scale` applied as its
+    forward does);
+    `kvql_head` (in the instance's dict, not a submodule) is the head."""
+
+    def forward(self, input_ids):
+        x = self.kvql_head.rows(input_ids, self.kvql_dtype)
+        scale = getattr(self, "embed_scale", None)
+        return x if scale is None else x * scale.to(x.dtype)
+
+
+def embedding_rows(embed: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor | None:
+    """The rows of a `_TiedEmbedding` (before any scale), or None for another embedding (its weight has them)."""
+    return embed.kvql_head.rows(ids, embed.kvql_dtype) if isinstance(embed, _TiedEmbedding) else None
+
+
+def _tie(embed: torch.nn.Module, head: QuantizedLinear) -> bool:
+    """Turn `embed` into a `_TiedEmbedding` of `head` where its forward is a plain lookup (nn.Embedding's, or
+    Gemma 3's scaled one) with no options that change rows; returns whether it did."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    cls = type(embed)
+    if cls.forward not in (torch.nn.Embedding.forward, Gemma3TextScaledWordEmbedding.forward) or embed.max_norm:
+        return False
+    embed.__dict__["kvql_head"], embed.__dict__["kvql_dtype"] = head, embed.weight.dtype
+    embed.__class__ = type(f"KvqlTied{cls.__name__}", (_TiedEmbedding, cls), {"kvql_embedding": cls})
+    embed.register_parameter("weight", None)
+    return True
 
 
 def quantizable(module: torch.nn.Module) -> bool:
@@ -116,11 +178,13 @@ class Report:
     quantized_bytes: int = 0
     float_bytes: int = 0
     left: dict[str, list[str]] = field(default_factory=dict)
+    tied: bool = False
 
     def line(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
         text = (f"weights {self.weights}: {sum(self.kinds.values())} linear layers quantized ({kinds}), "
-                f"{self.quantized_bytes / 2**20:.0f} MiB; other parameters {self.float_bytes / 2**20:.0f} MiB")
+                f"{self.quantized_bytes / 2**20:.0f} MiB{' (the embedding looks up the head' + chr(39) + 's rows)' if self.tied else ''}; "
+                f"other parameters {self.float_bytes / 2**20:.0f} MiB")
         for why, names in sorted(self.left.items()):
             text += f"; {len(names)} left dequantized ({why}: {names[0]}{', ...' if len(names) > 1 else ''})"
         return text
@@ -141,6 +205,8 @@ def apply(model: torch.nn.Module, weights: str, gguf: str | Path | None = None) 
     report = Report(weights)
     blocks = _GGUF(model, Path(gguf)) if weights == "gguf" else None
     names = {id(m): n for n, m in model.named_modules()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = embed is not None and head is not None and head.weight is embed.weight
     found = {}  # (parent, child name) -> ((q, scale, min), kind) or why the layer stays dequantized
     for parent in list(model.modules()):
         for child_name, child in parent.named_children():
@@ -166,6 +232,8 @@ def apply(model: torch.nn.Module, weights: str, gguf: str | Path | None = None) 
         setattr(parent, child_name, layer)
         report.kinds[got[1]] += 1
         report.quantized_bytes += layer.packed.nbytes()
+    head = model.get_output_embeddings()
+    report.tied = tied and isinstance(head, QuantizedLinear) and _tie(embed, head)
     report.float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return report
 
