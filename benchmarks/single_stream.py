@@ -24,11 +24,14 @@ What is measured (one process, side by side, each model in --models and dtype in
   says why it is missing where it is. And llama.cpp on the embedded GGUF file itself, at the bits it ships in
   (SmolLM2: Q4_1, Gemma 3: Q4_K_M: what a CPU user runs; issue 44), its limit from the file's size, with the
   ratio of kvql's best dtype to it.
+- kvql on quantized weights (--weights, default gguf: the file's own blocks; int8 / int4: kvql's quantization of the
+  model; issue 44), at the default dtype (bf16 activations here), its limit from its weights' bytes, with its ratio
+  to llama.cpp on the file and to kvql's bf16 figure.
 Timings alternate the sides in each repeat; the best of --repeats is reported (decode speed is bounded above,
 noise only slows it), with the fraction of the limit. The machine is shared and noisy: only ratios inside one
 run mean much. Usage:
     .venv/bin/python benchmarks/single_stream.py [--models smollm2-135m,gemma3-270m] [--dtypes float32,bfloat16]
-        [--tokens 96] [--repeats 3] [--threads 2] [--speculate]
+        [--tokens 96] [--repeats 3] [--threads 2] [--speculate] [--weights gguf,int8,int4]
 """
 
 from __future__ import annotations
@@ -72,6 +75,16 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(key)
             total += p.untyped_storage().nbytes()
     return total
+
+
+def _buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's buffers, each storage once (quantized weights live there: kvql.engine.model.quantized)."""
+    seen, out = set(), []
+    for b in model.buffers():
+        if b.untyped_storage().data_ptr() not in seen:
+            seen.add(b.untyped_storage().data_ptr())
+            out.append(b)
+    return out
 
 
 def kvql_decode(m, ids: list[int], tokens: int, lean: bool = True) -> float:
@@ -138,6 +151,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--speculate", action="store_true", help="kvql with speculative decoding (default: off)")
+    p.add_argument("--weights", default="gguf", help="quantized weights to run kvql on, comma-separated ('' for none)")
     p.add_argument("--llama-python", type=Path, default=Path("~/.cache/kvql/llamacpp-venv/bin/python").expanduser())
     p.add_argument("--gguf-dir", type=Path, default=Path("~/.cache/kvql/gguf").expanduser())
     args = p.parse_args()
@@ -146,7 +160,7 @@ def main() -> None:
     print(f"{'model':<14} {'dtype':<9} {'weights':>9} {'limit':>9} {'kvql':>14} {'kvql module path':>16} "
           f"{'transformers':>14} {'llama.cpp':>14}")
     for spec in args.models.split(","):
-        kvql_best = 0.0
+        kvql_best, kvql_rates = 0.0, {}
         for name in args.dtypes.split(","):
             m = kvql.model(spec, dtype=name, silent=True, speculate=args.speculate)
             hf, _ = load_hf(spec, dtype=resolve(name))  # a copy as loaded: the engine sets its own up for itself
@@ -166,6 +180,7 @@ def main() -> None:
             llama = llama_decode(args.llama_python, gguf, args.tokens, args.threads, args.repeats)
             rate = {k: (args.tokens - 1) / v for k, v in best.items()}
             kvql_best = max(kvql_best, rate["kvql"])
+            kvql_rates[dtype] = rate["kvql"]
             cells = " ".join(f"{rate[k]:{w}.1f} ({rate[k] / limit:4.0%})"
                              for k, w in (("kvql", 6), ("kvql module path", 8), ("transformers", 6)))
             if isinstance(llama, float):
@@ -179,11 +194,26 @@ def main() -> None:
             llama = llama_decode(args.llama_python, shipped, args.tokens, args.threads, args.repeats)
             size = shipped.stat().st_size
         line = f"{spec:<14} {'file':<9} {size / 2**20:7.0f}MB {bw / size:6.1f}/s llama.cpp on {shipped.name}: "
-        if isinstance(llama, str):
+        llama_rate = None if isinstance(llama, str) else (args.tokens - 1) / llama
+        if llama_rate is None:
             print(line + llama, flush=True)
         else:
-            r = (args.tokens - 1) / llama
-            print(line + f"{r:6.1f} ({r / (bw / size):4.0%}); kvql's best dtype / it: {kvql_best / r:.2f}", flush=True)
+            print(line + f"{llama_rate:6.1f} ({llama_rate / (bw / size):4.0%}); kvql's best dtype / it: "
+                  f"{kvql_best / llama_rate:.2f}", flush=True)
+        for weights in filter(None, args.weights.split(",")):
+            m = kvql.model(spec, weights=weights, silent=True, speculate=args.speculate)
+            torch.set_num_threads(args.threads)
+            ids = m.tokenizer.encode(PROMPT)
+            size = weight_bytes(m.hf_model) + sum(b.untyped_storage().nbytes() for b in _buffers(m.hf_model))
+            rate = (args.tokens - 1) / min(kvql_decode(m, ids, args.tokens) for _ in range(args.repeats))
+            m.close()
+            limit = bw / size
+            cells = [f"kvql {rate:6.1f} ({rate / limit:4.0%})"]
+            if llama_rate is not None:
+                cells.append(f"/ llama.cpp on the file {rate / llama_rate:.2f}")
+            if "bfloat16" in kvql_rates:
+                cells.append(f"/ kvql bf16 {rate / kvql_rates['bfloat16']:.2f}")
+            print(f"{spec:<14} {weights:<9} {size / 2**20:7.0f}MB {limit:6.1f}/s " + " ".join(cells), flush=True)
     print("tok/s of one stream's decode (fraction of the bandwidth limit); best of", args.repeats)
 
 

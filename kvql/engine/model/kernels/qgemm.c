@@ -225,15 +225,17 @@ static int run(const void *x, int64_t ldx, const qweight *w, void *out, int64_t 
 #ifdef QGEMM_AVX512
     if (!ref) {
         /* one row: four blocks at a time (64 outputs, four weight streams); more: two blocks by four rows */
-        const int64_t chunk = rows == 1 ? 4 : 2;
+        const int64_t chunk = rows == 1 && nb >= 128 ? 4 : 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (w->n * k * rows >= 1 << 15)
         for (int64_t c = 0; c < (nb + chunk - 1) / chunk; c++) {
             int64_t b = c * chunk;
             if (rows == 1) {
-                if (b + 4 <= nb)
+                if (chunk == 4 && b + 4 <= nb)
                     tile(w, b, 0, xq, sx, xsum, out, ldo, is_bf16, 4, 1);
+                else if (b + 2 <= nb && b + 2 <= c * chunk + chunk)
+                    tile(w, b, 0, xq, sx, xsum, out, ldo, is_bf16, 2, 1);
                 else
-                    for (; b < nb; b++) tile(w, b, 0, xq, sx, xsum, out, ldo, is_bf16, 1, 1);
+                    for (; b < nb && b < c * chunk + chunk; b++) tile(w, b, 0, xq, sx, xsum, out, ldo, is_bf16, 1, 1);
                 continue;
             }
             const int two = b + 2 <= nb;
