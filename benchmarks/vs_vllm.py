@@ -25,8 +25,11 @@ answers equal to the reference (per server), and kvql's overhead: wall / seconds
 (from /metrics; the server's overlapping requests make it a whole-workload figure). A figure
 (vs_vllm.png: the ratios, one bar per workload and dtype) and vs_vllm.json go to benchmarks/results/.
 
+With `--weights gguf,int8,int4`, also `kvql serve --weights W` (bf16 activations) against its own solo reference
+and against llama.cpp (vLLM runs the dtypes only).
+
 Usage: python benchmarks/vs_vllm.py [--quick] [--dtypes float32,bfloat16] [--threads 2] [--no-vllm]
-    [--llama-server PATH]
+    [--llama-server PATH] [--weights gguf]
 """
 
 from __future__ import annotations
@@ -82,11 +85,11 @@ def same(workload: str, a: str, b: str) -> bool:
     return answer(a) == answer(b) if workload in ("fewshot_cold", "fewshot_warm", "unshared", "long_doc") else a == b
 
 
-def reference(dtype: str, reqs: dict) -> dict[str, list[str]]:
+def reference(dtype: str, reqs: dict, weights: str | None = None) -> dict[str, list[str]]:
     """Every request alone on an empty cache, in this process."""
     import kvql
 
-    m = kvql.model(NAME, dtype=dtype)
+    m = kvql.model(NAME, dtype=dtype, weights=weights)
     out = {}
     for w, bodies in reqs.items():
         if w == "fewshot_warm":
@@ -151,10 +154,11 @@ def _served(label: str, argv: list[str], port: int, reqs: dict, ref: dict, env=N
         proc.wait(timeout=60)
 
 
-def run_kvql(dtype: str, threads: int, reqs: dict, ref: dict) -> dict:
+def run_kvql(dtype: str, threads: int, reqs: dict, ref: dict, weights: str | None = None) -> dict:
     port = free_port()
+    quantized = ["--weights", weights] if weights else []
     return _served("kvql", [sys.executable, "-m", "kvql.cli", "serve", "--model", NAME, "--port", str(port),
-                            "--dtype", dtype, "--cache-budget", "1GiB", "--log-level", "warning"],
+                            "--dtype", dtype, "--cache-budget", "1GiB", "--log-level", "warning", *quantized],
                    port, reqs, ref, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
 
 
@@ -221,6 +225,8 @@ def main():
     ap.add_argument("--model", default=NAME, help="a built-in model: smollm2-135m or gemma3-270m")
     ap.add_argument("--llama-server", type=Path, default=None, metavar="PATH",
                     help="llama.cpp's llama-server: also run it on the model's GGUF file as shipped")
+    ap.add_argument("--weights", default="", help="also kvql serve --weights W (bf16 activations) for each W of this "
+                    "comma-separated list (gguf, int8, int4); vLLM runs the dtypes only")
     args = ap.parse_args()
     NAME = args.model
     from kvql.backends.loader import load_tokenizer
@@ -228,19 +234,21 @@ def main():
     tok = load_tokenizer(NAME)
     reqs = requests(tok, 8 if args.quick else 24)
     results: dict = {}
-    for dtype in args.dtypes.split(","):
-        print(f"\n== {dtype}: reference (each request alone, uncached) ...", flush=True)
+    runs = [(d, d, None) for d in filter(None, args.dtypes.split(","))]
+    runs += [(f"{w} weights", "bfloat16", w) for w in filter(None, args.weights.split(","))]
+    for label, dtype, weights in runs:
+        print(f"\n== {label}: reference (each request alone, uncached) ...", flush=True)
         t = time.perf_counter()
-        ref = reference(dtype, reqs)
+        ref = reference(dtype, reqs, weights)
         print(f"   reference took {time.perf_counter() - t:.0f} s", flush=True)
-        results[dtype] = {"kvql": run_kvql(dtype, args.threads, reqs, ref)}
-        if not args.no_vllm:
-            results[dtype]["vllm"] = run_vllm(dtype, args.threads, reqs, ref)
+        results[label] = {"kvql": run_kvql(dtype, args.threads, reqs, ref, weights)}
+        if not args.no_vllm and weights is None:
+            results[label]["vllm"] = run_vllm(dtype, args.threads, reqs, ref)
     llama = run_llama_server(args.llama_server, args.threads, reqs, ref) if args.llama_server else None
     if llama is not None:
-        print("\nllama.cpp (the GGUF file's own bits) time / kvql time (> 1: kvql faster), per kvql dtype")
+        print("\nllama.cpp (the GGUF file's own bits) time / kvql time (> 1: kvql faster), per kvql dtype or weights")
         for w in WORKLOADS:
-            print(f"{w:<14}" + "".join(f"{d:>12} {llama[w]['wall_s'] / r['kvql'][w]['wall_s']:5.2f}x"
+            print(f"{w:<14}" + "".join(f"{d:>14} {llama[w]['wall_s'] / r['kvql'][w]['wall_s']:5.2f}x"
                                        for d, r in results.items()))
         results["llama.cpp"] = llama
     print("\nvLLM time / kvql time (> 1: kvql faster); answers equal to the uncached solo reference, kvql | vLLM")
