@@ -245,3 +245,43 @@ def test_the_command_line_takes_weights():
     assert parser().parse_args(["generate", "hi", "--weights", "int4"]).weights == "int4"
     with pytest.raises(SystemExit):
         parser().parse_args(["generate", "hi", "--weights", "q3"])
+
+
+def test_speculation_the_disk_tier_the_gather_path_and_the_server_run_quantized(tokenizer, tmp_path, monkeypatch):
+    """What works on float weights works on quantized ones: drafts verified several a step (the same tokens), the
+    disk tier's files read back at the next start (the same tokens), the gather + SDPA attention path, kvql serve."""
+    import httpx
+
+    from conftest import serving
+    from kvql.server.app import create_app
+
+    model_type, overrides = families.FAMILIES["llama"]
+    prompt = random_prompts(seed=11, count=1, vocab=len(tokenizer), prefix_lengths=(12,), suffix=(6, 7))[0]
+
+    def fresh(**kw):
+        hf = families.build(model_type, overrides, len(tokenizer), eos_token_id=tokenizer.eos_token_id, seed=3)
+        return kvql.Model(hf, tokenizer, weights="int4", cache_budget="16MB", **kw), hf
+
+    m, hf = fresh(disk_cache=tmp_path / "tier")
+    want = reference_greedy(hf, prompt, 30, None)
+    first = m.generate([prompt], max_tokens=30, ignore_eos=True)[0]
+    again = m.generate([prompt], max_tokens=30, ignore_eos=True)[0]
+    assert first.token_ids == again.token_ids == want and again.drafted_tokens > 10
+    m.close()  # writes the tier
+    m, _ = fresh(disk_cache=tmp_path / "tier")
+    try:
+        back = m.generate([prompt], max_tokens=30, ignore_eos=True)[0]
+        assert back.token_ids == want and m.stats()["disk_tokens"] + m.stats()["ram_tokens"] > 0
+        assert back.cached_tokens == len(prompt) - 1
+        with serving(create_app(m, name="q")) as url:
+            r = httpx.post(url + "/v1/completions", json={"model": "q", "prompt": prompt, "max_tokens": 30,
+                                                           "temperature": 0, "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == back.text
+    finally:
+        m.close()
+    monkeypatch.setenv("KVQL_PAGED_ATTENTION", "0")
+    m, hf = fresh()
+    try:
+        assert m.generate([prompt], max_tokens=30, ignore_eos=True)[0].token_ids == want
+    finally:
+        m.close()
