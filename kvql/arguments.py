@@ -14,10 +14,6 @@ MODEL_HELP = ("smollm2-135m (embedded), a local model directory, a Hugging Face 
               "HF cache, else downloaded), local:PATH_OR_ID, or http://HOST:PORT/v1")
 DTYPE_HELP = ("auto: bfloat16 on CUDA and on a CPU with native bf16 matrix units (AMX-BF16 or AVX-512 BF16), else "
               "float32 (the same rule for every command and for kvql.model()); float32: kvql's exact mode")
-WEIGHTS = ("gguf", "int8", "int4")
-WEIGHTS_HELP = ("linear layers on quantized weights (CPU): gguf: a GGUF model's own blocks (the built-in models, a .gguf "
-                "file), as llama.cpp runs them; int8 / int4: any model quantized per group of 32 (default: the weights "
-                "dequantized to --dtype)")
 SPECULATE_HELP = ("speculative decoding: while few requests run, greedy ones verify tokens drafted from the cache, their "
                   "own prompt and earlier outputs several per step (the same outputs, faster)")
 

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from .arguments import (DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, WEIGHTS, WEIGHTS_HELP, at_least, directory, disk_options, non_negative,
+from .arguments import (DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, at_least, directory, disk_options, non_negative,
                         output_file, seconds, size, unescape, workload)
 from .factory import is_remote
 from .registry import DEFAULT_MODEL
@@ -303,6 +303,7 @@ def _model_options(p: argparse.ArgumentParser, model_default: str | None = DEFAU
                    model_help: str = MODEL_HELP, disk_cache: bool = False) -> None:
     """--model, --device, --dtype, --cache-budget (and --disk-cache): the local model a command loads."""
     from .backends.dtype import DEFAULT, NAMES
+    from .backends.weights import HELP as WEIGHTS_HELP, WEIGHTS
 
     p.add_argument("--model", default=model_default, help=model_help)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...; checked before the model loads")

@@ -105,6 +105,7 @@ def _local_checked(spec: str, o: Options, cache_dir) -> Options:
     from .backends.dtype import resolve
     from .backends.loader import check_device
     from .backends.sizes import parse_bytes
+    from .backends.weights import check as check_weights
 
     if o.timeout is not None:
         raise TypeError("timeout= is for remote models; a local model's requests wait for their results")
@@ -119,7 +120,7 @@ def _local_checked(spec: str, o: Options, cache_dir) -> Options:
         problem = directory_problem(directory, writable=False)  # a start never fails over the cache (module doc)
         if problem is not None:
             raise ValueError(f"{'cache_dir' if o.disk_cache is None else 'disk_cache'} {str(directory)!r} {problem}")
-    _check_weights(spec, o.weights, o.device)
+    check_weights(spec, o.weights, o.device)
     dtype = resolve(o.dtype, o.device)
     check_device(o.device)
     if o.tokenizer is not None:
@@ -127,23 +128,6 @@ def _local_checked(spec: str, o: Options, cache_dir) -> Options:
     if o.seed is not None and spec != "random":
         raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
     return dataclasses.replace(o, dtype=dtype, disk_cache=directory)
-
-
-def _check_weights(spec: str, weights, device) -> None:
-    """ValueError (one line) for a `weights=` that cannot load `spec` (`model`'s doc)."""
-    from .arguments import WEIGHTS
-    from .backends.loader import BUILTIN
-
-    if weights is None:
-        return
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} (or None: dequantized to dtype), got {weights!r}")
-    if str(device) != "cpu":
-        raise ValueError(f"weights={weights!r} runs on the CPU (kvql's quantized kernel); use device='cpu' or leave "
-                         f"weights out")
-    if weights == "gguf" and not (spec in BUILTIN or str(spec).endswith(".gguf")):
-        raise ValueError(f"weights='gguf' runs a GGUF file's own blocks: model {spec!r} is no GGUF model (the built-in "
-                         f"models or a path to a .gguf file are); weights='int8' or 'int4' quantizes any model")
 
 
 def _remote_checked(o: Options, cache_dir) -> Options:

@@ -238,7 +238,7 @@ def test_bad_weights_options_say_what_is_wrong(tokenizer):
 
 
 def test_the_command_line_takes_weights():
-    from kvql.arguments import WEIGHTS
+    from kvql.backends.weights import WEIGHTS
     from kvql.cli import parser
 
     assert WEIGHTS == quantized.WEIGHTS

@@ -26,9 +26,10 @@ import sys
 import threading
 import time
 
-from ..arguments import (DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, WEIGHTS, WEIGHTS_HELP, at_least, disk_options,
+from ..arguments import (DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, at_least, disk_options,
                          non_negative, size)
 from ..backends.dtype import DEFAULT, NAMES
+from ..backends.weights import HELP as WEIGHTS_HELP, WEIGHTS
 from ..registry import DEFAULT_MODEL
 
 
