@@ -17,7 +17,7 @@
    Per output, one chain over the groups in order, from zero:
        acc = fma((float) isum_g, scale_g * sx_g, acc)     isum_g: the group's exact integer dot product of q and xq
        acc = fma(min_g, xsum_g, acc)                      (4-bit)
-   and the output is acc (bfloat16: rounded once, to nearest even). The vector kernel (AVX512-BW) and the plain C
+   and the output is acc (bfloat16: rounded once, to nearest even). The vector kernel (AVX512-VNNI) and the plain C
    one (`kvql_qgemm_ref`, everywhere) compute that same chain, so they agree bit for bit, and a row's result never
    depends on the rows beside it, the threads, or how many rows the call has: batch-invariant by construction. */
 
@@ -27,7 +27,7 @@
 #include <string.h>
 
 #include "simd.h"
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define QGEMM_AVX512 1
 const int kvql_qgemm_fast = 1;

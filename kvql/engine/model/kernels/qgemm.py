@@ -15,11 +15,11 @@ Contract (CPU; x float32 or bfloat16, `[rows, k]`, last dimension contiguous, an
   are kept as float16 where every one is exactly a float16, else float32: packing never rounds a weight.
 - `qgemm(x, w)` -> `[rows, n]` in x's dtype: per row and output one float32 chain over the groups in order
   (qgemm.c), so each output depends on its own row only: batch-invariant whatever the rows beside it, the threads,
-  or the kernel (the AVX-512 one equals the plain C one, `qgemm(..., reference=True)`, bit for bit; tested).
+  or the kernel (the AVX512-VNNI one equals the plain C one, `qgemm(..., reference=True)`, bit for bit; tested).
 - `w.dequantized()`: the float32 weight it stands for (scale * q + min, exactly).
 
 Availability: built once per machine (`build`); `available()` is False without a compiler or with `KVQL_QGEMM=0`
-(`kvql.model(weights=...)` then says why it cannot). `fast()`: whether the vector kernel runs here (AVX-512F);
+(`kvql.model(weights=...)` then says why it cannot). `fast()`: whether the vector kernel runs here (AVX512-VNNI);
 without it the plain C chain computes the same results, several times slower.
 """
 
@@ -43,7 +43,7 @@ def available() -> bool:
 
 
 def fast() -> bool:
-    """Whether the AVX-512 kernel runs here (else the plain C chain: same results, several times slower)."""
+    """Whether the AVX512-VNNI kernel runs here (else the plain C chain: same results, several times slower)."""
     return available() and bool(LIBRARY.limits["kvql_qgemm_fast"])
 
 
