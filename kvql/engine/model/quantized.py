@@ -185,6 +185,8 @@ class Report:
         text = (f"weights {self.weights}: {sum(self.kinds.values())} linear layers quantized ({kinds}), "
                 f"{self.quantized_bytes / 2**20:.0f} MiB{' (the embedding looks up the head' + chr(39) + 's rows)' if self.tied else ''}; "
                 f"other parameters {self.float_bytes / 2**20:.0f} MiB")
+        if not qgemm.fast():
+            text += "; the plain C kernel (this CPU has no AVX512-VNNI: several times slower)"
         for why, names in sorted(self.left.items()):
             text += f"; {len(names)} left dequantized ({why}: {names[0]}{', ...' if len(names) > 1 else ''})"
         return text
