@@ -285,3 +285,22 @@ def test_speculation_the_disk_tier_the_gather_path_and_the_server_run_quantized(
         assert m.generate([prompt], max_tokens=30, ignore_eos=True)[0].token_ids == want
     finally:
         m.close()
+
+
+def test_a_gguf_file_is_a_model_spec(tmp_path):
+    """A `.gguf` path loads (transformers dequantizes it) and, with weights="gguf", runs its own blocks (the
+    embedded SmolLM2's file), exact against its own forward."""
+    from kvql.backends import loader
+
+    path = loader.builtin_gguf("smollm2-135m", tmp_path)
+    assert loader.resolve(str(path)) == path and loader.gguf_file(str(path)) == path
+    m = kvql.model(str(path), dtype="float32", weights="gguf", cache_budget="64MB")
+    try:
+        assert "210 Q4_1, 1 Q8_0" in m.quantization
+        ids = m.tokenizer("The capital of France is", return_tensors="pt").input_ids
+        with torch.inference_mode():
+            want = m.hf_model.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids))
+        got = m.generate(["The capital of France is"], max_tokens=6, ignore_eos=True)[0].token_ids
+        assert got == want[0, ids.shape[1]:].tolist()
+    finally:
+        m.close()

@@ -303,7 +303,8 @@ class _Program:
 
     def _gemm(self, s: step.Gemm) -> None:
         """Steps computing `out = x @ w.T (+ bias)` as `cpu_linear._matmul` does for these rows: gemv per
-        reduction slice, the slices added in order, then the bias."""
+        reduction slice, the slices added in order, then the bias; a quantized layer's: one qgemm call, then the
+        bias (as `quantized.QuantizedLinear` computes it)."""
         x, gemm = self.bound[s.src], self.gemms[id(s)]
         out = self._out(s.dst, s.width)
         if isinstance(gemm, _QGemm):  # quantized.QuantizedLinear's qgemm call

@@ -13,9 +13,8 @@
 Which layers: every `nn.Linear` of the model (the decoder's projections and the LM head) whose shape qgemm takes
 (`qgemm.fits`); others stay as they are. An embedding tied to a quantized head looks its rows up in the head
 (`_TiedEmbedding`: the GGUF file's token embedding is that tensor; llama.cpp looks rows up in it too), its float copy
-dropped. The layer becomes a
-`QuantizedLinear` (its float weight dropped: memory is the quantized bytes), which the engine's forwards run as
-any linear layer: the swapped modules and the lean forward stack q/k/v and gate/up into one quantized GEMM
+dropped. A layer becomes a `QuantizedLinear` (its float weight dropped: memory is the quantized bytes), which the
+engine's forwards run as any linear layer: the swapped modules and the lean forward stack q/k/v and gate/up into one quantized GEMM
 (`QuantizedStack`), and the lean forward's C step program calls qgemm directly. Every output is batch-invariant
 (qgemm's chain per output), so cached == uncached and batched == alone hold for a quantized model as for any, its
 reference being its own forward. The quantized tensors are the module's buffers: they are in the state dict, so
@@ -92,8 +91,8 @@ def _linear(x: torch.Tensor, weights: list[qgemm.QWeight], bias: torch.Tensor | 
 class QuantizedStack:
     """Quantized layers reading the same input (q/k/v, gate/up) as one GEMM: their weights stacked along the outputs
     where they share bits, groups and scale dtype (`weights` then has one entry, and the parts' buffers are views of
-    it: memory held once), else one GEMM each, concatenated. Equal to
-    `cat([part(x) ...], -1)` bit for bit: each output is its own chain (qgemm). Not a module (as `cpu_linear.Stacked`)."""
+    it: memory held once), else one GEMM each, concatenated. Equal to `cat([part(x) ...], -1)` bit for bit: each
+    output is its own chain (qgemm). Not a module (as `cpu_linear.Stacked`)."""
 
     def __init__(self, parts: list[QuantizedLinear]):
         self.parts = list(parts)
@@ -111,8 +110,9 @@ class QuantizedStack:
                     p.qmin = self.weights[0].min[blocks]
                 start = blocks.stop
         biases = [p.bias for p in parts]
-        self.bias = None if all(b is None for b in biases) else torch.cat(
-            [b.detach() if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)])
+        given = next((b for b in biases if b is not None), None)
+        self.bias = None if given is None else torch.cat(
+            [b.detach() if b is not None else given.new_zeros(p.out_features) for b, p in zip(biases, parts)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self.weights, self.bias)
@@ -124,8 +124,7 @@ class _TiedEmbedding:
     """An embedding whose weight was the LM head's (tied): it looks its rows up in the quantized head
     (`QuantizedLinear.rows`, in the dtype the embedding had), its own float copy dropped. Swapped in as a subclass of
     the embedding's class (`kvql_embedding`: `nn.Embedding`, or Gemma's scaled one, its `embed_scale` applied as its
-    forward does);
-    `kvql_head` (in the instance's dict, not a submodule) is the head."""
+    forward does); `kvql_head` (in the instance's dict, not a submodule) is the head."""
 
     def forward(self, input_ids):
         x = self.kvql_head.rows(input_ids, self.kvql_dtype)
@@ -182,9 +181,9 @@ class Report:
 
     def line(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
+        tied = " (the embedding looks up the head's rows)" if self.tied else ""
         text = (f"weights {self.weights}: {sum(self.kinds.values())} linear layers quantized ({kinds}), "
-                f"{self.quantized_bytes / 2**20:.0f} MiB{' (the embedding looks up the head' + chr(39) + 's rows)' if self.tied else ''}; "
-                f"other parameters {self.float_bytes / 2**20:.0f} MiB")
+                f"{self.quantized_bytes / 2**20:.0f} MiB{tied}; other parameters {self.float_bytes / 2**20:.0f} MiB")
         if not qgemm.fast():
             text += "; the plain C kernel (this CPU has no AVX512-VNNI: several times slower)"
         for why, names in sorted(self.left.items()):
@@ -209,7 +208,7 @@ def apply(model: torch.nn.Module, weights: str, gguf: str | Path | None = None) 
     names = {id(m): n for n, m in model.named_modules()}
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = embed is not None and head is not None and head.weight is embed.weight
-    found = {}  # (parent, child name) -> ((q, scale, min), kind) or why the layer stays dequantized
+    found = {}  # (parent, child name) -> (qgemm.QWeight, kind), or why the layer stays dequantized
     for parent in list(model.modules()):
         for child_name, child in parent.named_children():
             if isinstance(child, torch.nn.Linear):
