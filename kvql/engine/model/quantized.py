@@ -8,7 +8,9 @@
   its dtype): a layer the file holds in another type, or cannot be matched, stays dequantized, and the report says
   so.
 - `"int8"` / `"int4"`: any model's linear weights quantized per group of 32 inputs: int8 symmetric (scale = max |w|
-  / 127), int4 with a minimum (scale = (max - min) / 15), scales rounded to float16 first (as GGUF's Q8_0 / Q4_1).
+  / 127), int4 with a minimum (scale = (max - min) / 15), scales rounded to float16 first (as GGUF's Q8_0 / Q4_1);
+  with int4 the LM head takes int8 (llama.cpp's 4-bit mixes keep their output layer at 6-8 bits: the head's
+  rounding moves every logit).
 
 Which layers: every `nn.Linear` of the model (the decoder's projections and the LM head) whose shape qgemm takes
 (`qgemm.fits`); others stay as they are. An embedding tied to a quantized head looks its rows up in the head
@@ -217,6 +219,8 @@ def apply(model: torch.nn.Module, weights: str, gguf: str | Path | None = None) 
                     got = "shape"
                 elif blocks is not None:
                     got = blocks.layer(name, child)
+                elif weights == "int4" and child is head:  # the head in 8 bits, as llama.cpp's Q4 mixes keep it
+                    got = _group_quantize(child.weight, 8), "int8"
                 else:
                     got = _group_quantize(child.weight, 8 if weights == "int8" else 4), weights
                 # packed at once: the int32 values of every layer together would take 4 bytes per weight
