@@ -200,7 +200,7 @@ def _gemm_parts(linear) -> _Gemm | _QGemm | None:
 class _Program:
     """A decode step of `rows` (<= `cpu_linear.gemv_rows`) tokens compiled from the lean model's steps: each step
     becomes the C calls of the kernels its `run` calls, with their arguments bound once (every GEMM through gemv's
-    blocked copies, as `cpu_linear._matmul` runs a few rows), intermediate rows in this program's buffers (one
+    blocked copies, as `cpu_linear._matmul` runs a few rows, or a quantized layer's qgemm), intermediate rows in this program's buffers (one
     per name and width, reused by every layer), the list run by one C call (`kernels/step_program.py`) instead
     of ~40 Python calls and allocations per layer. The same operations in the same order as the steps' `run`:
     the same results bit for bit. `current(threads)` is False once a weight changed or the thread count did (the
