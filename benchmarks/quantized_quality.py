@@ -17,6 +17,7 @@ import math
 import torch
 
 import kvql
+from single_stream import weight_bytes  # benchmarks/ is the script's directory
 
 TEXT = """The lighthouse stood at the end of a narrow spit of rock, and for most of the year nobody visited it but the
 keeper and the gulls. Every evening he climbed the one hundred and twelve steps, trimmed the wick, wound the clockwork
@@ -58,7 +59,7 @@ def main() -> None:
         base = kvql.model(spec, dtype=args.dtype)
         ids = torch.tensor(base.tokenizer.encode(TEXT))
         want = logits(base.hf_model, ids)
-        size = sum(t.numel() * t.element_size() for t in base.hf_model.parameters())
+        size = weight_bytes(base.hf_model.parameters())
         print(f"{spec:<14} {'dequantized':<12} {size / 2**20:6.0f} {'-':>16} {perplexity(want, ids):11.3f}"
               f"   ({len(ids)} tokens)", flush=True)
         base.close()
@@ -66,8 +67,7 @@ def main() -> None:
             m = kvql.model(spec, dtype=args.dtype, weights=weights)
             got = logits(m.hf_model, ids)
             agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
-            size = sum(t.untyped_storage().nbytes() for t in {b.untyped_storage().data_ptr(): b
-                                                              for b in m.hf_model.buffers()}.values())
+            size = weight_bytes(m.hf_model.buffers())
             print(f"{spec:<14} {weights:<12} {size / 2**20:6.0f} {agree:16.1%} {perplexity(got, ids):11.3f}",
                   flush=True)
             m.close()

@@ -37,6 +37,7 @@ run mean much. Usage:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import tempfile
@@ -67,24 +68,16 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
+def weight_bytes(tensors) -> int:
+    """The bytes of `tensors` (a model's parameters, and buffers where quantized weights live:
+    kvql.engine.model.quantized), each storage once (a tied embedding counts once)."""
     seen, total = set(), 0
-    for p in model.parameters():
+    for p in tensors:
         key = p.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
             total += p.untyped_storage().nbytes()
     return total
-
-
-def _buffers(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The model's buffers, each storage once (quantized weights live there: kvql.engine.model.quantized)."""
-    seen, out = set(), []
-    for b in model.buffers():
-        if b.untyped_storage().data_ptr() not in seen:
-            seen.add(b.untyped_storage().data_ptr())
-            out.append(b)
-    return out
 
 
 def kvql_decode(m, ids: list[int], tokens: int, lean: bool = True) -> float:
@@ -166,7 +159,7 @@ def main() -> None:
             hf, _ = load_hf(spec, dtype=resolve(name))  # a copy as loaded: the engine sets its own up for itself
             torch.set_num_threads(args.threads)
             ids = m.tokenizer.encode(PROMPT)
-            size = weight_bytes(hf)
+            size = weight_bytes(hf.parameters())
             limit = bw / size
             best = {"kvql": float("inf"), "kvql module path": float("inf"), "transformers": float("inf")}
             for _ in range(args.repeats):
@@ -204,7 +197,7 @@ def main() -> None:
             m = kvql.model(spec, weights=weights, silent=True, speculate=args.speculate)
             torch.set_num_threads(args.threads)
             ids = m.tokenizer.encode(PROMPT)
-            size = weight_bytes(m.hf_model) + sum(b.untyped_storage().nbytes() for b in _buffers(m.hf_model))
+            size = weight_bytes(itertools.chain(m.hf_model.parameters(), m.hf_model.buffers()))
             rate = (args.tokens - 1) / min(kvql_decode(m, ids, args.tokens) for _ in range(args.repeats))
             m.close()
             limit = bw / size

@@ -102,8 +102,6 @@ class LocalBackend(Backend):
                  cache_dir=None, cache_save_interval: float = 300.0, speculate: bool = True,
                  disk_cache=None, disk_budget: int | str | None = None, weights: str | None = None, gguf=None):
         disk_cache = tier_directory(cache_dir, disk_cache, disk_budget)
-        # quantized linear layers (kvql.engine.model.quantized) before the engine prepares the model's layers
-        self.quantization = None if weights is None else quantized.apply(hf_model, weights, gguf).line()
         if not cache_save_interval >= 0:
             raise ValueError(f"cache_save_interval must be >= 0 seconds, got {cache_save_interval!r}")
         config = hf_model.config
@@ -121,6 +119,9 @@ class LocalBackend(Backend):
             log.warning("disk cache not used: no free space on the disk of %s (the default disk_budget is half of "
                         "it); this model keeps its cache in memory only", disk_cache)
             disk_cache = None
+        # quantized linear layers (kvql.engine.model.quantized) once the cheap checks passed, before the load check
+        # below probes the model and the engine prepares its layers
+        self.quantization = None if weights is None else quantized.apply(hf_model, weights, gguf).line()
         geometry = model_runner.read_geometry(hf_model)  # UnsupportedModel (a ValueError) says why not
         slot_bytes = KVPool.slot_bytes(num_layers=len(geometry.layers), kv_heads=geometry.kv_heads,
                                        head_dim=geometry.head_dim, v_dim=geometry.v_dim, dtype=hf_model.dtype)

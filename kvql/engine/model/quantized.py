@@ -60,22 +60,9 @@ class QuantizedLinear(torch.nn.Module):
         return _linear(x, [self.packed], self.bias)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `ids` of the weight, dequantized as `dequantized()` computes them, in `dtype` (`[*ids.shape, k]`):
-        what a tied embedding looks up."""
-        flat = ids.reshape(-1)
-        block, lane = flat // 16, flat % 16
-        q = self.qweight[block, :, lane].to(torch.int32)  # [T, k / 2 or k / 4, 2]
-        if self.bits == 4:
-            q = torch.stack([q & 15, q >> 4], 2)
-        q = q.reshape(len(flat), self.in_features)
-
-        def per_input(t):
-            return t[block, :, lane].float().repeat_interleave(self.group, 1)
-
-        w = per_input(self.qscale) * q.float()
-        if self.qmin is not None:
-            w = w + per_input(self.qmin)
-        return w.to(dtype).view(*ids.shape, self.in_features)
+        """Rows `ids` of the weight, dequantized (`QWeight.dequantized`), in `dtype` (`[*ids.shape, k]`): what a tied
+        embedding looks up."""
+        return self.packed.dequantized(ids.reshape(-1)).to(dtype).view(*ids.shape, self.in_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
@@ -157,18 +144,18 @@ def quantizable(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear) and qgemm.fits(module.out_features, module.in_features)
 
 
-def _group_quantize(w: torch.Tensor, bits: int) -> tuple:
-    """`(q, scale, min)` of float weight `w` [n, k] per group of 32 (module doc)."""
+def _group_quantize(w: torch.Tensor, bits: int) -> qgemm.QWeight:
+    """Float weight `w` [n, k] quantized per group of 32 (module doc)."""
     n, k = w.shape
     g = w.detach().float().reshape(n, k // 32, 32)
     if bits == 8:
         scale = (g.abs().amax(-1) / 127).half().float()
         q = torch.where(scale[..., None] > 0, g / scale[..., None], 0).round().clamp(-128, 127)
-        return q.reshape(n, k).to(torch.int32), scale, None
+        return qgemm.QWeight.pack(q.reshape(n, k).to(torch.int32), scale)
     lo, hi = g.amin(-1).half().float(), g.amax(-1)
     scale = ((hi - lo) / 15).half().float()
     q = torch.where(scale[..., None] > 0, (g - lo[..., None]) / scale[..., None], 0).round().clamp(0, 15)
-    return q.reshape(n, k).to(torch.int32), scale, lo
+    return qgemm.QWeight.pack(q.reshape(n, k).to(torch.int32), scale, lo)
 
 
 @dataclass
@@ -210,7 +197,9 @@ def apply(model: torch.nn.Module, weights: str, gguf: str | Path | None = None) 
     names = {id(m): n for n, m in model.named_modules()}
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = embed is not None and head is not None and head.weight is embed.weight
-    found = {}  # (parent, child name) -> (qgemm.QWeight, kind), or why the layer stays dequantized
+    # (parent, child name) -> (its name, (qgemm.QWeight, kind) or why the layer stays dequantized); each layer packed
+    # at once: the int32 values of every layer together would take 4 bytes per weight
+    found = {}
     for parent in list(model.modules()):
         for child_name, child in parent.named_children():
             if isinstance(child, torch.nn.Linear):
@@ -223,13 +212,11 @@ def apply(model: torch.nn.Module, weights: str, gguf: str | Path | None = None) 
                     got = _group_quantize(child.weight, 8), "int8"
                 else:
                     got = _group_quantize(child.weight, 8 if weights == "int8" else 4), weights
-                # packed at once: the int32 values of every layer together would take 4 bytes per weight
-                found[parent, child_name] = got if isinstance(got, str) else (qgemm.QWeight.pack(*got[0]), got[1])
-    for (parent, child_name), got in found.items():
+                found[parent, child_name] = name, got
+    for (parent, child_name), (name, got) in found.items():
         group = next((g for g in SIBLINGS if child_name in g), ())
-        if not isinstance(got, str) and any(isinstance(found.get((parent, n)), str) for n in group):
+        if not isinstance(got, str) and any(isinstance(found[parent, n][1], str) for n in group if (parent, n) in found):
             got = "a layer stacked with it is left dequantized"
-        name = f"{names[id(parent)]}.{child_name}".lstrip(".")
         if isinstance(got, str):
             report.left.setdefault(got, []).append(name)
             continue
@@ -261,13 +248,15 @@ class _GGUF:
         embed = model.get_input_embeddings()
         head = model.get_output_embeddings()
         if head is not None and embed is not None and head.weight is embed.weight and "output.weight" not in self.tensors:
-            embed_name = next(n for n, p in model.named_parameters(remove_duplicate=False) if p is embed.weight
-                              and n in self.hf_to_gguf)
+            # a tied head is the file's token embedding (else it stays unmatched: the report says so)
+            embed_name = next((n for n, p in model.named_parameters(remove_duplicate=False) if p is embed.weight
+                               and n in self.hf_to_gguf), None)
             head_name = next(n for n, m in model.named_modules() if m is head)
-            self.hf_to_gguf[f"{head_name}.weight"] = self.hf_to_gguf[embed_name]
+            if embed_name is not None:
+                self.hf_to_gguf[f"{head_name}.weight"] = self.hf_to_gguf[embed_name]
 
     def layer(self, name: str, linear: torch.nn.Linear):
-        """`((q, scale, min), type name)` for the layer `name`, or why it stays dequantized."""
+        """`(qgemm.QWeight, type name)` for the layer `name`, or why it stays dequantized."""
         import numpy as np
 
         tensor = self.tensors.get(self.hf_to_gguf.get(f"{name}.weight", ""))
@@ -281,11 +270,7 @@ class _GGUF:
             return f"{kind}: a type qgemm does not run"
         order = torch.from_numpy(np.ascontiguousarray(
             self.processor.process(np.arange(n).reshape(n, 1), tensor.name).weights.reshape(n))).long()
-        q, scale, mins = (None if t is None else t.index_select(0, order) for t in decoded)
-        g = k // scale.shape[1]
-        w = scale.repeat_interleave(g, 1) * q.float()
-        if mins is not None:
-            w = w + mins.repeat_interleave(g, 1)
-        if not torch.equal(w.to(linear.weight.dtype), linear.weight.detach()):
+        packed = qgemm.QWeight.pack(*(None if t is None else t.index_select(0, order) for t in decoded))
+        if not torch.equal(packed.dequantized().to(linear.weight.dtype), linear.weight.detach()):
             return f"{kind}: blocks differ from the loaded weight"
-        return (q, scale, mins), kind
+        return packed, kind

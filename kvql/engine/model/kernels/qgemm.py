@@ -89,21 +89,26 @@ class QWeight:
             scale_, min_ = scale_.float(), min_.float()
         return cls(packed, scale_, min_, n, k, bits, group)
 
-    def values(self) -> torch.Tensor:
-        """The integers q `[n, k]` (int32), unpacked."""
-        b = self.q.to(torch.int32).transpose(1, 2)  # [n / 16, 16, k / 2 or k / 4, 2]
+    def _rows(self, t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """Outputs `rows` (all: None) of a per-block tensor `[n / 16, X, 16, ...]` as `[len(rows), X, ...]`."""
+        rows = torch.arange(self.n) if rows is None else rows
+        return t[rows // 16, :, rows % 16]
+
+    def values(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The integers q of outputs `rows` (all: None), unpacked: `[len(rows), k]` int32."""
+        b = self._rows(self.q, rows).to(torch.int32)  # [T, k / 2 or k / 4, 2]
         if self.bits == 4:
-            b = torch.stack([b & 15, b >> 4], 3)  # [n / 16, 16, k / 4, 2 (low, high), 2]
-        return b.reshape(self.n, self.k)
+            b = torch.stack([b & 15, b >> 4], 2)  # [T, k / 4, 2 (low, high), 2]
+        return b.reshape(b.shape[0], self.k)
 
-    def _per_output(self, t: torch.Tensor) -> torch.Tensor:
-        return t.float().transpose(1, 2).reshape(self.n, self.k // self.group).repeat_interleave(self.group, 1)
+    def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight of outputs `rows` (all: None), `[len(rows), k]`: scale * q (+ min), each product and sum
+        rounded once (exact for GGUF's formats: a float16 scale times a small integer fits float32's mantissa)."""
+        def per_input(t):
+            return self._rows(t, rows).float().repeat_interleave(self.group, 1)
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 weight `[n, k]`: scale * q (+ min), each product and sum rounded once (exact for GGUF's
-        formats: a float16 scale times a small integer fits float32's mantissa)."""
-        w = self._per_output(self.scale) * self.values().float()
-        return w if self.min is None else w + self._per_output(self.min)
+        w = per_input(self.scale) * self.values(rows).float()
+        return w if self.min is None else w + per_input(self.min)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.min) if t is not None)
@@ -120,7 +125,8 @@ class QWeight:
             return None if ts[0] is None else torch.cat(ts)
 
         return cls(cat([p.q for p in parts]), cat([p.scale.to(dtype) for p in parts]),
-                   cat([None if p.min is None else p.min.to(dtype) for p in parts]), sum(p.n for p in parts), first.k, first.bits, first.group)
+                   cat([None if p.min is None else p.min.to(dtype) for p in parts]), sum(p.n for p in parts),
+                   first.k, first.bits, first.group)
 
 
 def call_args(w: QWeight) -> tuple:
