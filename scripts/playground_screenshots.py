@@ -34,7 +34,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(kvql.model("smollm2-135m")), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(create_app(kvql.model("smollm2-135m"), playground_run=True), host="127.0.0.1", port=port,
                                            log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:

@@ -4,8 +4,11 @@ finished, see the prompt marked as served from the cache on the second run, see 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import socket
+import threading
 
 import httpx
 import pytest
@@ -30,7 +33,7 @@ def events(url: str, source: str, **kw) -> list[dict]:
 
 
 def test_a_run_streams_text_then_its_traces_and_an_error_names_its_line():
-    with serving(create_app(model())) as url:
+    with serving(create_app(model(), playground_run=True)) as url:
         got = events(url, QUERY)
         done = got[-1]
         assert done["type"] == "done" and [e["type"] for e in got].count("text") > 10
@@ -43,20 +46,46 @@ def test_a_run_streams_text_then_its_traces_and_an_error_names_its_line():
         assert error["type"] == "error" and error["line"] == 2 and "where clause" in error["message"]
 
 
-def test_who_may_run_a_query():
-    """The page is open like /health; a run needs the key where there are keys; without keys only a loopback
-    client runs one (a query is Python); not at all with --salt-per-key; nothing with --no-playground."""
+def _refused(r: httpx.Response, why: str) -> bool:
+    return r.status_code == 403 and r.json()["error"]["code"] == "playground_refused" and why in r.json()["error"]["message"]
+
+
+def test_running_a_query_is_off_unless_the_operator_opts_in():
+    """A key lets its holder generate, never run code: a keyed server refuses a key holder's query by default,
+    and a keyless one refuses its loopback clients too; the page itself stays open."""
     with serving(create_app(model(), api_key="k")) as url:
+        assert httpx.get(url + "/playground").status_code == 200
+        r = httpx.post(url + "/playground/run", json={"source": QUERY}, headers={"Authorization": "Bearer k"})
+        assert _refused(r, "--playground-run")
+        assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                          headers={"Authorization": "Bearer k"}).status_code == 200
+    with serving(create_app(model())) as url:
+        assert _refused(httpx.post(url + "/playground/run", json={"source": QUERY}), "--playground-run")
+
+
+def test_who_may_run_a_query_once_opted_in():
+    """Opted in: the key where there are keys; without keys a loopback client not behind a proxy; not at all
+    with --salt-per-key; nothing with --no-playground."""
+    with serving(create_app(model(), api_key="k", playground_run=True)) as url:
         assert httpx.get(url + "/playground").status_code == 200
         assert httpx.post(url + "/playground/run", json={"source": QUERY}).status_code == 401
         assert events(url, QUERY, headers={"Authorization": "Bearer k"})[-1]["type"] == "done"
         assert httpx.get(url + "/playground", headers={"Host": "evil.example"}).status_code == 403
-    with serving(create_app(model(), api_key="k", salt_per_key=True)) as url:
+    with serving(create_app(model(), api_key="k", salt_per_key=True, playground_run=True)) as url:
         r = httpx.post(url + "/playground/run", json={"source": QUERY}, headers={"Authorization": "Bearer k"})
-        assert r.status_code == 403 and "salt-per-key" in r.json()["error"]["message"]
+        assert _refused(r, "salt-per-key")
     with serving(create_app(model(), playground=False)) as url:
         assert httpx.get(url + "/playground").status_code == 404
-    app = create_app(model())  # a client that is not on the loopback, without keys
+    with pytest.raises(ValueError, match="needs the playground"):
+        create_app(model(), playground=False, playground_run=True)
+    with serving(create_app(model(), playground_run=True)) as url:  # keyless: the loopback, not through a proxy
+        assert events(url, QUERY)[-1]["type"] == "done"
+        # uvicorn itself takes a loopback peer's X-Forwarded-For as the client: refused as not on the loopback
+        for header in ({"X-Forwarded-For": "127.0.0.1"}, {"X-Forwarded-For": "203.0.113.9"},
+                       {"Forwarded": "for=127.0.0.1"}, {"X-Real-IP": "127.0.0.1"}, {"Via": "1.1 nginx"}):
+            r = httpx.post(url + "/playground/run", json={"source": QUERY}, headers=header)
+            assert _refused(r, "proxy") or _refused(r, "loopback"), (header, r.text)
+    app = create_app(model(), playground_run=True)  # a client that is not on the loopback, without keys
 
     async def remote_client():
         transport = httpx.ASGITransport(app=app, client=("192.0.2.7", 4000))
@@ -65,8 +94,51 @@ def test_who_may_run_a_query():
 
     import asyncio
 
-    r = asyncio.run(remote_client())
-    assert r.status_code == 403 and "loopback" in r.json()["error"]["message"]
+    assert _refused(asyncio.run(remote_client()), "loopback")
+
+
+@contextlib.contextmanager
+def forwarder(target_port: int):
+    """A same-host TCP forwarder (what socat or an SSH tunnel does): bytes copied both ways, nothing added; its
+    connections to the server come from the loopback. Yields its own port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def pipe(a, b):
+        with contextlib.suppress(OSError):
+            while data := a.recv(65536):
+                b.sendall(data)
+        with contextlib.suppress(OSError):
+            b.shutdown(socket.SHUT_WR)
+
+    def accept():
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                client, _ = listener.accept()
+            except TimeoutError:
+                continue
+            upstream = socket.create_connection(("127.0.0.1", target_port))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+def test_a_same_host_forwarder_cannot_make_a_keyless_server_run_a_query():
+    """A keyless server behind a forwarder on its own host sees every remote client as a loopback peer: by default
+    it still runs nothing; the forwarded request still generates."""
+    with serving(create_app(model())) as url, forwarder(int(url.rsplit(":", 1)[1])) as port:
+        via = f"http://127.0.0.1:{port}"
+        assert _refused(httpx.post(via + "/playground/run", json={"source": QUERY}), "--playground-run")
+        assert httpx.post(via + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
 
 
 # -- in a real browser -------------------------------------------------------------------------------------
@@ -109,7 +181,7 @@ def _run(browser, source: str) -> list[dict]:
 def test_the_page_runs_a_query_live_marks_the_cache_and_points_at_an_error(browser, tmp_path):
     from selenium.webdriver.common.by import By
 
-    with serving(create_app(model())) as url:
+    with serving(create_app(model(), playground_run=True)) as url:
         browser.get(url + "/playground")
         assert browser.title == "kvql playground" and browser.find_element(By.ID, "source").get_attribute("value")
         log = _run(browser, QUERY)

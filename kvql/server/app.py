@@ -17,8 +17,10 @@ Contracts:
   `errors.POLL_S` seconds until the response starts; then Starlette's streaming response watches).
 - `cache_salt` partitions the prefix cache: requests share cached tokens only with requests of the
   same salt (none: the default partition). With `salt_per_key`, each API key gets its own partition.
-- Host, API key, Content-Type and body-size checks: guard.py. The server only generates: it never
-  runs query code sent to it.
+- Host, API key, Content-Type and body-size checks: guard.py. The API only generates: no route runs code
+  sent to it, except the playground's `POST /playground/run` (a query is Python), which is off unless the
+  operator opts in (`playground_run=True`, `kvql serve --playground-run`; who may then run one:
+  playground.py).
 - `/metrics`, the access log and the throughput line: metrics.py. `shutdown()` (on the app's state)
   cancels every request in flight: non-streaming ones are answered 503, streams end with an error event.
 
@@ -54,7 +56,7 @@ def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterabl
                api_key: str | Iterable[str] | None = None, salt_per_key: bool = False,
                allowed_hosts: Iterable[str] | None = None, max_body_bytes: int = 1 << 20,
                max_tokens_cap: int = 4096, log_interval: float = 10.0, metrics_auth: bool = True,
-               playground: bool = True) -> FastAPI:
+               playground: bool = True, playground_run: bool = False) -> FastAPI:
     """The app serving `model` as `name` (default `model.name`); requests may also name it by an alias.
 
     `api_key`: one key or several (each `Authorization: Bearer KEY`). `salt_per_key`: each key's
@@ -62,14 +64,17 @@ def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterabl
     IP addresses and `localhost` (`"*"`: any); see guard.py. `log_interval`: seconds between throughput
     lines (logger `kvql.server`) while busy. `metrics_auth=False`: `GET /metrics` answers without a key
     (as vLLM's does), for a Prometheus scraper; by default it needs one, as every route but /health.
-    `playground`: the query playground (`GET /playground`, open like /health; running a query needs a key:
-    kvql.server.playground).
+    `playground`: the query playground's page (`GET /playground`, open like /health). `playground_run`: let the
+    playground run queries (Python in this process, as its user: whoever may run one has a shell); off by
+    default, and then every run is refused whatever the key or the peer (kvql.server.playground).
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k for k in keys):
         raise ValueError("API keys must be non-empty strings")
     if salt_per_key and not keys:
         raise ValueError("salt_per_key needs API keys")
+    if playground_run and not playground:
+        raise ValueError("playground_run needs the playground")
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -92,7 +97,7 @@ def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterabl
     _completion_routes(app, s)
     _chat_routes(app, s)
     if playground:
-        playground_routes(app, s, keys=bool(keys))
+        playground_routes(app, s, keys=bool(keys), run=playground_run)
     return app
 
 

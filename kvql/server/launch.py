@@ -60,13 +60,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="open connections at most (default: the open-file limit, raised to its hard limit, less "
                         "64); at the cap a new connection closes the longest-idle one, and requests past it get 503")
     p.add_argument("--api-key", action="append", metavar="KEY",
-                   help="require Authorization: Bearer KEY on all but /health (repeatable: any of them)")
+                   help="require Authorization: Bearer KEY on all but /health (repeatable: any of them); a key "
+                        "lets its holder generate, never run code, unless --playground-run")
     p.add_argument("--metrics-auth", action=argparse.BooleanOptionalAction, default=True,
                    help="with --api-key, GET /metrics needs a key too (default); --no-metrics-auth leaves it "
                         "open for a Prometheus scraper, as vLLM does")
     p.add_argument("--playground", action=argparse.BooleanOptionalAction, default=True,
-                   help="serve the query playground at /playground (the page is open; running a query needs a "
-                        "key, or a loopback client where there is none)")
+                   help="serve the query playground's page at /playground (running queries there is off unless "
+                        "--playground-run)")
+    p.add_argument("--playground-run", action="store_true",
+                   help="let the playground run queries: a query is Python run in this process as its user, so "
+                        "whoever may run one has a shell: with --api-key every key holder, without keys every "
+                        "loopback client that did not come through a proxy (off by default)")
     p.add_argument("--salt-per-key", action="store_true",
                    help="each API key gets its own prefix-cache partition (tenants cannot probe each other)")
     p.add_argument("--allowed-host", action="append", metavar="HOST",
@@ -95,6 +100,13 @@ def serve(args) -> None:
         _fail(f"--header-timeout must be a number of seconds > 0, got {args.header_timeout}")
     if args.max_connections is not None and args.max_connections < 1:
         _fail(f"--max-connections must be at least 1, got {args.max_connections}")
+    if args.salt_per_key and not args.api_key:  # before the load: a usage error costs no seconds
+        _fail("--salt-per-key needs --api-key (it gives each key its own cache partition)")
+    if args.playground_run and not args.playground:
+        _fail("--playground-run needs the playground (drop --no-playground)")
+    if args.playground_run and args.salt_per_key:
+        _fail("--playground-run with --salt-per-key: the playground runs no queries on a server that partitions "
+              "its cache by key (a query's requests would not be partitioned)")
     listener = _log_to_stderr(args.log_level)
     try:
         _serve(args, sock, template)
@@ -135,7 +147,8 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     app = create_app(m, name=args.served_model_name, aliases=[args.model], api_key=args.api_key,
                      salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
                      max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap,
-                     metrics_auth=args.metrics_auth, playground=args.playground)
+                     metrics_auth=args.metrics_auth, playground=args.playground,
+                     playground_run=args.playground_run)
     grace = max(0.0, args.shutdown_timeout)
 
     class Server(uvicorn.Server):
@@ -169,6 +182,10 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
     connections.quiet_accept_errors()
     print(f"kvql serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1"
           + (f" · playground http://{args.host}:{args.port}/playground" if args.playground else ""), flush=True)
+    if args.playground_run:
+        print("kvql serve: WARNING --playground-run is on: the playground runs queries (Python, as this process's "
+              "user) for " + ("every API key holder" if args.api_key else "every loopback client not behind a "
+              "proxy (a same-host forwarder counts as local)"), flush=True)
     Server(uvicorn.Config(app, log_level="warning" if quiet else args.log_level, access_log=False,
                           # uvicorn's 503 when open connections (or requests) pass this: all of them busy, as
                           # the protocol closes idle ones at the cap; the margin covers closes still under way

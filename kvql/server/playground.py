@@ -11,11 +11,20 @@ clause, the cache's counts as they change; examples from the docs one click away
   generated token's), `{"type": "stats", ...}` (the model's cache counters: after each hole and every
   `STATS_EVERY` tokens), then `{"type": "done", "traces": [...], "variables": [...], "stats": ...}` (one trace per
   run: `Trace.to_dict`) or `{"type": "error", "message": ..., "line": L, "column": C}` (line and column where the
-  error is in the query, else null). It needs what the API needs (the key, where the server has keys), and more:
-  a query is Python run in the server process, so a server without keys runs one only for a client on the
-  loopback, and a server that partitions its cache by key (`--salt-per-key`) runs none (a query's requests are
-  not partitioned). The query runs on a worker thread with its own event loop, on the served model whatever its
-  `from` clause says; a client that goes away ends it (its writer raises: its requests are cancelled).
+  error is in the query, else null).
+
+Who may run a query. A query is Python run in the server process, as the server's user: whoever may run one has
+a shell. So running is a privilege of its own, off unless the server was started with `run=True`
+(`kvql serve --playground-run`); without it every run is refused (403 `playground_refused`) whatever the key or
+the peer. Opted in, a run needs what the API needs (a key, where the server has keys: every key holder may run
+code) and more: a server without keys runs queries only for a client whose socket peer is on the loopback and
+whose request carries no proxy header (`Forwarded`, `X-Forwarded-For`, `X-Real-IP`, ...), since a same-host
+reverse proxy makes every remote client a loopback peer; a server that partitions its cache by key
+(`--salt-per-key`) runs none (a query's requests are not partitioned). A same-host forwarder that adds no header
+(socat, an SSH tunnel) cannot be told from a local client: a keyless server opted in trusts every process that can
+reach its port through the loopback. The query runs on a worker thread with its own event loop, on the served
+model whatever its `from` clause says; a client that goes away ends it (its writer raises: its requests are
+cancelled).
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 from .protocol import RequestError, parse_json
 
 STATS_EVERY = 16  # tokens between two stats events while a hole grows
+# headers a reverse proxy adds: a request carrying one came from elsewhere, whatever its socket peer
+PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip",
+                 "x-client-ip", "true-client-ip", "cf-connecting-ip", "via")
 STATS = ("prompt_tokens", "cached_tokens", "computed_tokens", "hit_rate", "generated_tokens", "drafted_tokens",
          "accepted_tokens", "forced_tokens", "cache_tokens", "evictions")
 
@@ -73,9 +85,9 @@ def stats(model) -> dict:
     return {"type": "stats", **{k: got[k] for k in STATS if k in got}}
 
 
-def routes(app: FastAPI, s, *, keys: bool) -> None:
+def routes(app: FastAPI, s, *, keys: bool, run: bool) -> None:
     """Add the playground's two routes (module doc) for `s` (the app's `Served`); `keys`: whether the server has
-    API keys."""
+    API keys; `run`: whether the operator opted in to running queries (module doc: who may run one)."""
     model = s.model
     page = resources.files(__package__).joinpath("playground.html").read_text(encoding="utf-8")
 
@@ -85,15 +97,8 @@ def routes(app: FastAPI, s, *, keys: bool) -> None:
                                                                        "script-src 'unsafe-inline'"})
 
     @app.post("/playground/run")
-    async def run(request: Request):
-        if s.salt_per_key:
-            raise RequestError("the playground runs no queries on a server that partitions its cache by API key "
-                               "(--salt-per-key): a query's requests would not be partitioned", status=403,
-                               code="playground_refused")
-        client = request.client.host if request.client else ""
-        if not keys and not _loopback(client):
-            raise RequestError("a query is Python run in the server process: without --api-key the playground runs "
-                               "queries only for clients on the loopback", status=403, code="playground_refused")
+    async def run_query(request: Request):
+        _admit(request, s, keys=keys, run=run)
         source, inputs = _query(parse_json(await s.body(request), "the request body"))
         loop, queue, gone = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
 
@@ -113,6 +118,28 @@ def routes(app: FastAPI, s, *, keys: bool) -> None:
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+
+def _admit(request: Request, s, *, keys: bool, run: bool) -> None:
+    """Raise a 403 unless this request may run a query (module doc: who may run one)."""
+    def refuse(why: str):
+        raise RequestError(why, status=403, code="playground_refused")
+
+    if not run:
+        refuse("running queries is off on this server: a query is Python run in the server process, so the "
+               "operator must opt in (kvql serve --playground-run); the page itself stays open")
+    if s.salt_per_key:
+        refuse("the playground runs no queries on a server that partitions its cache by API key (--salt-per-key): "
+               "a query's requests would not be partitioned")
+    if keys:
+        return  # the Guard already checked the key
+    client = request.client.host if request.client else ""
+    if not _loopback(client):
+        refuse("a query is Python run in the server process: without --api-key the playground runs queries only "
+               "for clients on the loopback")
+    if any(h in request.headers for h in PROXY_HEADERS):
+        refuse("a query is Python run in the server process: without --api-key the playground runs none for a "
+               "request that came through a proxy (it carries a forwarding header)")
 
 
 def _loopback(host: str) -> bool:
