@@ -133,7 +133,7 @@ def test_banner_flags_and_access_log(long_model_dir, tmp_path):
     port = free_port()
     proc = subprocess.Popen([*SERVE, "--model", str(long_model_dir), "--port", str(port), "--cache-budget", "4MB",
                              "--max-model-len", "300", "--dtype", "bfloat16", "--chat-template", str(template),
-                             "--served-model-name", "tiny", "--log-level", "info"],
+                             "--served-model-name", "tiny", "--log-level", "info", "--playground-run"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_healthy(proc, port), proc.stderr.read()[-2000:]
@@ -156,6 +156,8 @@ def test_banner_flags_and_access_log(long_model_dir, tmp_path):
     slots = int(lines[1].split("KV cache ")[1].split()[0])
     assert 0 < slots * 2 * 2 * 2 * 16 * 2 <= 4_000_000  # layers, K and V, kv heads, head dim, bf16 bytes
     assert "POST /v1/chat/completions 200 prompt=" in err and "POST /v1/completions 400 " in err
+    assert any(line.startswith("kvql serve: WARNING --playground-run is on") and "every loopback client" in line
+               for line in lines)
 
 
 def _encode(model_dir, text):
@@ -172,6 +174,18 @@ def test_bad_flags_are_one_line_and_a_nonzero_exit(long_model_dir, options, mess
     out = subprocess.run([*SERVE, "--model", str(long_model_dir), "--port", str(free_port()), *options],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--salt-per-key"], "--salt-per-key needs --api-key"),
+    (["--playground-run", "--no-playground"], "--playground-run needs the playground"),
+    (["--playground-run", "--salt-per-key", "--api-key", "k"], "--playground-run with --salt-per-key"),
+])
+def test_usage_errors_come_before_the_load(long_model_dir, options, message):
+    out = subprocess.run([*SERVE, "--model", str(long_model_dir), "--port", str(free_port()), *options],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+    assert "loading" not in out.stdout
 
 
 class _Lines(logging.Handler):
