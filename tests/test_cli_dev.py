@@ -27,3 +27,16 @@ def test_dev_kvql_help_works_from_another_directory(tmp_path):
     out = subprocess.run([str(REPO / "dev"), "kvql", "--help"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and "usage: kvql" in out.stdout
+
+
+def test_dev_docs_builds_the_site_strictly_and_an_unknown_command_shows_it_in_the_usage(tmp_path):
+    out = subprocess.run([str(REPO / "dev"), "docs", "-q", "-d", str(tmp_path / "site")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "site" / "index.html").exists() and not (tmp_path / "mkdocs.yml").exists()
+    wrong = subprocess.run([str(REPO / "dev"), "no-such-command"], capture_output=True, text=True, timeout=600)
+    assert wrong.returncode == 2 and "docs [serve]" in wrong.stderr
+
+
+def test_site_is_ignored_by_git():
+    assert "site/" in (REPO / ".gitignore").read_text().splitlines()

@@ -1,9 +1,13 @@
 """The snapshot store of recurrent states (kvql/engine/cache/state_snapshots.py): keyed by salt and tokens,
-the deepest prefix found, least recently used first out of its byte budget, copies handed out."""
+the deepest prefix found, least recently used first out of its byte budget, copies handed out; a damaged file
+of them loads none."""
 
 from __future__ import annotations
 
-from kvql.engine.cache.state_snapshots import StateSnapshots
+import pytest
+import torch
+
+from kvql.engine.cache.state_snapshots import FILE, StateSnapshots, write
 
 
 class State:
@@ -39,3 +43,30 @@ def test_the_least_recently_used_go_first_and_the_budget_holds():
     assert len(s) == 3 and s.deepest(None, [4], 1) == 0
     s.clear()
     assert (len(s), s.bytes, s.deepest(None, [0], 1)) == (0, 0, 0)
+
+
+class Encoded(State):
+    def encode(self):
+        return {"tag": self.tag}, {"x": torch.full((self.nbytes // 4,), 1.0)}
+
+
+def decode(description, tensors):
+    return Encoded(tensors["x"].numel() * 4, description["tag"])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "cut after the header length", "garbage", "another model's"])
+def test_a_damaged_snapshots_file_loads_nothing_and_raises_only_value_error(tmp_path, damage):
+    s = StateSnapshots(budget=1000)
+    for i in range(3):
+        s.put(None, [i, i], Encoded(40, str(i)))
+    assert write(tmp_path, "digest", s.encoded()) == 3
+    path = tmp_path / FILE
+    raw = path.read_bytes()
+    path.write_bytes({"truncated": raw[:-5], "cut after the header length": raw[:9], "garbage": bytes(len(raw)) + b"x",
+                      "another model's": raw}[damage])
+    fresh = StateSnapshots(budget=1000)
+    with pytest.raises(ValueError):
+        fresh.load(tmp_path, "other digest" if damage == "another model's" else "digest", decode)
+    assert len(fresh) == 0 and fresh.bytes == 0
+    path.write_bytes(raw)
+    assert fresh.load(tmp_path, "digest", decode) == 3 and fresh.get(None, [1, 1]).tag == "1'"

@@ -59,7 +59,7 @@ class Persistence:
                 snapshots.load(tier.path, tier.digest, self.runner.own.decode_state)
             except FileNotFoundError:
                 pass
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except Exception as e:  # noqa: BLE001 -- a file that cannot serve is a start without it (module doc)
                 log.warning("kvql disk tier: %s not used (%s); prefixes are resumed from snapshots taken from now "
                             "on", tier.path / state_snapshots.FILE, e)
         tier.side_file(_size(tier.path / state_snapshots.FILE))  # in the budget until the next save replaces it

@@ -124,10 +124,9 @@ class StateSnapshots:
 
     def load(self, directory: Path, digest: str, decode) -> int:
         """The snapshots `save` wrote to `directory / FILE`, each rebuilt by `decode(description, tensors)`
-        (as many as the budget holds, the most recently used kept); the number loaded. ValueError or OSError
-        where the file is not one this model wrote (module doc); FileNotFoundError where there is none."""
-        from safetensors.torch import load
-
+        (as many as the budget holds, the most recently used kept); the number loaded. FileNotFoundError where
+        there is none; ValueError (whatever the cause: truncated, garbage, another model's, a state `decode`
+        refuses) or OSError where the file is not one this model wrote (module doc): then none is loaded."""
         fd, st = tier_file.open_regular(directory / FILE)
         try:
             if st.st_size > 2 * self.budget + tier_file.MAX_HEADER:
@@ -136,20 +135,36 @@ class StateSnapshots:
             tier_file.read_into(fd, data)
         finally:
             os.close(fd)
-        n = int.from_bytes(data[:8], "little")
-        if n > tier_file.MAX_HEADER or n + 8 > len(data):
-            raise ValueError(f"a {n:,}-byte header in a {len(data):,}-byte file")
-        meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
-        tensors = load(bytes(data))
-        text = meta.get("entries", "")
-        if meta.get("kvql_format") != FORMAT or meta.get("sha256") != _sha256(digest, text, tensors):
-            raise ValueError("not this model's snapshots (format or checksum)")
-        loaded = 0
-        for i, (salt, length, key, description) in enumerate(json.loads(text)):
-            prefix = f"{i}."
-            own = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
-            loaded += self._insert((salt, int(length), bytes.fromhex(key)), decode(description, own))
-        return loaded
+        try:
+            states = _decoded(data, digest, decode)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- safetensors', JSON's, a state's own errors: all "not this file"
+            raise ValueError(f"{type(e).__name__}: {e}") from None
+        return sum(self._insert(key, state) for key, state in states)  # all decoded first: none or all of them
+
+
+def _decoded(data: bytearray, digest: str, decode) -> list[tuple[tuple, object]]:
+    """(key, state) of every snapshot in the file's bytes `data`, least recently used first (`StateSnapshots.load`)."""
+    from safetensors.torch import load
+
+    n = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or n > tier_file.MAX_HEADER or n + 8 > len(data):
+        raise ValueError(f"a {n:,}-byte header in a {len(data):,}-byte file")
+    header = json.loads(data[8:8 + n])
+    meta = (header.get("__metadata__") if isinstance(header, dict) else None) or {}
+    tensors = load(bytes(data))
+    text = meta.get("entries", "")
+    if meta.get("kvql_format") != FORMAT or meta.get("sha256") != _sha256(digest, text, tensors):
+        raise ValueError("not this model's snapshots (format or checksum)")
+    states = []
+    for i, (salt, length, key, description) in enumerate(json.loads(text)):
+        if not isinstance(salt, (str, type(None))):  # a key of the store: a partition's name or None
+            raise ValueError("a cache partition that is not a string")
+        prefix = f"{i}."
+        own = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+        states.append(((salt, int(length), bytes.fromhex(key)), decode(description, own)))
+    return states
 
 
 def _sha256(digest: str, text: str, tensors: dict[str, torch.Tensor]) -> str:

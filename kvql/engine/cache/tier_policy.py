@@ -236,15 +236,23 @@ class TierPolicy:
                 record.loading = False
         self.tree.drop(node)
 
-    def served(self, node: Node) -> int:
-        """Tokens on the path to `node` read back from disk and not served before (they count once)."""
-        n = 0
+    def served(self, node: Node, limit: int | None = None) -> int:
+        """Of the first `limit` tokens (None: all) on the path to `node`, those read back from disk and not served
+        before. They count once: a node partly within `limit` is spent too, so the count never exceeds what a
+        request was served (a hybrid model's admission serves its match only up to a snapshot: memory.py)."""
+        path = []
         while node.parent is not None:
-            record = self._records.get(node)
-            if record is not None and record.fresh:
-                n += len(node.key)
-                record.fresh = False
+            path.append(node)
             node = node.parent
+        n, start = 0, 0
+        for x in reversed(path):
+            if limit is not None and start >= limit:
+                break
+            record = self._records.get(x)
+            if record is not None and record.fresh:
+                n += len(x.key) if limit is None else min(len(x.key), limit - start)
+                record.fresh = False
+            start += len(x.key)
         return n
 
     def check_integrity(self) -> None:
