@@ -11,7 +11,8 @@ Invariants (`check_integrity` asserts them between steps; tests call it):
    count is the number of running requests whose path passes through it;
 2. free slots + slots held by the tree + running requests' own slots = pool size, no slot twice;
 3. at most `len(prompt) - 1` prompt tokens are served from the cache, and a running request always
-   has its last token left to compute (`Request.max_cached`);
+   has its last token left to compute (`Request.max_cached`), or holds that token's logits while its
+   mask is computed (outputs.py: parked);
 4. each request's positions continue from its own cached length: its tree path spells its own
    first `tree_len` tokens, and it has one slot per computed token;
 5. greedy output with the cache is token-identical to the uncached reference (tests/test_exactness.py);
@@ -57,6 +58,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import threading
+import time
 import traceback
 import weakref
 
@@ -111,7 +113,8 @@ class Engine(Persistence):
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
         self.background = background  # False: the caller drives `step()` (tests, deterministic stagger)
-        self.outputs = Outputs(self.scheduler, tokenizer, self.device, self.eos_ids, self._cancel_later)
+        self.outputs = Outputs(self.scheduler, tokenizer, self.device, self.eos_ids, self._cancel_later,
+                               bounded_masks=background)
         self._drafter = Drafter()
         self.speculate = speculate
         if self.runner.geometry.recurrent:  # a prefix is reused from a snapshot of the state after it
@@ -227,6 +230,7 @@ class Engine(Persistence):
             self._take_inbox()
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.outputs.fail(req.group, concurrent.futures.CancelledError(), keep=True)
+            self.outputs.masks.close()
             self._close_tier()
 
     def has_work(self) -> bool:
@@ -250,21 +254,26 @@ class Engine(Persistence):
         """One batch: schedule -> forward -> commit and process the outputs (outputs.py)."""
         with self._state:
             self._take_inbox()
+            self.outputs.resume()  # requests whose late mask is computed now (outputs.py)
             batch = self.scheduler.schedule()
-            if not batch:
-                self.memory.wait_loads(0.05)  # requests wait for KV read back from disk (no busy loop)
+            if not batch:  # requests wait for KV read back from disk, or for their masks (no busy loop)
+                if self.outputs.parked:
+                    self.outputs.wait_parked(0.05)
+                else:
+                    self.memory.wait_loads(0.05)
                 return
             self.steps += 1
             decodes = sum(1 for req, _ in batch if req.num_computed >= len(req.prompt_ids))
             self.mixed_steps += 0 < decodes < len(batch)
             self.max_batch_requests = max(self.max_batch_requests, len(batch))
+            started = time.monotonic()
             try:
                 outputs = self.runner.forward([seg for _, seg in batch])
             except Exception as e:  # the whole batch failed; its KV writes are discarded (slots freed)
                 for req, seg in batch:
                     self.outputs.fail(req.group, e, keep=False)
                 return
-            self.outputs.apply(batch, outputs)
+            self.outputs.apply(batch, outputs, time.monotonic() - started)
 
     def _take_inbox(self) -> None:
         with self._wake:
@@ -290,6 +299,10 @@ class Engine(Persistence):
             return self.tree.reset()
 
     def stats(self) -> dict:
+        """Counters and gauges, every one >= 0: `disk_tokens <= cached_tokens <= prompt_tokens` (a token read back
+        counts only where admission served it: memory.py), `computed_tokens = prompt_tokens - cached_tokens`,
+        `hit_rate` in [0, 1]; idle (nothing waiting, running or read back), `cache_tokens + free_slots = pool_slots`
+        and no node locked (tests/test_tier_snapshot_damage.py: check_stats)."""
         with self._state:
             s = self.scheduler
             slot_bytes = self.pool.bytes // self.pool.num_slots
@@ -353,4 +366,4 @@ class Engine(Persistence):
             s = self.scheduler
             if full:
                 self.tree.check_integrity()
-            self.memory.check_integrity(s.running, s.waiting, full)
+            self.memory.check_integrity(s.running, s.waiting, full, parked=self.outputs.parked.keys())

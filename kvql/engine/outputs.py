@@ -7,27 +7,41 @@ error boundary is done here.
 Rows of the logits are addressed by request, never by a running counter: a request that fails or
 finishes while the step is being applied must not shift its neighbours' rows. Everything user-supplied
 (masks, stop functions, grammar state, stream consumers) runs inside the request's own error boundary
-(`_advance`); the bookkeeping runs first, for every segment, so no failure can leave a segment's slots
+(`_guarded`); the bookkeeping runs first, for every segment, so no failure can leave a segment's slots
 unaccounted for.
+
+Masks that are a function of the ids alone are computed off the engine thread (decode/mask_worker.py): a step
+(of an engine on its own thread; one that a caller steps waits for every mask, so that its steps depend on no
+clock) waits for them at most `MASK_WAIT_MIN` seconds or `MASK_WAIT_SHARE` of its forward's time, whichever is longer,
+all requests together. A mask asked by jump-forward that is late lets the request's forward go on without it
+(its forced tokens, if any, are then sampled one step each: the same tokens); a mask late at sampling time
+parks the request with its row of logits (`parked`) until `resume` finds the mask computed. So a slow
+constraint slows its own request only; outputs are the same as with every mask computed in place.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import time
 import traceback
 
 import torch
 
 from .request import Request, RequestGroup, State
+from .decode.mask_worker import PENDING, MaskWorker
 from .decode.sampler import draw_forced, forced_logprob, forced_token, sample, token_logprobs
 from .scheduler import Scheduler
+
+MASK_WAIT_MIN = 0.002  # seconds a step waits for late masks at least (a grammar's mask takes ~0.1 ms) ...
+MASK_WAIT_SHARE = 0.25  # ... or this share of its forward's time, if longer
 
 
 class Outputs:
     """`apply(batch, logits)` after each forward; `fail(group, error, keep)` ends a group. `cancel_later(group)`:
     how a group whose stream consumer is gone gets cancelled (by the engine, at its next step)."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, device, eos_ids: set[int], cancel_later):
+    def __init__(self, scheduler: Scheduler, tokenizer, device, eos_ids: set[int], cancel_later,
+                 bounded_masks: bool = True):
         self.scheduler, self.tokenizer, self.device, self.eos_ids = scheduler, tokenizer, device, eos_ids
         self.cancel_later = cancel_later
         self.jump_forward = True  # append tokens a constraint forces without a decode step each (engine doc)
@@ -35,9 +49,18 @@ class Outputs:
         self.forced_tokens = 0
         self.drafted_tokens = 0  # speculative decoding: tokens drafted and verified, and those accepted
         self.accepted_tokens = 0
+        self.masks = MaskWorker()
+        self.parked: dict[Request, torch.Tensor] = {}  # requests whose mask was late, with their row of logits
+        self._deadline = 0.0  # until when this step waits for late masks (module doc)
+        self.bounded_masks = bounded_masks  # False: wait for every mask (steps then depend on no clock)
 
-    def apply(self, batch: list, outputs: list) -> None:
-        """`batch`: (request, segment) pairs of a step; `outputs`: each segment's logits (or None)."""
+    def _wait(self) -> float | None:
+        return max(0.0, self._deadline - time.monotonic()) if self.bounded_masks else None
+
+    def apply(self, batch: list, outputs: list, forward_seconds: float = 0.0) -> None:
+        """`batch`: (request, segment) pairs of a step; `outputs`: each segment's logits (or None);
+        `forward_seconds`: how long the step's forward took (what late masks may add: module doc)."""
+        self._deadline = time.monotonic() + max(MASK_WAIT_MIN, MASK_WAIT_SHARE * forward_seconds)
         rows = {}
         for (req, seg), logits in zip(batch, outputs):
             self.scheduler.commit(req, seg)
@@ -47,7 +70,24 @@ class Outputs:
                 rows[req] = (seg, logits)
         for req, (seg, logits) in rows.items():
             if not req.group.closed:  # a sibling may have failed it earlier in this loop
-                self._advance(req, seg, logits)
+                self._guarded(req, lambda: self._advance(req, seg, logits))
+
+    def resume(self) -> None:
+        """Sample the parked requests whose mask is computed now (module doc); drop those that ended or were
+        preempted (a preempted one is computed again and gets a new row)."""
+        self._deadline = time.monotonic() + MASK_WAIT_MIN
+        for req, row in list(self.parked.items()):
+            if req.state is not State.RUNNING or req.num_computed < req.num_tokens:
+                del self.parked[req]
+            elif req.mask_pending is None or req.mask_pending[1].done():
+                del self.parked[req]
+                self._guarded(req, lambda: self._sample(req, row))
+
+    def wait_parked(self, timeout: float) -> None:
+        """Wait until a parked request's mask is computed, at most `timeout` seconds."""
+        futures = [r.mask_pending[1] for r in self.parked if r.mask_pending is not None]
+        if futures:
+            concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     @staticmethod
     def _score_prompt(req: Request, seg, logits: torch.Tensor) -> None:
@@ -65,16 +105,20 @@ class Outputs:
     def _advance(self, req: Request, seg, logits: torch.Tensor) -> None:
         """Use one segment's logits: append the pending forced tokens they score, then, at the end
         of the request's tokens, sample its next token (and fork its `n - 1` siblings after the
-        prompt). The request's error boundary: whatever the caller supplied raises here fails this
-        group alone, with its KV kept in the tree (the forward was valid), and never the step."""
+        prompt)."""
+        if req.forced:
+            self._replay(req, seg, logits)
+        if seg.drafted and req.state is State.RUNNING:
+            self._verify(req, seg, logits)
+        elif seg.needs_logits and req.state is State.RUNNING:
+            self._sample(req, logits[-1])
+
+    def _guarded(self, req: Request, run) -> None:
+        """The request's error boundary: whatever the caller supplied raises in `run()` fails this group
+        alone, with its KV kept in the tree (the forward was valid), and never the step."""
         group = req.group
         try:
-            if req.forced:
-                self._replay(req, seg, logits)
-            if seg.drafted and req.state is State.RUNNING:
-                self._verify(req, seg, logits)
-            elif seg.needs_logits and req.state is State.RUNNING:
-                self._sample(req, logits[-1])
+            run()
         except BaseException as e:  # even SystemExit from a callback must not end the engine thread
             e.add_note(f"kvql: request {req.rid} failed while sampling:\n{traceback.format_exc(limit=3)}")
             if not isinstance(e, Exception):  # asyncio and thread pools treat those as "stop the program"
@@ -85,7 +129,17 @@ class Outputs:
     def _sample(self, req: Request, row: torch.Tensor) -> None:
         """Sample `req`'s next token from `row` (forking its siblings after the prompt), then jump forward."""
         group = req.group
+        self.parked.pop(req, None)
         req.vocab_size = row.numel()
+        mask = req.params.mask
+        known = req.next_allowed
+        if getattr(mask, "jump_forward", False) and (known is None or known[0] != len(req.output_ids)):
+            allowed = self.masks.ask(req, req.output_ids, self._wait())
+            if allowed is PENDING:  # late: park the row (module doc)
+                req.slow_masks = True
+                self.parked[req] = row.clone()
+                return
+            known = req.next_allowed = (len(req.output_ids), allowed)
         token, logprob = sample(row, req)
         forks = []
         if not req.forked:
@@ -93,6 +147,7 @@ class Outputs:
             for i in range(1, req.params.n):
                 sib = Request(group, i, self.tokenizer, self.device)
                 sib.vocab_size = row.numel()
+                sib.next_allowed = known  # the same history (none yet): the same mask result
                 forks.append((sib, *sample(row, sib)))
         for sib, _, _ in forks:  # share the prompt's KV: it is in the tree, each sibling locks it
             sib.cached_tokens, sib.disk_tokens = req.cached_tokens, req.disk_tokens
@@ -150,7 +205,10 @@ class Outputs:
         keep_pending = p.logprobs is not None  # its forced tokens wait for the rows that score them
         while req.state is State.RUNNING and len(req.output_ids) + len(req.forced) < p.max_tokens:
             history = req.output_ids + req.forced
-            allowed = p.mask(list(history))
+            allowed = self.masks.ask(req, history, self._wait())
+            if allowed is PENDING:  # late: the forward goes on; sampling waits for it (module doc)
+                req.slow_masks = True
+                return
             token = forced_token(allowed, req.vocab_size)
             ends = token in self.eos_ids and not p.ignore_eos
             if token is None or (ends and req.forced):  # a choice, or an end that waits for its turn

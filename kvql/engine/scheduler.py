@@ -147,6 +147,7 @@ class Scheduler:
     def _draft(self, req: Request) -> list[int]:
         """A draft for the decoding request `req`, or [] (module doc)."""
         if (self.drafter is None or len(self.running) > SPECULATE_MAX_RUNNING or req.needs_prompt_logits
+                or req.slow_masks or req.mask_pending is not None  # its masks would hold up the step
                 or (req.params.seed is not None and req.params.temperature >= GREEDY_BELOW)
                 or req.num_computed < len(req.prompt_ids)):
             return []

@@ -24,7 +24,8 @@ Contract:
   slots (held by the read, not by any request; the pool node above them locked meanwhile) and says the
   request must wait; `install_loads()` (between steps) hands finished reads to the tree, so the request's
   next `admit` matches them. A read that fails its checks drops the nodes it was for: their tokens are
-  computed, never wrong.
+  computed, never wrong. With snapshots, nothing past the deepest one is read back (admission would not serve
+  it), and `req.disk_tokens` counts only tokens read back that `admit` served: never more than `tree_len`.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class Memory:
             if reach > slots.numel():  # the tree's K/V reach further: a snapshot there serves the next one
                 req.carry.marks.add(reach)
         if self.tier_policy is not None:
-            req.disk_tokens += self.tier_policy.served(node)
+            req.disk_tokens += self.tier_policy.served(node, slots.numel())
         return n
 
     def cached_prefix(self, req: Request) -> tuple[torch.Tensor, Node, int]:
@@ -113,6 +114,8 @@ class Memory:
         continue its cached prefix is in flight (one it starts now, or another request's). False: admit it."""
         tier = self.tier_policy
         tokens = req.tokens[:req.max_cached()]
+        if self.snapshots is not None:  # admission serves no K/V past the deepest snapshot: none is read for it
+            tokens = tokens[:self.snapshots.deepest(req.salt, tokens, len(tokens))]
         slots, node = self.tree.match_prefix(tokens, req.salt)
         path, busy = tier.disk_path(node, tokens, slots.numel())
         n = sum(len(x.key) for x in path)
@@ -238,9 +241,10 @@ class Memory:
         req.kv_slots, req.node, req.tree_len, req.num_computed = req.kv_slots[:0], None, 0, 0
 
     # -- integrity -------------------------------------------------------------------------------
-    def check_integrity(self, running: list[Request], waiting, full: bool = True) -> None:
+    def check_integrity(self, running: list[Request], waiting, full: bool = True, parked=frozenset()) -> None:
         """Assert the engine's invariants over the pool, the tree and the requests (between steps).
-        `full=False`: O(running requests) arithmetic only, for a health probe."""
+        `full=False`: O(running requests) arithmetic only, for a health probe. `parked`: the requests that
+        hold the logits of their last token, waiting for its mask (outputs.py): computed to the end."""
         own = sum(r.kv_slots.numel() - r.tree_len for r in running)
         loading = sum(read.load.slots.numel() for read in self.loads)
         assert self.pool.num_free + self.tree.total_tokens + own + loading == self.pool.num_slots, (
@@ -251,7 +255,7 @@ class Memory:
             assert r.node is not None, f"running request {r.rid} locks no node"
             assert r.kv_slots.numel() == r.num_computed, (
                 f"request {r.rid}: {r.kv_slots.numel()} slots for {r.num_computed} computed tokens")
-            assert r.tree_len <= r.num_computed < r.num_tokens, (
+            assert r.tree_len <= r.num_computed < r.num_tokens + (r in parked), (
                 f"invariant 3: request {r.rid} has computed {r.num_computed} of {r.num_tokens} tokens "
                 f"(tree {r.tree_len}): its last token must be left to compute")
             assert r.cached_tokens is not None and r.cached_tokens <= len(r.prompt_ids) - 1, (

@@ -98,6 +98,10 @@ def mask_for(req: Request):
     known, req.next_allowed = req.next_allowed, None
     if known is not None and known[0] == len(req.output_ids):
         return known[1]
+    pending = req.mask_pending  # asked of the mask worker for this history: its answer, not a second call
+    if pending is not None and pending[0] == req.output_ids:
+        req.mask_pending = None
+        return pending[1].result()
     return req.params.mask(list(req.output_ids))
 
 
