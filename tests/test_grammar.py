@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -287,3 +288,28 @@ def test_the_json_spacing_above_the_engine_is_the_engines():
     from kvql.backends.options import JSON_SPACING
     from kvql.engine.decode.grammar import JSON_SPACING as ENGINE
     assert JSON_SPACING == ENGINE
+
+
+def test_the_sandbox_compiles_a_constraint_while_others_hold_its_children(tokenizer):
+    """A child busy with a slow constraint leaves the next one to another child; with every child busy,
+    a check waits for the first one free."""
+    import llguidance
+
+    from kvql.engine.decode import grammar_sandbox as sandbox
+
+    text = llguidance.LLMatcher.grammar_from_regex("[0-9]+")
+    key = sandbox._tokenizer_json(tokenizer)[0]
+    held = [sandbox._take(key) for _ in range(sandbox.CHILDREN - 1)]  # as if compiling slow constraints
+    try:
+        assert sandbox.check(tokenizer, text) is None  # the last child
+        held.append(sandbox._take(key))
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: sandbox.check(tokenizer, text) is None and done.set())
+        waiter.start()
+        assert not done.wait(0.2)  # every child busy: it waits ...
+        sandbox._give_back(held.pop(), alive=True)
+        waiter.join()
+        assert done.is_set()  # ... for the one given back
+    finally:
+        for child in held:
+            sandbox._give_back(child, alive=True)

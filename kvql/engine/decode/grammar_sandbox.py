@@ -4,9 +4,11 @@ llguidance's native compiler costs the request that sent it, never this process 
 Contract of `check(tokenizer, grammar)`: compiles `grammar` (llguidance's grammar text) for
 `tokenizer` and computes its first token mask, in the child; returns None when both succeed within
 `TIMEOUT_S` seconds, llguidance's error text when it reports one, and raises ValueError when the
-compiler crashed (the child died) or took too long (the child is killed). A dead or killed child is replaced on the next call. Thread-safe: one
-child per process, checks run one at a time. The child starts on first use and builds llguidance's view of
-each tokenizer once (a pass over its vocabulary); `grammar.warm_up` pays both ahead of a first request.
+compiler crashed (the child died) or took too long (the child is killed). A dead or killed child is replaced
+on the next call. Thread-safe: up to `CHILDREN` children compile at once, each one constraint at a time (so a
+few slow constraints leave a child for the next one; past that, a check waits for the first child free). A
+child starts when a check finds none free and builds llguidance's view of each tokenizer once (a pass over its
+vocabulary); `grammar.warm_up` pays both for the first child ahead of a first request.
 
 The child runs this file as a script, not as part of the kvql package, so it imports only llguidance.
 Messages are JSON lines: `{"tokenizer": KEY, "vocab": JSON | null, "eos": ID, "grammar": TEXT, "stack": BYTES}` in,
@@ -29,6 +31,7 @@ import weakref
 
 TIMEOUT_S = 10.0  # a margin: llguidance's own limits end pathological grammars far sooner (docs/benchmarks.md)
 STACK_BYTES = 256 * 2**20  # as for the in-process compile: see grammar.py
+CHILDREN = 8  # children compiling at once, at most
 
 
 class _Child:
@@ -72,52 +75,86 @@ class _Child:
                 pass
 
 
-_lock = threading.Lock()
-_child: _Child | None = None
+_lock = threading.Condition()  # guards the children and the tokenizers' keys
+_idle: list[_Child] = []  # children free for a check
+_busy: set[_Child] = set()
 _keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (key, vocab JSON)
 
 
 def _tokenizer_json(tokenizer) -> tuple[str, str]:
-    known = _keys.get(tokenizer)
+    with _lock:
+        known = _keys.get(tokenizer)
     if known is None:
         backend = copy.copy(tokenizer.backend_tokenizer)  # as llguidance.hf.from_tokenizer does
         backend.no_padding()
         backend.no_truncation()
         vocab = backend.to_str()
-        known = _keys[tokenizer] = (hashlib.sha256(vocab.encode()).hexdigest(), vocab)
+        known = (hashlib.sha256(vocab.encode()).hexdigest(), vocab)
+        with _lock:
+            _keys[tokenizer] = known
     return known
+
+
+def _take(key: str) -> _Child:
+    """A live child free for a check (one that knows `key` first), started if none is and fewer than
+    `CHILDREN` run; else wait for one."""
+    with _lock:
+        while True:
+            for child in [c for c in _idle if c.proc.poll() is not None]:  # died while idle
+                _idle.remove(child)
+                child.close()
+            if _idle:
+                child = next((c for c in _idle if key in c.tokenizers), _idle[-1])
+                _idle.remove(child)
+                break
+            if len(_busy) < CHILDREN:
+                child = None
+                break
+            _lock.wait()
+        if child is None:
+            child = _Child()
+        _busy.add(child)
+        return child
+
+
+def _give_back(child: _Child, alive: bool) -> None:
+    with _lock:
+        _busy.discard(child)
+        if alive:
+            _idle.append(child)
+        _lock.notify()
 
 
 def check(tokenizer, grammar: str, timeout: float | None = None) -> str | None:
     """Compile `grammar` for `tokenizer` in the sandbox: None, llguidance's error, or ValueError (see above)."""
-    global _child
     key, vocab = _tokenizer_json(tokenizer)
-    with _lock:
-        if _child is None or _child.proc.poll() is not None:
-            if _child is not None:
-                _child.close()
-            _child = _Child()
-        child = _child
-        message = {"tokenizer": key, "vocab": None if key in child.tokenizers else vocab,
-                   "eos": tokenizer.eos_token_id, "grammar": grammar, "stack": STACK_BYTES}
-        limit = TIMEOUT_S if timeout is None else timeout
+    child = _take(key)
+    message = {"tokenizer": key, "vocab": None if key in child.tokenizers else vocab,
+               "eos": tokenizer.eos_token_id, "grammar": grammar, "stack": STACK_BYTES}
+    limit = TIMEOUT_S if timeout is None else timeout
+    answer = None
+    try:
         answer = child.ask(message, limit)
+    finally:
         if answer is None:
-            _child = None
             child.close()
-            code = child.proc.returncode
-            if code is not None and code < 0 and code != -9:
-                raise ValueError(f"the constraint crashed llguidance's grammar compiler (signal {-code}) in kvql's "
-                                 "sandbox process; it was refused and nothing else was affected")
-            raise ValueError(f"compiling the constraint took longer than {limit:g} s; it was refused")
-        child.tokenizers.add(key)
+        else:
+            child.tokenizers.add(key)
+        _give_back(child, answer is not None)
+    if answer is None:
+        code = child.proc.returncode
+        if code is not None and code < 0 and code != -9:
+            raise ValueError(f"the constraint crashed llguidance's grammar compiler (signal {-code}) in kvql's "
+                             "sandbox process; it was refused and nothing else was affected")
+        raise ValueError(f"compiling the constraint took longer than {limit:g} s; it was refused")
     return answer["error"]
 
 
 @atexit.register
 def _close() -> None:
-    if _child is not None:
-        _child.close()
+    with _lock:
+        for child in [*_idle, *_busy]:
+            child.close()
 
 
 def _serve() -> None:
