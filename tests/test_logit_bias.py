@@ -26,13 +26,15 @@ def _request(tokenizer, prompt_ids, output_ids=(), **params) -> Request:
     return req
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_bias_and_repetition_penalty_equal_transformers_processors_on_the_same_logits(tokenizer, seed):
+@pytest.mark.parametrize("seed, whole", [(0, False), (1, False), (2, False), (3, False), (4, True)])
+def test_bias_and_repetition_penalty_equal_transformers_processors_on_the_same_logits(tokenizer, seed, whole):
+    """`whole`: a bias on every token of the vocabulary (built once per request: sampling adds one vector)."""
     g = torch.Generator().manual_seed(seed)
     row = torch.randn(len(tokenizer), generator=g) * 4
     prompt, output = torch.randint(0, len(tokenizer), (12,), generator=g).tolist(), [7, 9, 7]
-    bias = {int(t): float(v) for t, v in zip(torch.randint(0, len(tokenizer), (6,), generator=g),
-                                             torch.empty(6).uniform_(-99, 99, generator=g))}
+    size = len(tokenizer) if whole else 6
+    tokens = torch.randperm(len(tokenizer), generator=g)[:size]
+    bias = {int(t): float(v) for t, v in zip(tokens, torch.empty(size).uniform_(-99, 99, generator=g))}
     ids = torch.tensor([prompt + output])
     for params in ({"logit_bias": tuple(bias.items())}, {"repetition_penalty": 1.3},
                    {"repetition_penalty": 1.3, "logit_bias": tuple(bias.items())}):

@@ -270,10 +270,12 @@ class LocalBackend(Backend):
         """Queue the prompts' requests (the options of `agenerate`) and return their handles, one per
         prompt, without waiting for them: `collect(groups)` waits, `cancel(group)` cancels.
         `on_update(sample, text, token_id, completion)` is called on the engine thread after each step of
-        a request. A constraint to compile (ms, at worst the sandbox's time limit) is compiled on a worker
-        thread, so it never holds up the event loop that serves other requests; nothing is queued if the
-        caller is cancelled meanwhile."""
-        if options.get("heal") or any(options.get(k) is not None for k in base.CONSTRAINTS):
+        a request. A constraint to compile (ms, at worst the sandbox's time limit) or much to read (over
+        `INLINE_CHARS` characters of text, `INLINE_PROMPTS` prompts or logit biases: a megabyte of text takes
+        ~0.5 s to tokenize) is prepared on a worker thread, so it never holds up the event loop that serves
+        other requests; nothing is queued if the caller is cancelled meanwhile."""
+        if (options.get("heal") or any(options.get(k) is not None for k in base.CONSTRAINTS)
+                or _much_text(prompts) or len(options.get("logit_bias") or ()) > INLINE_PROMPTS):
             prepared = await asyncio.to_thread(self._prepare, prompts, **options)
         else:
             prepared = self._prepare(prompts, **options)
@@ -454,6 +456,18 @@ class LocalBackend(Backend):
 
     def __repr__(self) -> str:
         return f"kvql.Model({self.name!r}, device={self.device}, cache_slots={self.engine.pool.num_slots})"
+
+
+INLINE_CHARS = 16 * 1024  # text `submit` tokenizes on the caller's event loop, at most; more goes to a thread
+INLINE_PROMPTS = 64
+
+
+def _much_text(prompts) -> bool:
+    if isinstance(prompts, str):
+        return len(prompts) > INLINE_CHARS
+    if not isinstance(prompts, Sequence):
+        return False
+    return len(prompts) > INLINE_PROMPTS or sum(len(p) for p in prompts if isinstance(p, str)) > INLINE_CHARS
 
 
 def _prepared_in(completions: list[Completion], seconds: float) -> list[Completion]:

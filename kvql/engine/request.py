@@ -72,6 +72,13 @@ class SamplingParams:
                  "stop": all(isinstance(s, str) for s in self.stop)}
         if not all(kinds.values()):
             raise TypeError(f"SamplingParams: {', '.join(k for k, ok in kinds.items() if not ok)} of the wrong kind")
+        # the logit bias as the sampler adds it, built once: a bias over the whole vocabulary then costs one
+        # vector add per step, not a Python pass over its pairs
+        bias = None
+        if self.logit_bias:
+            tokens, values = zip(*self.logit_bias)
+            bias = (torch.tensor(tokens, dtype=torch.long), torch.tensor(values, dtype=torch.float32))
+        object.__setattr__(self, "bias_tensors", bias)
 
 
 class RequestGroup:

@@ -72,10 +72,9 @@ def _adjust(logits: torch.Tensor, req: Request) -> torch.Tensor:
         ids = torch.tensor(req.output_ids, dtype=torch.long, device=logits.device)
         counts = torch.bincount(ids, minlength=logits.numel())[:logits.numel()].to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    if p.logit_bias:
-        tokens, values = zip(*p.logit_bias)
-        index = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-        logits.index_add_(0, index, torch.tensor(values, dtype=logits.dtype, device=logits.device))
+    if p.bias_tensors is not None:
+        index, values = p.bias_tensors
+        logits.index_add_(0, index.to(logits.device), values.to(logits.dtype).to(logits.device))
     return logits
 
 
