@@ -12,10 +12,10 @@ unaccounted for.
 
 Masks that are a function of the ids alone are computed off the engine thread (decode/mask_worker.py): a step
 (of an engine on its own thread; one that a caller steps waits for every mask, so that its steps depend on no
-clock) waits for them at most `MASK_WAIT_MIN` seconds or `MASK_WAIT_SHARE` of its forward's time, whichever is longer,
-all requests together. A mask asked by jump-forward that is late lets the request's forward go on without it
-(its forced tokens, if any, are then sampled one step each: the same tokens); a mask late at sampling time
-parks the request with its row of logits (`parked`) until `resume` finds the mask computed. So a slow
+clock) waits for them at most `MASK_WAIT_MIN` seconds or `MASK_WAIT_SHARE` of its forward's time, whichever is
+longer, all requests together, and not at all for a request whose masks take longer than that. A mask asked
+by jump-forward that is late lets the request's forward go on without it (its forced tokens, if any, are then
+sampled one step each: the same tokens); a mask late at sampling time parks the request with its row of logits (`parked`) until `resume` finds the mask computed. So a slow
 constraint slows its own request only; outputs are the same as with every mask computed in place.
 """
 
@@ -54,8 +54,13 @@ class Outputs:
         self._deadline = 0.0  # until when this step waits for late masks (module doc)
         self.bounded_masks = bounded_masks  # False: wait for every mask (steps then depend on no clock)
 
-    def _wait(self) -> float | None:
-        return max(0.0, self._deadline - time.monotonic()) if self.bounded_masks else None
+    def _wait(self, req: Request) -> float | None:
+        """How long to wait for `req`'s mask now: what is left of the step's budget, or nothing where its masks
+        are known to take longer than that (module doc); None: as long as it takes."""
+        if not self.bounded_masks:
+            return None
+        left = self._deadline - time.monotonic()
+        return left if req.mask_seconds <= left else 0.0
 
     def apply(self, batch: list, outputs: list, forward_seconds: float = 0.0) -> None:
         """`batch`: (request, segment) pairs of a step; `outputs`: each segment's logits (or None);
@@ -134,9 +139,8 @@ class Outputs:
         mask = req.params.mask
         known = req.next_allowed
         if getattr(mask, "jump_forward", False) and (known is None or known[0] != len(req.output_ids)):
-            allowed = self.masks.ask(req, req.output_ids, self._wait())
+            allowed = self.masks.ask(req, req.output_ids, self._wait(req))
             if allowed is PENDING:  # late: park the row (module doc)
-                req.slow_masks = True
                 self.parked[req] = row.clone()
                 return
             known = req.next_allowed = (len(req.output_ids), allowed)
@@ -205,9 +209,8 @@ class Outputs:
         keep_pending = p.logprobs is not None  # its forced tokens wait for the rows that score them
         while req.state is State.RUNNING and len(req.output_ids) + len(req.forced) < p.max_tokens:
             history = req.output_ids + req.forced
-            allowed = self.masks.ask(req, history, self._wait())
+            allowed = self.masks.ask(req, history, self._wait(req))
             if allowed is PENDING:  # late: the forward goes on; sampling waits for it (module doc)
-                req.slow_masks = True
                 return
             token = forced_token(allowed, req.vocab_size)
             ends = token in self.eos_ids and not p.ignore_eos

@@ -146,7 +146,7 @@ class Request:
         self.next_allowed: tuple[int, object] | None = None  # (len(output_ids), mask result) already computed
         # a mask asked of the mask worker and not taken yet: (history, future) (decode/mask_worker.py)
         self.mask_pending: tuple[list[int], object] | None = None
-        self.slow_masks = False  # a mask of its was late once: it is not drafted for (a draft would wait on masks)
+        self.mask_seconds = 0.0  # its mask's time per call, a running estimate (decode/mask_worker.py)
         self.vocab_size: int | None = None  # the model's logits width, from the first sampled row
         self.draft = None  # speculative decoding's state for this request (drafts.Draft), made at its first draft
         self.drafted_tokens = 0  # tokens drafted for it and verified

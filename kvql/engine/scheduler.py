@@ -45,6 +45,7 @@ from .request import Request, State
 
 
 SPECULATE_MAX_RUNNING = 4
+MASK_FAST = 0.001  # seconds per mask call: a request whose masks take longer is not drafted for
 """Draft only while this few requests run (module doc)."""
 
 
@@ -147,7 +148,7 @@ class Scheduler:
     def _draft(self, req: Request) -> list[int]:
         """A draft for the decoding request `req`, or [] (module doc)."""
         if (self.drafter is None or len(self.running) > SPECULATE_MAX_RUNNING or req.needs_prompt_logits
-                or req.slow_masks or req.mask_pending is not None  # its masks would hold up the step
+                or req.mask_seconds > MASK_FAST or req.mask_pending is not None  # its masks would hold up the step
                 or (req.params.seed is not None and req.params.temperature >= GREEDY_BELOW)
                 or req.num_computed < len(req.prompt_ids)):
             return []

@@ -10,7 +10,8 @@ budget per step (`Outputs`): a mask that is late leaves its own request behind, 
 Contract of `MaskWorker.ask(req, history, wait)`: the mask result for `history` (exactly what
 `req.params.mask(history)` returns, or its exception raised here, in the caller's error boundary), or
 `PENDING` when it is not ready within `wait` seconds; asked again for the same history it returns the same
-call's result (each history is computed once). The calls of one mask function (a group's samples share it)
+call's result (each history is computed once). Each result taken updates `req.mask_seconds`, a running
+estimate of its mask's time per call (the engine does not wait for a mask it expects to be late). The calls of one mask function (a group's samples share it)
 run one at a time, in the order asked, so a group of many samples holds one worker, not all of them.
 
 The workers run at the lowest CPU priority (`nice` 19, per thread): where the cores are busy with a forward,
@@ -25,6 +26,7 @@ import concurrent.futures
 import contextlib
 import os
 import threading
+import time
 
 PENDING = object()
 WORKERS = 4
@@ -54,6 +56,7 @@ class MaskWorker:
         if not future.done():
             return PENDING
         req.mask_pending = None
+        req.mask_seconds = 0.5 * req.mask_seconds + 0.5 * future.seconds
         return future.result()
 
     def _submit(self, mask, history: list[int]) -> concurrent.futures.Future:
@@ -70,11 +73,17 @@ class MaskWorker:
 
     def _run(self, key: int, mask, history: list[int], future: concurrent.futures.Future) -> None:
         while True:
+            future.seconds = 0.0
             if future.set_running_or_notify_cancel():
+                started = time.perf_counter()
                 try:
-                    future.set_result(mask(history))
+                    result = mask(history)
                 except BaseException as e:  # noqa: BLE001 -- raised in the request's own error boundary
+                    future.seconds = time.perf_counter() - started
                     future.set_exception(e)
+                else:
+                    future.seconds = time.perf_counter() - started
+                    future.set_result(result)
             with self._lock:
                 chain = self._chains[key]
                 if not chain:
