@@ -76,6 +76,7 @@ from .cache.persistence import Persistence
 from .scheduler import Scheduler
 from .model import admission, model_runner
 from . import openmp
+from .turns import Turns
 
 
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -123,7 +124,7 @@ class Engine(Persistence):
         self.steps = 0
         self.mixed_steps = 0  # steps whose batch held both prefill chunks and decode steps
         self.max_batch_requests = 0
-        self._state = threading.RLock()
+        self._state = Turns()  # fair to inspectors between steps (turns.py)
         self._wake = threading.Condition()
         self._inbox: list[RequestGroup] = []
         self._cancels: list[RequestGroup] = []
@@ -252,7 +253,7 @@ class Engine(Persistence):
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> None:
         """One batch: schedule -> forward -> commit and process the outputs (outputs.py)."""
-        with self._state:
+        with self._state.for_step():
             self._take_inbox()
             self.outputs.resume()  # requests whose late mask is computed now (outputs.py)
             batch = self.scheduler.schedule()
