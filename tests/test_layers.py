@@ -26,7 +26,7 @@ def test_the_remote_backend_imports_neither_torch_nor_the_engine(statement):
 
 @pytest.mark.parametrize("module", ["context", "holes", "nested", "program", "beam", "scoring", "constraints",
                                    "hole_plan", "json_types", "value_check", "decoding", "prompt", "trace", "chat",
-                                   "decorators", "result", "errors", "program_state"])
+                                   "decorators", "result", "errors", "program_state", "plain_content"])
 def test_the_runtime_imports_no_engine_language_or_query_layer(module):
     modules = imported_after(f"import kvql.runtime.{module}")
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))

@@ -18,7 +18,8 @@ from pydantic import BaseModel
 
 import kvql
 from kvql.server.app import create_app
-from kvql.server.tools import ToolCalling, _closed
+from kvql.server.closed_schema import closed
+from kvql.server.tools import ToolCalling
 from conftest import CHAT_TEMPLATE, free_port, serving, start_server, tiny_model
 
 WEATHER = {"type": "function", "function": {
@@ -207,11 +208,11 @@ def test_a_bad_tool_request_is_a_400_naming_the_field(server, body, param):
 def test_closing_objects_leaves_a_property_named_like_a_keyword_alone():
     schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"a": {}}},
                                                "enum": {"enum": [{"properties": {}}]}}}
-    closed = _closed(schema)
-    assert closed["additionalProperties"] is False and set(closed["properties"]) == {"properties", "enum"}
-    assert closed["properties"]["properties"]["additionalProperties"] is False
-    assert closed["properties"]["enum"]["enum"] == [{"properties": {}}]  # a value, not a schema
-    assert _closed({"type": "object", "properties": {}, "additionalProperties": True})["additionalProperties"] is True
+    held = closed(schema)
+    assert held["additionalProperties"] is False and set(held["properties"]) == {"properties", "enum"}
+    assert held["properties"]["properties"]["additionalProperties"] is False
+    assert held["properties"]["enum"]["enum"] == [{"properties": {}}]  # a value, not a schema
+    assert closed({"type": "object", "properties": {}, "additionalProperties": True})["additionalProperties"] is True
 
 
 # -- fields clients send -------------------------------------------------------------------------
@@ -395,3 +396,58 @@ def test_a_tool_schema_that_does_not_compile_is_a_400_leading_with_the_reason_an
     message = r.json()["error"]["message"]
     assert "Pointer '/$defs/City' does not exist" in message[:100], message  # llguidance's reason, before any grammar
     assert "plan_trip" in message[:200] or isinstance(tool_choice, dict), message  # (a named tool_choice names it)
+
+
+# -- response_format schemas are held closed too (issue 51) ----------------------------------------
+PLACE = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                          "near": {"type": "object", "properties": {"km": {"type": "integer"}}}},
+         "required": ["name"]}
+
+
+def response_format_constraint(schema: dict) -> dict:
+    from kvql.server.protocol import ChatRequest, constraint_options
+
+    req = ChatRequest.model_validate({"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "Place", "schema": schema}}})
+    return constraint_options(req)
+
+
+def test_a_response_format_schema_is_held_closed_as_a_tools_parameters_are():
+    (schema,) = response_format_constraint(PLACE).values()
+    assert schema == closed(PLACE)  # one rule for both
+    assert schema["additionalProperties"] is False and schema["properties"]["near"]["additionalProperties"] is False
+    assert "additionalProperties" not in PLACE  # the request's own schema is left as sent
+    kept = response_format_constraint({**PLACE, "additionalProperties": True})["json_schema"]
+    assert kept["additionalProperties"] is True  # a schema that says so stays open
+
+
+def test_a_response_format_constraint_refuses_a_property_the_schema_does_not_declare(make_model):
+    tok = make_model().tokenizer
+    grammar = kvql.engine.decode.grammar.Grammar.json_schema(tok, response_format_constraint(PLACE)["json_schema"])
+
+    def admits(value: dict) -> bool:
+        try:
+            grammar.mask_fn()(tok.encode(json.dumps(value)))
+        except ValueError:
+            return False
+        return True
+
+    assert admits({"name": "Paris", "near": {"km": 3}})
+    assert not admits({"name": "Paris", "userLocation": "x"})  # SmolLM2 padded a City so until the token cap
+    assert not admits({"name": "Paris", "near": {"km": 3, "miles": 2}})
+
+
+@pytest.mark.smollm2
+def test_a_pydantic_response_format_on_smollm2_gives_its_fields_only(smol_server):
+    class Town(BaseModel):
+        name: str
+
+    schema = Town.model_json_schema()  # as sent by hand: no additionalProperties (the openai client's parse adds it)
+    client = openai.OpenAI(base_url=smol_server, api_key="x", max_retries=0)
+    for question in ("Tell me about Tokyo.", "Which city should I visit?"):  # open, both padded Town to the cap
+        r = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": question}],
+                                           response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "Town", "schema": schema}},
+                                           temperature=0, max_tokens=60)
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        assert set(json.loads(r.choices[0].message.content)) == {"name"}

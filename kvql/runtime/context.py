@@ -40,7 +40,7 @@ class Context(Holes, Nested):
         self.run_index = run_index
         self.writer = writer  # the call's output writer: it sees each hole grow (kvql.runtime.live)
         self._given = (ids, text)
-        self._early: list[str] = []  # model text before the prompt exists
+        self._early: list[tuple[str, bool]] = []  # model text before the prompt exists, and whether it is content
         self._shown = text if shown is None else shown  # the prompt as LMQL shows it (<lmql:user/> tags)
         self._role, self._roles_seen = role, roles_seen
         self._holes = 0  # holes sampled so far: each one's seed differs (`Holes._seed`)
@@ -59,9 +59,9 @@ class Context(Holes, Nested):
     def buffer(self) -> Prompt:
         """The prompt as the backend is sent it (token ids, or text without a tokenizer)."""
         ids, text = self._given
-        buffer = Prompt(self.model.tokenizer, ids, text)
-        for s in self._early:
-            buffer.add(s)
+        buffer = Prompt(self.model.tokenizer, ids, text, plain=getattr(self.model, "plain_content", False))
+        for s, content in self._early:
+            buffer.add(s, content)
         self._early.clear()
         return buffer
 
@@ -81,14 +81,14 @@ class Context(Holes, Nested):
         """The prompt so far as LMQL shows it: chat roles as `<lmql:ROLE/>` tags, not the template."""
         return self._shown
 
-    def _add(self, s: str) -> None:
+    def _add(self, s: str, content: bool = False) -> None:
         if self.model_used:
-            self.buffer.add(s)
+            self.buffer.add(s, content)
         else:
-            self._early.append(s)
+            self._early.append((s, content))
 
     async def text(self, s: str) -> None:
-        self._add(s)
+        self._add(s, content=self._role is not None)  # a role's content: plain text under plain_content
         self._shown += s
 
     @staticmethod

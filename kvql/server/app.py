@@ -56,7 +56,7 @@ def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterabl
                api_key: str | Iterable[str] | None = None, salt_per_key: bool = False,
                allowed_hosts: Iterable[str] | None = None, max_body_bytes: int = 1 << 20,
                max_tokens_cap: int = 4096, log_interval: float = 10.0, metrics_auth: bool = True,
-               playground: bool = True, playground_run: bool = False) -> FastAPI:
+               playground: bool = True, playground_run: bool = False, plain_content: bool | None = None) -> FastAPI:
     """The app serving `model` as `name` (default `model.name`); requests may also name it by an alias.
 
     `api_key`: one key or several (each `Authorization: Bearer KEY`). `salt_per_key`: each key's
@@ -67,6 +67,9 @@ def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterabl
     `playground`: the query playground's page (`GET /playground`, open like /health). `playground_run`: let the
     playground run queries (Python in this process, as its user: whoever may run one has a shell); off by
     default, and then every run is refused whatever the key or the peer (kvql.server.playground).
+    `plain_content`: chat messages' content is tokenized as plain text, so a special token's text in it (a
+    `<|im_start|>`) is text, not a control token (kvql.runtime.plain_content); default: the model's own
+    `plain_content` (`kvql.model(..., plain_content=True)`), else off, as transformers and vLLM.
     """
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if not all(isinstance(k, str) and k for k in keys):
@@ -90,7 +93,8 @@ def create_app(model: LocalBackend, *, name: str | None = None, aliases: Iterabl
     app.add_middleware(AccessLog)
     counters = {"requests": 0, "errors": 0}
     s = Served(model, name or model.name, aliases, counters, salt_per_key=salt_per_key,
-               max_body_bytes=max_body_bytes, max_tokens_cap=max_tokens_cap)
+               max_body_bytes=max_body_bytes, max_tokens_cap=max_tokens_cap,
+               plain_content=getattr(model, "plain_content", False) if plain_content is None else plain_content)
     app.state.shutdown = s.metrics.cancel_all  # cancel what is in flight: see launch.py
     errors.install(app, counters)
     _service_routes(app, s)

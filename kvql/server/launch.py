@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=WEIGHTS, default=None, help=WEIGHTS_HELP)
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) replacing the tokenizer's")
+    p.add_argument("--plain-content", action="store_true",
+                   help="tokenize chat messages' content as plain text: a special token's text in it (<|im_start|>) "
+                        "stays text and cannot open a turn (default: it becomes the control token, as in vLLM)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error", "critical"), default="info",
                    help="info: an access line per request and a throughput line every 10 s while busy")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -148,7 +151,7 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
                      salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
                      max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap,
                      metrics_auth=args.metrics_auth, playground=args.playground,
-                     playground_run=args.playground_run)
+                     playground_run=args.playground_run, plain_content=args.plain_content)
     grace = max(0.0, args.shutdown_timeout)
 
     class Server(uvicorn.Server):

@@ -8,7 +8,8 @@ never a pydantic dump).
 
 Constraint fields accepted, named as vLLM and SGLang users know them:
 - vLLM: `structured_outputs: {"regex" | "choice" | "json" | "grammar": ...}`; chat `response_format`
-  (`{"type": "json_schema", "json_schema": {"schema": ...}}` or `{"type": "json_object"}`);
+  (`{"type": "json_schema", "json_schema": {"schema": ...}}`, its objects held closed as tools' are:
+  kvql.server.closed_schema; or `{"type": "json_object"}`);
 - SGLang: top-level `regex`, `json_schema`.
 vLLM's other fields, with vLLM 0.32's meaning: `min_tokens` (kvql.engine.decode.masks), `ignore_eos`,
 `return_token_ids` (also streamed: each chunk's new ids; `prompt_token_ids` in the first),
@@ -52,6 +53,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..backends.options import CACHE_SALT_MAX
+from .closed_schema import closed
 
 # Containers (objects, arrays) nested deeper than this are refused. Python's json parser and the
 # grammar compiler recurse; a limit far below theirs keeps them from failing (RecursionError) or
@@ -363,18 +365,6 @@ def _body_path(body: Any, loc: tuple, kind: str) -> tuple:
     return tuple(path)
 
 
-def message_text(m: ChatMessage, i: int) -> str:
-    if m.content is None or isinstance(m.content, str):
-        return m.content or ""
-    parts = []
-    for j, p in enumerate(m.content):
-        if p.type != "text" or p.text is None:
-            raise RequestError(f"messages.{i}.content.{j}: only text parts are supported "
-                               f"(type 'text' with a string 'text'), got type {p.type!r}", f"messages.{i}.content")
-        parts.append(p.text)
-    return "".join(parts)
-
-
 def constraint_options(req: _Common) -> dict:
     """The one constraint of a request as `Model.generate` options (`{}` for none)."""
     found: dict = {}
@@ -394,7 +384,7 @@ def constraint_options(req: _Common) -> dict:
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise RequestError("response_format of type json_schema needs json_schema.schema",
                                "response_format.json_schema.schema")
-        found["json_schema"] = rf.json_schema.schema_
+        found["json_schema"] = closed(rf.json_schema.schema_)  # as OpenAI's strict mode: no made-up properties
     elif rf is not None and rf.type == "json_object":
         found["json_schema"] = {"type": "object"}
     if len(found) > 1:

@@ -12,22 +12,25 @@ import jinja2
 from fastapi import Request
 
 from ..backends.options import GenerateOptions
+from ..runtime import plain_content
 from . import streaming, tools
 from .errors import request_errors, unless_disconnected
 from .logprobs import PROMPT_TOP
 from .metrics import Metrics
-from .protocol import ChatRequest, CompletionRequest, RequestError, constraint_options, message_text, parse_request
+from .protocol import ChatRequest, CompletionRequest, RequestError, constraint_options, parse_request
 from .tools import ToolCalling
 
 
 class Served:
-    """`model` served as `name` (and `aliases`); `counters`: the app's request and error counts."""
+    """`model` served as `name` (and `aliases`); `counters`: the app's request and error counts; `plain_content`:
+    messages' content is tokenized as plain text (kvql.runtime.plain_content), so it cannot forge a turn."""
 
     def __init__(self, model, name: str, aliases, counters: dict, *, salt_per_key: bool, max_body_bytes: int,
-                 max_tokens_cap: int):
+                 max_tokens_cap: int, plain_content: bool = False):
         self.model, self.name, self.served, self.counters = model, name, {name, *aliases}, counters
         self.metrics = Metrics(model, counters)
         self.salt_per_key, self.max_body_bytes, self.max_tokens_cap = salt_per_key, max_body_bytes, max_tokens_cap
+        self.plain_content = plain_content
         self._takes_tools: bool | None = None  # whether the chat template renders tools: found on first use
 
     async def body(self, request: Request) -> bytes:
@@ -100,23 +103,27 @@ class Served:
 
     def chat_ids(self, req: ChatRequest, calling: ToolCalling | None = None) -> list[int]:
         """The chat template applied to the messages (and the tools of `calling`, kvql.server.tools), opening
-        the assistant's turn: the engine's prompt."""
+        the assistant's turn: the engine's prompt. The rendered text is tokenized with its special tokens parsed,
+        content included (as transformers and vLLM do), unless `plain_content`."""
         tokenizer = self.model.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use /v1/completions")
         if self._takes_tools is None:
             self._takes_tools = tools.template_takes_tools(tokenizer)
-        messages = tools.message_dicts(req.messages, self._takes_tools, message_text)
+        messages = tools.message_dicts(req.messages, self._takes_tools, tools.message_text)
         extra = {} if req.reasoning_effort is None else {"reasoning_effort": req.reasoning_effort}
         if calling is not None:
             messages, offered = calling.messages(messages, self._takes_tools)
             extra.update(offered)
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                                **extra)
+            if self.plain_content:
+                ids = plain_content.chat_ids(tokenizer, messages, add_generation_prompt=True, **extra)
+            else:
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False, **extra)
         except jinja2.TemplateError as e:  # templates refuse some message sequences (raise_exception)
             raise RequestError(f"the model's chat template refused these messages: {e}", "messages") from None
-        except (TypeError, KeyError, AttributeError) as e:  # a template reading a field these messages lack
+        except (TypeError, KeyError, AttributeError, ValueError) as e:  # a field these messages lack; a mark cut
             raise RequestError(f"the model's chat template could not render these messages: "
                                f"{type(e).__name__}: {e}", "messages") from None
         return list(ids)
@@ -179,9 +186,22 @@ def usage(completions, n: int, echo_only: bool = False) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+MAX_PROMPTS = 256  # prompts in one completion request, at most ...
+MAX_SAMPLES = 256  # ... and samples (prompts x n): one request cannot queue more work than this
+
+
 def completion_prompts(req: CompletionRequest) -> list:
+    """The request's prompts; a 400 past `MAX_PROMPTS` prompts or `MAX_SAMPLES` samples (`n` bounds a prompt's
+    samples, this a request's: ["Hi"] * 2000 with n 64 would queue 128,000)."""
     p = req.prompt
-    return p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+    prompts = p if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+    if len(prompts) > MAX_PROMPTS:
+        raise RequestError(f"{len(prompts)} prompts in one request; this server takes at most {MAX_PROMPTS} (send "
+                           "more requests)", "prompt")
+    if len(prompts) * req.n > MAX_SAMPLES:
+        raise RequestError(f"{len(prompts)} prompts x n={req.n} = {len(prompts) * req.n} samples in one request; "
+                           f"this server makes at most {MAX_SAMPLES} per request", "n")
+    return prompts
 
 
 def rendered(req, request_id: str, token_ids: list[int]) -> dict:

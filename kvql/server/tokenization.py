@@ -3,7 +3,8 @@
 
 - `POST /tokenize {"model", "prompt", "add_special_tokens": true, "return_token_strs": false}` or
   `{"model", "messages", "add_generation_prompt": true, "add_special_tokens": false}` (the chat template
-  applied) -> `{"count", "max_model_len", "tokens", "token_strs"}`;
+  applied; its content as plain text on a server with `--plain-content`, as its chats are fed) ->
+  `{"count", "max_model_len", "tokens", "token_strs"}`;
 - `POST /detokenize {"model", "tokens"}` -> `{"prompt"}` (special tokens kept, as vLLM);
 - `GET /tokenizer_info` -> the tokenizer's configuration as `tokenizer_config.json` has it (`bos_token`,
   `eos_token`, `added_tokens_decoder` with each token's `special` flag, `chat_template`, ...) and
@@ -19,6 +20,7 @@ import jinja2
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..runtime import plain_content
 from .protocol import RequestError, parse_json
 
 
@@ -69,11 +71,9 @@ def tokenization_routes(app: FastAPI, s) -> None:
             if not getattr(tok, "chat_template", None):
                 raise RequestError("this model has no chat template", "messages")
             try:
-                text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                               tokenize=False)
-            except (jinja2.TemplateError, TypeError, KeyError) as e:  # templates refuse some messages
+                ids = _chat_ids(tok, req, s.plain_content)
+            except (jinja2.TemplateError, TypeError, KeyError, ValueError) as e:  # templates refuse some messages
                 raise RequestError(f"the model's chat template refused these messages: {e}", "messages") from None
-            ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
         return {"count": len(ids), "max_model_len": s.model.context_length, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
@@ -94,3 +94,12 @@ def tokenization_routes(app: FastAPI, s) -> None:
         if getattr(tok, "chat_template", None):
             info["chat_template"] = tok.chat_template
         return info
+
+
+def _chat_ids(tok, req: TokenizeRequest, plain: bool) -> list[int]:
+    """The chat template applied to `req.messages`, then tokenized; `plain`: their content as plain text (as
+    a server with `--plain-content` feeds its chats: kvql.runtime.plain_content)."""
+    framed, template = bool(req.add_special_tokens), {"add_generation_prompt": req.add_generation_prompt}
+    if plain:
+        return plain_content.encode(tok, plain_content.render(tok, req.messages, **template), framed)
+    return tok.encode(tok.apply_chat_template(req.messages, tokenize=False, **template), add_special_tokens=framed)

@@ -14,7 +14,8 @@ returns names one of the request's tools and carries arguments valid under that 
     under "required";
   - `"none"`: as if no tools were sent (nothing offered, nothing read back).
   An object schema that declares `properties` and says nothing of `additionalProperties` is held closed
-  (false), as OpenAI's strict mode requires: a call carries the arguments its function declares. Under every
+  (false), as OpenAI's strict mode requires (kvql.server.closed_schema): a call carries the arguments its
+  function declares. Under every
   tool_choice a tool's parameters are compiled as a schema of their own: its local references (`#`,
   `#/$defs/City`, `#/properties/v`) resolve against them, recursion included.
 - The answer carries OpenAI's `tool_calls` (`{"id", "type": "function", "function": {"name", "arguments"}}`,
@@ -35,13 +36,12 @@ import re
 import uuid
 
 from ..backends.options import JSON_SPACING
+from .closed_schema import closed
 from .protocol import RequestError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 _ANY_OBJECT = {"type": "object"}
-_LITERALS = ("const", "enum", "default", "examples")  # values, not schemas
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _PROBE = [{"role": "user", "content": "x"}]
 _PROBE_TOOL = [{"type": "function", "function": {"name": "kvql_probe", "description": "probe",
                                                  "parameters": {"type": "object", "properties": {}}}}]
@@ -128,7 +128,7 @@ class ToolCalling:
 
     def _arguments_schema(self, name: str) -> dict:
         schema = next(f for f in self.functions if f["name"] == name).get("parameters")
-        return _closed(schema) if isinstance(schema, dict) and schema else _ANY_OBJECT
+        return closed(schema) if isinstance(schema, dict) and schema else _ANY_OBJECT
 
     # -- the answer ----------------------------------------------------------------------------------
     def read(self, text: str, finish_reason: str) -> tuple[str | None, list[dict], str]:
@@ -146,27 +146,6 @@ class ToolCalling:
 
     def stream(self) -> CallStream:
         return CallStream(self)
-
-
-def _closed(schema):
-    """`schema` with every object that declares `properties` and says nothing of others closed to others
-    (`additionalProperties: false`, as OpenAI's strict mode requires): a function takes the arguments it
-    declares, and a small model otherwise pads its calls with made-up ones."""
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key in _LITERALS:
-            out[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema: the names are no keywords
-            out[key] = {name: _closed(s) for name, s in value.items()}
-        else:
-            out[key] = _closed(value)
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def _call_head(name: str) -> str:
@@ -209,6 +188,20 @@ class CallStream:
         if not calls:
             return {"content": content}, finish
         return {"content": None, "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, finish
+
+
+def message_text(m, i: int) -> str:
+    """The text of message `m` (the `i`-th): its content string, or its text parts joined (a RequestError for
+    any other part)."""
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    parts = []
+    for j, p in enumerate(m.content):
+        if p.type != "text" or p.text is None:
+            raise RequestError(f"messages.{i}.content.{j}: only text parts are supported "
+                               f"(type 'text' with a string 'text'), got type {p.type!r}", f"messages.{i}.content")
+        parts.append(p.text)
+    return "".join(parts)
 
 
 def message_dicts(messages, takes_tools: bool, text_of) -> list[dict]:
