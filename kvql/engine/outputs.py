@@ -15,8 +15,9 @@ Masks that are a function of the ids alone are computed off the engine thread (d
 clock) waits for them at most `MASK_WAIT_MIN` seconds or `MASK_WAIT_SHARE` of its forward's time, whichever is
 longer, all requests together, and not at all for a request whose masks take longer than that. A mask asked
 by jump-forward that is late lets the request's forward go on without it (its forced tokens, if any, are then
-sampled one step each: the same tokens); a mask late at sampling time parks the request with its row of logits (`parked`) until `resume` finds the mask computed. So a slow
-constraint slows its own request only; outputs are the same as with every mask computed in place.
+sampled one step each: the same tokens); a mask late at sampling time parks the request with its row of
+logits (`parked`) until `resume` finds the mask computed. So a slow constraint slows its own request only;
+outputs are the same as with every mask computed in place.
 """
 
 from __future__ import annotations
