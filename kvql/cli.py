@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .arguments import (DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, at_least, directory, disk_options, non_negative,
                         output_file, seconds, size, unescape, workload)
+from .backends.load_error import ModelLoadError
 from .factory import is_remote
 from .registry import DEFAULT_MODEL
 
@@ -390,6 +391,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:
         args.func(args)
+    except ModelLoadError as e:  # one line, also where it carries a multi-line error of transformers'
+        print(f"kvql: error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
     except (ValueError, TypeError, RuntimeError, NameError, SyntaxError) as e:
         print(f"kvql: error: {e}", file=sys.stderr)
         sys.exit(2)

