@@ -30,8 +30,8 @@ import kvql  # noqa: E402
 from kvql.server.app import create_app  # noqa: E402
 
 
-INNOCENT = {"prompt": "Q: What is the capital of France?\nA: Paris\nQ: What is the capital of Japan?\nA:",
-            "max_tokens": 16, "temperature": 0}
+FEW_SHOT = "Q: What is the capital of France?\nA: Paris\nQ: What is the capital of Japan?\nA: Tokyo\n"
+COUNTRIES = ["Italy", "Spain", "Peru", "Kenya", "Norway"]  # one innocent request each, alone and in every row
 SETTLE = 0.5  # seconds a hostile request gets to start before the innocent one is sent
 
 
@@ -48,7 +48,7 @@ def serve(app) -> tuple[str, uvicorn.Server]:
 
 def hostiles(vocab: int) -> dict:
     """name -> (how many concurrent copies, the body of each; the innocent's own extra fields)."""
-    big = "lorem ipsum dolor sit amet " * (1 << 20 // 27)
+    big = "lorem ipsum dolor sit amet " * ((1 << 20) // 27)
     return {
         "slow regex (x{1000}){300}": (1, [{"prompt": "x", "max_tokens": 48, "regex": "(x{1000}){300}"}], {}),
         "prompts x n past the caps": (1, [{"prompt": ["Hi"] * 2000, "n": 64, "max_tokens": 1}], {}),
@@ -58,7 +58,7 @@ def hostiles(vocab: int) -> dict:
                                                       "logit_bias": {str(t): 0.5 for t in range(vocab)}}], {}),
         "eight 1 MB prompts": (8, [{"prompt": big + str(i), "max_tokens": 1} for i in range(8)], {}),
         "eight slow constraints to compile": (8, [{"prompt": "x", "max_tokens": 4, "regex": f"(x{{1000}}){{{100 + i}}}"}
-                                                  for i in range(8)], {"regex": " [A-Z][a-z]+( [A-Z][a-z]+)?"}),
+                                                  for i in range(8)], {"regex": True}),
     }
 
 
@@ -68,15 +68,25 @@ async def timed(client, path: str, body: dict | None = None) -> tuple[float, htt
     return time.perf_counter() - started, r
 
 
-async def innocent(client, extra: dict, repeat: int) -> tuple[float, str]:
-    times, texts = [], set()
-    for _ in range(repeat):
-        t, r = await timed(client, "/v1/completions", INNOCENT | extra)
+_fresh = iter(range(1, 1 << 30))
+
+
+def innocent_body(country: str, extra: dict) -> dict:
+    body = {"prompt": f"{FEW_SHOT}Q: What is the capital of {country}?\nA:", "max_tokens": 16, "temperature": 0}
+    if extra.get("regex"):  # a constraint this server has not compiled yet (the same language every time)
+        body["regex"] = f" [A-Z][a-z]+( [A-Z][a-z]+)?|@{{{next(_fresh)}}}"
+    return body
+
+
+async def innocent(client, extra: dict, repeat: int) -> tuple[float, list[str]]:
+    """The median latency of one request per country (sequential), and their answers."""
+    times, texts = [], []
+    for country in COUNTRIES[:repeat]:
+        t, r = await timed(client, "/v1/completions", innocent_body(country, extra))
         r.raise_for_status()
         times.append(t)
-        texts.add(r.json()["choices"][0]["text"])
-    assert len(texts) == 1, texts
-    return statistics.median(times), texts.pop()
+        texts.append(r.json()["choices"][0]["text"])
+    return statistics.median(times), texts
 
 
 async def row(client, name: str, copies: int, bodies: list, extra: dict, alone: dict, repeat: int) -> str:
@@ -92,18 +102,20 @@ async def row(client, name: str, copies: int, bodies: list, extra: dict, alone: 
 
 
 async def main(args) -> None:
-    model = kvql.model(args.model)
+    model = kvql.model(args.model, speculate=False)  # no drafts: each innocent token is a step of the batch
     url, server = serve(create_app(model, max_body_bytes=2 << 20))
     rows = hostiles(model.vocab_size)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-            await innocent(client, {}, 1)  # warm: the prompt is cached from here on, as in every row
-            alone = {(): await innocent(client, {}, args.repeat)}
-            await innocent(client, rows["eight slow constraints to compile"][2], 1)
-            alone[("regex",)] = await innocent(client, rows["eight slow constraints to compile"][2], args.repeat)
+            constrained = {"regex": True}
+            await innocent(client, {}, args.repeat)  # warm: the prompts are cached from here on, as in every row
+            await innocent(client, constrained, args.repeat)
+            alone = {(): await innocent(client, {}, args.repeat),
+                     ("regex",): await innocent(client, constrained, args.repeat)}
             health, _ = await timed(client, "/health")
-            print(f"kvql {args.model}: innocent alone {alone[()][0]:.2f} s ({alone[()][1]!r}), "
-                  f"with its own regex {alone[('regex',)][0]:.2f} s; /health alone {health * 1000:.0f} ms")
+            print(f"kvql {args.model} (speculation off): innocent alone {alone[()][0]:.2f} s, answers "
+                  f"{alone[()][1]!r}; with a constraint of its own {alone[('regex',)][0]:.2f} s; "
+                  f"/health alone {health * 1000:.0f} ms")
             print("| hostile request | its status (its time) | innocent | vs alone | answer | /health |")
             print("|---|---|---|---|---|---|")
             for name, (copies, bodies, extra) in rows.items():

@@ -65,23 +65,49 @@ class StreamingOutputWriter(BaseOutputWriter):
 
 
 class TerminalWriter(BaseOutputWriter):
-    """`kvql run --stream`'s output writer: the prompt on `out` as its holes fill, token by token (with
-    several samples running at once, each one's prompt starts on a new line when it interleaves)."""
+    """`kvql run --stream`'s output writer: the prompt on `out` as its holes fill, token by token, each piece
+    written once (with several samples running at once, each one's prompt starts on a new line when it
+    interleaves).
+
+    A finished hole's value can differ from the text shown while it grew (`INT` strips ' 041' to 41, a stop
+    phrase is cut off): the shown text then stands for the value, and writing goes on from the prompt after
+    it, so the terminal never repeats the prompt (what the prompt holds is on stdout, in the result)."""
 
     def __init__(self, out):
         super().__init__()
         self.out, self.shown = out, ""
+        self.hole: tuple[str, str] | None = None  # the hole last shown growing, and its text then
 
     async def add_interpreter_head_state(self, variable, head, prompt, where, trace, is_valid, is_final, mask,
                                          num_tokens, program_variables) -> None:
-        if is_final:
-            new = prompt[len(self.shown):] if prompt.startswith(self.shown) else "\n" + prompt
-            self.out.write(new + "\n")
-            self.shown = ""
-        else:
-            self.out.write(prompt[len(self.shown):] if prompt.startswith(self.shown) else "\n" + prompt)
-            self.shown = prompt
+        self.out.write(self._unshown(prompt, program_variables) + ("\n" if is_final else ""))
         self.out.flush()
+        if is_final:
+            self.shown, self.hole = "", None
+        else:
+            self.shown, self.hole = prompt, (variable, str(program_variables.get(variable, "")))
+
+    def _unshown(self, prompt: str, state) -> str:
+        """The text to write for `prompt`: what it adds to the text shown; past a rewritten hole (class
+        doc), what follows its value; else (another sample's prompt) all of it, on a new line."""
+        if prompt.startswith(self.shown):
+            return prompt[len(self.shown):]
+        end = self._rewritten_hole_end(prompt, state)
+        return prompt[end:] if end is not None else "\n" + prompt
+
+    def _rewritten_hole_end(self, prompt: str, state) -> int | None:
+        """Where, in `prompt`, the value of the hole last shown growing ends, when `prompt` is the shown text
+        with that hole finished as a part of its shown text (a different sample's prompt is not); else None."""
+        if self.hole is None:
+            return None
+        name, text = self.hole
+        value = state.get(name)
+        start = len(self.shown) - len(text)  # the shown text is the prompt before the hole, then `text`
+        if value is None or state.final(name) != "fin" or str(value) not in text:
+            return None
+        if prompt[:start] != self.shown[:start] or not prompt.startswith(str(value), start):
+            return None
+        return start + len(str(value))
 
 
 silent = BaseOutputWriter()

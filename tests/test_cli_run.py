@@ -93,3 +93,51 @@ def test_cuda_without_a_usable_gpu_is_one_clear_line(tmp_path, model_dir):
     errors = [x for x in out.stderr.splitlines() if not x.startswith("kvql: loading")]
     assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
     assert errors[0].startswith("kvql: error: device 'cuda'") and "--device cpu" in errors[0]
+
+
+# -- --stream writes each piece of the prompt once ----------------------------------------------------------
+INT_THEN_TEXT = '"Question:[N]" where INT(N) and len(TOKENS(N)) < 4\n" and then:[X]" where len(TOKENS(X)) < 5\n'
+
+
+def test_stream_writes_the_prompt_once_when_an_int_holes_text_is_rewritten(tmp_path, model_dir):
+    """INT(N) grows as '041' on this model but its value, in the prompt, is 41: the stream keeps the text it
+    showed and goes on from the prompt after the value, so nothing is written twice."""
+    (tmp_path / "q.lmql").write_text(INT_THEN_TEXT)
+    out = kvql("run", "q.lmql", "--model", str(model_dir), "--cache-budget", "1MiB", "--dtype", "float32",
+               "--stream", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    prompt, rest = out.stdout.split("\nN: ", 1)  # the final prompt, then the variables
+    value = rest.split("\n", 1)[0]
+    banner = next(x for x in out.stderr.splitlines() if x.startswith("kvql: model "))
+    streamed = out.stderr.split(banner + "\n", 1)[1]
+    assert streamed.startswith("Question:") and not streamed.startswith(f"Question:{value}")  # it was rewritten
+    assert streamed.count("Question:") == 1 and streamed.count(" and then:") == 1
+    assert streamed.endswith(prompt[len("Question:" + value):] + "\n")
+    assert 0 < len(streamed) - len(prompt + "\n") <= 3  # the shown text's extra zeros or space only
+
+
+def written(calls) -> str:
+    """What a TerminalWriter writes for `calls` of (variable, prompt, values, growing hole or None = final)."""
+    import asyncio
+    import io
+
+    from kvql.output import TerminalWriter
+    from kvql.runtime.program_state import ProgramState
+
+    out = io.StringIO()
+    writer = TerminalWriter(out)
+    for variable, prompt, values, growing in calls:
+        state = ProgramState(prompt, values, growing=growing)
+        asyncio.run(writer.add_interpreter_head_state(variable, 0, prompt, None, None, True, growing is None, None,
+                                                      1, state))
+    return out.getvalue()
+
+
+def test_stream_ends_once_when_the_last_holes_text_is_rewritten():
+    assert written([("N", "Q: 0", {"N": " 0"}, "N"), ("N", "Q: 04", {"N": " 04"}, "N"),
+                    ("N", "Q:4", {"N": 4}, None)]) == "Q: 04\n"
+
+
+def test_stream_starts_another_samples_prompt_on_a_new_line():
+    assert written([("X", "Say: ab", {"X": " ab"}, "X"), ("X", "Say: c", {"X": " c"}, "X"),
+                    ("X", "Say: cd", {"X": " cd"}, "X")]) == "Say: ab\nSay: cd"

@@ -278,7 +278,9 @@ class LocalBackend(Backend):
         other requests; nothing is queued if the caller is cancelled meanwhile."""
         if (options.get("heal") or any(options.get(k) is not None for k in base.CONSTRAINTS)
                 or _much_text(prompts) or len(options.get("logit_bias") or ()) > INLINE_PROMPTS):
-            prepared = await asyncio.to_thread(self._prepare, prompts, **options)
+            # on threads of its own: the event loop's default pool also runs /health's check and other clients' work
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                _PREPARING, functools.partial(self._prepare, prompts, **options))
         else:
             prepared = self._prepare(prompts, **options)
         return self._enqueue(prepared, on_update)
@@ -460,6 +462,7 @@ class LocalBackend(Backend):
         return f"kvql.Model({self.name!r}, device={self.device}, cache_slots={self.engine.pool.num_slots})"
 
 
+_PREPARING = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kvql-prepare")  # as sandbox children
 INLINE_CHARS = 16 * 1024  # text `submit` tokenizes on the caller's event loop, at most; more goes to a thread
 INLINE_PROMPTS = 64
 

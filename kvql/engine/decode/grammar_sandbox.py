@@ -8,7 +8,8 @@ compiler crashed (the child died) or took too long (the child is killed). A dead
 on the next call. Thread-safe: up to `CHILDREN` children compile at once, each one constraint at a time (so a
 few slow constraints leave a child for the next one; past that, a check waits for the first child free). A
 child starts when a check finds none free and builds llguidance's view of each tokenizer once (a pass over its
-vocabulary); `grammar.warm_up` pays both for the first child ahead of a first request.
+vocabulary); `grammar.warm_up` pays both for the first child ahead of a first request. Children run at the
+lowest CPU priority (`nice` 19).
 
 The child runs this file as a script, not as part of the kvql package, so it imports only llguidance.
 Messages are JSON lines: `{"tokenizer": KEY, "vocab": JSON | null, "eos": ID, "grammar": TEXT, "stack": BYTES}` in,
@@ -158,8 +159,15 @@ def _close() -> None:
 
 
 def _serve() -> None:
-    """The child's loop: compile each grammar on a big stack, compute its first mask, say how it went."""
+    """The child's loop: compile each grammar on a big stack, compute its first mask, say how it went. At the
+    lowest CPU priority: compiles take what the engine's forwards leave, so several slow ones at once do not
+    slow every request's decoding."""
     import llguidance
+
+    try:
+        os.nice(19)
+    except OSError:
+        pass
 
     limits = llguidance.LLParserLimits(verbose_errors=False)
     tokenizers: dict[str, llguidance.LLTokenizer] = {}
