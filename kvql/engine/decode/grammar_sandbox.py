@@ -3,13 +3,14 @@ llguidance's native compiler costs the request that sent it, never this process 
 
 Contract of `check(tokenizer, grammar)`: compiles `grammar` (llguidance's grammar text) for
 `tokenizer` and computes its first token mask, in the child; returns None when both succeed within
-`TIMEOUT_S` seconds, llguidance's error text when it reports one, and raises ValueError when the
-compiler crashed (the child died) or took too long (the child is killed). A dead or killed child is replaced
+`TIMEOUT_S` seconds of the child's CPU time (its wall time where that cannot be read; at most `WALL_FACTOR` times
+as long in wall time), llguidance's error text when it reports one, and raises ValueError when the
+compiler crashed (the child died) or took too long (the child is killed). CPU time, because children run at the
+lowest CPU priority (`nice` 19): on a machine busy with forwards a compile waits, and is not refused for it. A dead or killed child is replaced
 on the next call. Thread-safe: up to `CHILDREN` children compile at once, each one constraint at a time (so a
 few slow constraints leave a child for the next one; past that, a check waits for the first child free). A
 child starts when a check finds none free and builds llguidance's view of each tokenizer once (a pass over its
-vocabulary); `grammar.warm_up` pays both for the first child ahead of a first request. Children run at the
-lowest CPU priority (`nice` 19).
+vocabulary); `grammar.warm_up` pays both for the first child ahead of a first request.
 
 The child runs this file as a script, not as part of the kvql package, so it imports only llguidance.
 Messages are JSON lines: `{"tokenizer": KEY, "vocab": JSON | null, "eos": ID, "grammar": TEXT, "stack": BYTES}` in,
@@ -31,6 +32,9 @@ import time
 import weakref
 
 TIMEOUT_S = 10.0  # a margin: llguidance's own limits end pathological grammars far sooner (docs/benchmarks.md)
+WALL_FACTOR = 6  # a compile may take this many times its CPU limit in wall time (a child starved by forwards)
+POLL_S = 0.25  # how often a compile's CPU time is read while it runs
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 STACK_BYTES = 256 * 2**20  # as for the in-process compile: see grammar.py
 CHILDREN = 8  # children compiling at once, at most
 
@@ -49,14 +53,17 @@ class _Child:
             self.proc.stdin.flush()
         except OSError:
             return None
-        deadline = time.monotonic() + timeout
+        started, cpu = time.monotonic(), self._cpu_seconds()
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            waited = time.monotonic() - started
+            spent = waited if cpu is None else self._cpu_seconds() - cpu
+            if spent >= timeout or waited >= timeout * WALL_FACTOR:
                 self.proc.kill()
                 self.proc.wait()
                 return None
+            if not select.select([fd], [], [], min(POLL_S, timeout - spent))[0]:
+                continue
             chunk = os.read(fd, 1 << 16)
             if not chunk:  # the child died
                 self.proc.wait()
@@ -64,6 +71,16 @@ class _Child:
             self.buffer += chunk
         line, self.buffer = self.buffer.split(b"\n", 1)
         return json.loads(line)
+
+    def _cpu_seconds(self) -> float | None:
+        """The child's CPU time so far (Linux: /proc), or None where it cannot be read (then `ask` counts wall
+        time)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -147,7 +164,7 @@ def check(tokenizer, grammar: str, timeout: float | None = None) -> str | None:
         if code is not None and code < 0 and code != -9:
             raise ValueError(f"the constraint crashed llguidance's grammar compiler (signal {-code}) in kvql's "
                              "sandbox process; it was refused and nothing else was affected")
-        raise ValueError(f"compiling the constraint took longer than {limit:g} s; it was refused")
+        raise ValueError(f"compiling the constraint took longer than {limit:g} s of CPU time; it was refused")
     return answer["error"]
 
 
