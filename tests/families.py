@@ -71,7 +71,8 @@ FAMILIES = {
                                     "topk_group": 1}),
 }
 
-# recurrent layers (own forward; states carried per request, snapshots of them serve prefixes)
+# recurrent layers (the ragged path, their mixers per request: recurrent_mixers.py; states carried per request,
+# snapshots of them serve prefixes)
 HYBRID = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16)
 DELTANET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                 linear_conv_kernel_dim=4, head_dim=16, layer_types=["linear_attention", "full_attention"])
@@ -99,8 +100,7 @@ REFUSED = {
 }
 
 # the families admission runs on their own forward (the others: the ragged path)
-OWN = {"falcon", "bloom", "mpt", "stablelm", "nemotron", "xglm", "jetmoe", "llama4_tuned", "deepseek_v3", "lfm2", "lfm2_moe",
-       "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2", "mamba", "jamba", "bamba"}
+OWN = {"falcon", "bloom", "mpt", "stablelm", "nemotron", "xglm", "jetmoe", "llama4_tuned", "deepseek_v3"}
 
 def build(model_type: str, overrides: dict, vocab_size: int, eos_token_id: int, seed: int = 0,
           attn_implementation: str | None = None):

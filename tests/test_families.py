@@ -85,6 +85,34 @@ def test_a_ragged_path_whose_cached_logits_differ_gives_way_to_the_models_own_fo
         m.close()
 
 
+def test_a_hybrid_whose_batched_states_differ_gives_way_to_its_own_forward(tokenizer, monkeypatch):
+    """A hybrid on the ragged path runs its recurrent mixers per request, one-token steps of several requests with
+    their states stacked: the load check runs those steps beside a twin of its sequence, so stacking made wrong
+    (here: each state scaled) is caught before any request, and the model runs on its own forward, exact."""
+    import kvql
+    from kvql.engine.model import recurrent_mixers
+
+    stack = recurrent_mixers._stack_states
+
+    def scaled(states, recurrent):
+        out = stack(states, recurrent)
+        for i in recurrent:
+            out[i].conv_states = {k: None if v is None else v * 1.5 for k, v in out[i].conv_states.items()}
+        return out
+
+    monkeypatch.setattr(recurrent_mixers, "_stack_states", scaled)
+    name = "lfm2"
+    hf = F.build(*F.FAMILIES[name], len(tokenizer), tokenizer.eos_token_id)
+    m = kvql.Model(hf, tokenizer, cache_budget=1 << 20)
+    try:
+        assert "the ragged path's check failed" in m.engine.runner.geometry.own
+        ps = F.prompts(len(tokenizer), seed=2)
+        want = F.reference(name, F.FAMILIES[name][1], tokenizer, ps, 8)
+        assert [c.token_ids for c in m.generate(ps, max_tokens=8)] == want
+    finally:
+        m.close()
+
+
 def test_a_model_that_keeps_state_outside_its_cache_is_refused(tokenizer):
     """A deliberately unsupported variant (its logits depend on how often it ran: state no cache holds) fails
     the check on both paths and is refused, naming both, never admitted."""

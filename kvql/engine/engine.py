@@ -119,7 +119,7 @@ class Engine(Persistence):
         self._drafter = Drafter()
         self.speculate = speculate
         if self.runner.geometry.recurrent:  # a prefix is reused from a snapshot of the state after it
-            self.memory.snapshots = self.runner.own.snapshots = StateSnapshots(snapshot_budget)
+            self.memory.snapshots = self.runner.states.snapshots = StateSnapshots(snapshot_budget)
             self.scheduler.carries = True
         self.steps = 0
         self.mixed_steps = 0  # steps whose batch held both prefill chunks and decode steps

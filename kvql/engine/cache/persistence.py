@@ -56,7 +56,7 @@ class Persistence:
         snapshots = self.memory.snapshots
         if snapshots is not None:  # a model with recurrent layers: its states' snapshots (state_snapshots.py)
             try:
-                snapshots.load(tier.path, tier.digest, self.runner.own.decode_state)
+                snapshots.load(tier.path, tier.digest, self.runner.states.decode_state)
             except FileNotFoundError:
                 pass
             except Exception as e:  # noqa: BLE001 -- a file that cannot serve is a start without it (module doc)

@@ -82,12 +82,19 @@ class Geometry:
 
     layers: tuple[Layer, ...]
     own: str | None = None
-    kinds: tuple[str, ...] | None = None  # own path: `layer_kind` of each of the model's cache layers
+    kinds: tuple[str, ...] | None = None  # `layer_kind` of each of the model's cache layers (own path, hybrids)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...] | None:
+        """The model's layer index of each pool layer, where they differ (a hybrid's); None: the same."""
+        if self.kinds is None:
+            return None
+        return tuple(i for i, kind in enumerate(self.kinds) if "kv" in kind)
 
     @property
     def recurrent(self) -> bool:
-        """Some layer keeps a recurrent state (a hybrid or recurrent model: own path, states carried per request
-        and snapshots of them in the cache)."""
+        """Some layer keeps a recurrent state (a hybrid or recurrent model: states carried per request and
+        snapshots of them in the cache; on the ragged path its mixers run as recurrent_mixers.py says)."""
         return any("state" in kind for kind in self.kinds or ())
 
     @property
@@ -117,10 +124,11 @@ class Probe:
 
 
 class ProbeCache:
-    """`cache=` of a probe forward: records each layer's K/V shape and hands the fresh K/V back (no past)."""
+    """`cache=` of a probe forward: records each layer's K/V shape and hands the fresh K/V back (no past);
+    `recurrent`: what computes a hybrid's recurrent mixers (recurrent_mixers.Fresh), None for other models."""
 
-    def __init__(self, probe: Probe):
-        self.probe = probe
+    def __init__(self, probe: Probe, recurrent=None):
+        self.probe, self.recurrent = probe, recurrent
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.probe.updates.append((layer_idx, tuple(key_states.shape), tuple(value_states.shape)))
@@ -173,9 +181,11 @@ def recurrent_layer_types(config) -> list[str]:
             and isinstance(mapping.get(t), type) and issubclass(mapping[t], mixin)]
 
 
-def probe(hf_model, forward) -> Geometry:
+def probe(hf_model, forward, kinds: tuple[str, ...] | None = None, recurrent=None) -> Geometry:
     """The geometry of `hf_model` (module doc), or UnsupportedModel. `forward(probe, cache, ids, positions)`
-    runs the model's forward with the engine's attention function and `kvql_plan=probe`."""
+    runs the model's forward with the engine's attention function and `kvql_plan=probe`. `kinds`: a model with
+    recurrent layers (`layer_kind` per layer, read from its own forward): its K/V layers are those that write K/V,
+    its recurrent mixers run on the ragged path (recurrent_mixers.py), in the probe by `recurrent` (`ProbeCache`)."""
     config = hf_model.config
     name = config.model_type
     if not type(hf_model)._can_set_attn_implementation():
@@ -185,7 +195,7 @@ def probe(hf_model, forward) -> Geometry:
     p = Probe()
     ids = torch.arange(1, PROBE_TOKENS + 1) % int(config.get_text_config().vocab_size)
     try:
-        forward(p, ProbeCache(p), ids, torch.arange(PROBE_TOKENS))
+        forward(p, ProbeCache(p, recurrent), ids, torch.arange(PROBE_TOKENS))
     except AttributeError as e:
         if not isinstance(e.obj, ProbeCache):
             raise UnsupportedModel(f"{name!r}: a forward through the engine's cache failed ({e})") from e
@@ -195,11 +205,18 @@ def probe(hf_model, forward) -> Geometry:
     except Exception as e:  # noqa: BLE001 -- any failure of the probe is the reason for refusing
         raise UnsupportedModel(f"{name!r}: a forward through the engine's cache failed "
                                f"({type(e).__name__}: {e})") from e
-    if not p.updates:
+    if not p.updates and kinds is None:
         raise UnsupportedModel(f"{name!r}: no layer writes K/V through cache.update: a recurrent or otherwise "
                                f"stateful model (its state is not a prefix of token-granular KV)")
     layer_ids = [i for i, *_ in p.updates]
-    if sorted(layer_ids) != list(range(len(layer_ids))):
+    if kinds is not None:
+        want = [i for i, kind in enumerate(kinds) if "kv" in kind]
+        if layer_ids != want:
+            raise UnsupportedModel(f"{name!r}: its layers write K/V as layers {layer_ids} through the engine's "
+                                   f"cache, where its own cache holds K/V of layers {want}")
+        if not want:  # recurrent layers only (Mamba): the pool holds a placeholder
+            return Geometry((Layer(1, 1, 1),), kinds=kinds)
+    elif sorted(layer_ids) != list(range(len(layer_ids))):
         raise UnsupportedModel(f"{name!r}: its layers write K/V as layers {layer_ids}; the engine needs each "
                                f"attention layer to write its own (layers sharing K/V are not supported)")
     if len(p.calls) != len(p.updates):
@@ -208,7 +225,7 @@ def probe(hf_model, forward) -> Geometry:
                                f"forward's keyword arguments through to the function registered with "
                                f"transformers' AttentionInterface")
     n_layers = getattr(config.get_text_config(), "num_hidden_layers", None)
-    if n_layers is not None and len(p.updates) < n_layers:
+    if kinds is None and n_layers is not None and len(p.updates) < n_layers:
         raise UnsupportedModel(f"{name!r}: only {len(p.updates)} of its {n_layers} layers are attention layers "
                                f"with a KV cache; the others keep a recurrent state, which is not a prefix of "
                                f"token-granular KV (a hybrid model)")
@@ -218,16 +235,16 @@ def probe(hf_model, forward) -> Geometry:
                                f"requests at different positions does not have")
     text = config.get_text_config()
     types, size = getattr(text, "layer_types", None) or [], getattr(text, "attention_chunk_size", None)
-    chunks = [size if i < len(types) and types[i] == "chunked_attention" else None for i in range(len(p.updates))]
-    layers = [_layer(name, i, k_shape, v_shape, call, chunks[i])
-              for (i, k_shape, v_shape), call in zip(p.updates, p.calls)]
+    chunks = [size if i < len(types) and types[i] == "chunked_attention" else None for i in layer_ids]
+    layers = [_layer(name, i, k_shape, v_shape, call, chunk)
+              for (i, k_shape, v_shape), call, chunk in zip(p.updates, p.calls, chunks)]
     shapes = {(x.heads, x.kv_heads, x.head_dim) for x in layers}
     if len(shapes) > 1:
         raise UnsupportedModel(f"{name!r}: its layers differ in (heads, KV heads, head dim): {sorted(shapes)}; "
                                f"the engine's KV pool holds one shape for every layer")
     if layers[0].heads % layers[0].kv_heads:
         raise UnsupportedModel(f"{name!r}: {layers[0].heads} query heads over {layers[0].kv_heads} KV heads")
-    return Geometry(tuple(layers))
+    return Geometry(tuple(layers), kinds=kinds)
 
 
 def _layer(name: str, i: int, k_shape: tuple, v_shape: tuple, call: dict, chunk: int | None) -> Layer:

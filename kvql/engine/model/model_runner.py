@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .attention_plan import Bucket, Causal, Plan, in_span, plan
-from . import admission, cpu_linear, fused_layers, lean_model, own_forward
+from . import admission, cpu_linear, fused_layers, lean_model, own_forward, recurrent_mixers
 from .kernels import paged_attention
 from ..cache.kv_pool import KVPool
 from ..segment import Carry, Segment
@@ -160,12 +160,18 @@ _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4-D mask is passed thro
 
 
 class PoolCache:
-    """The `cache=` object for one forward: writes new K/V into the pool, hands the layer's pool on."""
+    """The `cache=` object for one forward: writes new K/V into the pool, hands the layer's pool on. A hybrid's:
+    `kv_layers` (the model's layer index of each pool layer, `Geometry.kv_layers`) and `recurrent`, the step's
+    recurrent work (recurrent_mixers.Step), which its mixers read."""
 
-    def __init__(self, pool: KVPool, write_slots: torch.Tensor, plan: Plan):
-        self.pool, self.write_slots, self.plan = pool, write_slots, plan
+    def __init__(self, pool: KVPool, write_slots: torch.Tensor, plan: Plan, kv_layers: tuple[int, ...] | None = None,
+                 recurrent=None):
+        self.pool, self.write_slots, self.plan, self.recurrent = pool, write_slots, plan, recurrent
+        self.pool_layer = None if kv_layers is None else {i: j for j, i in enumerate(kv_layers)}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.pool_layer is not None:
+            layer_idx = self.pool_layer[layer_idx]
         self.plan.fresh, self.plan.layer = (key_states, value_states), layer_idx
         k, v = self.pool.k[layer_idx], self.pool.v[layer_idx]
         k.index_copy_(1, self.write_slots, key_states[0])
@@ -188,7 +194,13 @@ def read_geometry(hf_model) -> admission.Geometry:
     config = hf_model.config
     admission.check_config(config)
     reason = admission.own_reason(config)
-    if reason is None:
+    own, mixers = None, None
+    if reason is not None and admission.recurrent_layer_types(config):  # a hybrid: its mixers on the ragged path
+        own = own_forward.geometry(hf_model, reason)
+        mixers = recurrent_mixers.find(hf_model, own.kinds)
+        if mixers is None:
+            return own
+    if reason is None or mixers is not None:
         original = config._attn_implementation
         if type(hf_model)._can_set_attn_implementation():
             hf_model.set_attn_implementation(ATTENTION)
@@ -199,13 +211,18 @@ def read_geometry(hf_model) -> admission.Geometry:
             hf_model(input_ids=ids[None].to(dev), position_ids=positions[None].to(dev),
                      attention_mask=_NO_MASK.to(dev), cache=cache, kvql_plan=probe, logits_to_keep=1)
 
+        if mixers is not None:
+            recurrent_mixers.prepare(mixers)
         try:
-            return admission.probe(hf_model, forward)
+            return admission.probe(hf_model, forward, own and own.kinds,
+                                   mixers and recurrent_mixers.Fresh(config))
         except admission.UnsupportedModel as e:
-            reason = str(e).removeprefix(f"{config.model_type!r}: ")
+            reason = f"{reason}; on the ragged path: " if own else ""
+            reason += str(e).removeprefix(f"{config.model_type!r}: ")
+        if mixers is not None:
+            recurrent_mixers.restore(mixers)
         if type(hf_model)._can_set_attn_implementation():
             hf_model.set_attn_implementation(original)
-
     return own_forward.geometry(hf_model, reason)
 
 
@@ -220,8 +237,11 @@ class ModelRunner:
         # batch-invariant attention (attention_plan's module doc): on in reduced precision, where a
         # merged cluster's reduction order changes outputs; fp32 merges shared prefixes (cheaper)
         self.batch_invariant = pool.k.dtype != torch.float32
-        self.lean, self.paged, self.own, self.chunks = None, False, None, None
+        self.lean, self.paged, self.own, self.chunks, self.mixers = None, False, None, None, None
         if geometry.own is None:
+            if geometry.recurrent:
+                self.mixers = recurrent_mixers.Mixers(hf_model, geometry.kinds,
+                                                      recurrent_mixers.find(hf_model, geometry.kinds))
             self._prepare_ragged()
         else:
             self.own = own_forward.OwnForward(hf_model, pool, geometry)
@@ -243,9 +263,16 @@ class ModelRunner:
         # chunked attention's span per layer: the plan carries it to the attention function, which is not told
         self.chunks = tuple(x.chunk for x in geometry.layers) if any(x.chunk for x in geometry.layers) else None
         # the same forward without transformers' module calls, where the model's structure allows (lean_model.py)
-        self.lean = lean_model.build(hf_model) if self.device.type == "cpu" and not self.chunks else None
+        lean = self.device.type == "cpu" and not self.chunks and self.mixers is None
+        self.lean = lean_model.build(hf_model) if lean else None
         self.paged = paged_attention.supports(self.device, pool.k.dtype, geometry.heads, geometry.kv_heads,
                                               pool.k.shape[-1])
+
+    @property
+    def states(self):
+        """What carries a recurrent model's states between steps, with its `snapshots`, `stepwise` and
+        `decode_state`: the own forward, or the ragged path's mixers; None for a model without recurrent layers."""
+        return self.own if self.own is not None and self.geometry.recurrent else self.mixers
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> list[torch.Tensor | None]:
@@ -274,15 +301,18 @@ class ModelRunner:
         if self.lean is not None and step_plan.paged is not None and self.lean.usable(self.pool.k.dtype):
             logits = self.lean.forward(torch.tensor(ids), torch.cat(pos), write_slots, step_plan, keep, self.pool)
         else:
+            recurrent = self.mixers.step(segments) if self.mixers is not None else None
             out = self.model(
                 input_ids=torch.tensor([ids], device=dev),
                 position_ids=torch.cat(pos).to(dev)[None],
                 attention_mask=_NO_MASK.to(dev),
-                cache=PoolCache(self.pool, write_slots, step_plan),
+                cache=PoolCache(self.pool, write_slots, step_plan, self.geometry.kv_layers, recurrent),
                 logits_to_keep=keep,
                 kvql_plan=step_plan,
             )
             logits = out.logits[0].float()
+            if recurrent is not None:
+                recurrent.finish()
         self._count(started, len(ids))
         return [logits[a:b] if b > a else None for a, b in spans]
 
@@ -299,25 +329,23 @@ class ModelRunner:
         window and chunk); uses pool slots while it runs and returns them. A ragged path that fails the check
         gives way to the model's own forward (where it caches what the pool holds), checked the same way. A
         model with recurrent layers is checked for each way its own forward may continue a state
-        (`_continuation`)."""
+        (`_continuation`); on the ragged path its one-token steps also run beside a twin of the sequence, in one
+        batch (its mixers' stacked states: recurrent_mixers.py)."""
         name = f"{self.model.config.model_type!r}: "
-        if self.own is not None and self.geometry.recurrent:
-            self._continuation(name)
-            return
         try:
-            self._verify()
+            self._continuation(name) if self.geometry.recurrent else self._verify()
         except admission.UnsupportedModel as e:
             if self.own is not None:
                 raise
             self._own_instead(name, e)
 
     def _continuation(self, name: str) -> None:
-        """How the own forward continues a recurrent state (own_forward.py): by a chunk, unless its logits differ
-        clearly more than one token per forward's (`stepwise`); UnsupportedModel naming both where neither is
-        exact."""
+        """How the model's own forward (or its mixers, on the ragged path) continues a recurrent state: by a chunk,
+        unless its logits differ clearly more than one token per forward's (`stepwise`); UnsupportedModel naming
+        both where neither is exact."""
         errors, failed = {}, {}
         for mode in ("chunk", "stepwise"):
-            self.own.stepwise = mode == "stepwise"
+            self.states.stepwise = mode == "stepwise"
             try:
                 errors[mode] = self._verify()
             except admission.UnsupportedModel as e:
@@ -326,7 +354,7 @@ class ModelRunner:
             raise admission.UnsupportedModel(f"{name}continuing a state by a chunk: {failed['chunk']}; and one token "
                                              f"per forward: {failed['stepwise']}")
         floor = admission.tolerance(self.pool.k.dtype) / 100
-        self.own.stepwise = "chunk" not in errors or errors["chunk"] > max(
+        self.states.stepwise = "chunk" not in errors or errors["chunk"] > max(
             STEPWISE_MARGIN * errors.get("stepwise", float("inf")), floor)
 
     def _own_instead(self, name: str, failed: admission.UnsupportedModel) -> None:
@@ -337,10 +365,12 @@ class ModelRunner:
                 self.geometry.kv_heads, self.geometry.head_dim, self.geometry.v_dim, len(self.geometry.layers)):
             raise admission.UnsupportedModel(f"{name}{reason}; and its own forward caches other shapes than "
                                              f"its attention layers write") from failed
-        self.geometry, self.lean, self.paged = own, None, False
+        if self.mixers is not None:
+            recurrent_mixers.restore(self.mixers.modules)
+        self.geometry, self.lean, self.paged, self.mixers = own, None, False, None
         self.own = own_forward.OwnForward(self.model, self.pool, own)
         try:
-            self._verify()
+            self._continuation(name) if own.recurrent else self._verify()
         except admission.UnsupportedModel as again:
             raise admission.UnsupportedModel(f"{name}on the ragged path: {reason}; and on its own forward: "
                                              f"{str(again).removeprefix(name)}") from again
@@ -354,7 +384,7 @@ class ModelRunner:
             return 0.0  # a pool smaller than the check: requests are refused by size anyway
         vocab = int(config.get_text_config().vocab_size)
         ids = [(7 * i + 3) % vocab for i in range(n)]
-        slots = self.pool.alloc(n)
+        slots, extra = self.pool.alloc(n), None
         counters = self.forward_seconds, self.forward_tokens  # the check is not the engine's work
         carry = Carry(tokens=ids) if self.geometry.recurrent else None  # the sequence's state, step to step
         try:
@@ -364,10 +394,23 @@ class ModelRunner:
             end = first + rest
             got = self.forward([Segment(ids[first:end], first, slots[:first], slots[first:end], True,
                                         logits_from=end - rows, carry=carry)])
+            # a hybrid's mixers stack the states of one-token steps (recurrent_mixers.py): the steps also run for
+            # a twin of the sequence in the same batch, whose logits must be the same
+            twin = Carry(tokens=ids, state=carry.state.clone(), length=end) if self.mixers is not None else None
+            extra = self.pool.alloc(n - end) if twin is not None else None
+            twins = []
             for i in range(end, n):
-                got += self.forward([Segment(ids[i:i + 1], i, slots[:i], slots[i:i + 1], True, carry=carry)])
+                batch = [Segment(ids[i:i + 1], i, slots[:i], slots[i:i + 1], True, carry=carry)]
+                if extra is not None:
+                    batch.append(Segment(ids[i:i + 1], i, torch.cat([slots[:end], extra[:i - end]]),
+                                         extra[i - end:i - end + 1], True, carry=twin))
+                out = self.forward(batch)
+                got.append(out[0])
+                twins += out[1:]
         finally:
             self.pool.free(slots)
+            if extra is not None:
+                self.pool.free(extra)
             self.forward_seconds, self.forward_tokens = counters
         if self.geometry.recurrent:  # the one-token steps against the model's own steps, as its generate runs them
             want = self._own_steps(ids, end, rows)
@@ -375,6 +418,8 @@ class ModelRunner:
             want = self.model(input_ids=torch.tensor([ids], device=self.device),
                               logits_to_keep=rows + admission.VERIFY_DECODES).logits[0].float()
         rows += admission.VERIFY_DECODES
+        if twins:
+            admission.compare(config.model_type, torch.cat(twins), want[-len(twins):], self.pool.k.dtype, offset=end)
         return admission.compare(config.model_type, torch.cat(got), want, self.pool.k.dtype, offset=n - rows)
 
     def _own_steps(self, ids: list[int], end: int, rows: int) -> torch.Tensor:

@@ -1,0 +1,290 @@
+"""Recurrent layers on the ragged path: one forward per engine step for a hybrid model's whole batch.
+
+A hybrid model (Qwen3.5 / Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, the Mamba layers of Granite 4,
+Nemotron-H, Falcon-H1, Zamba2, Bamba, Jamba, Mamba) runs on the ragged path like any attention model: its
+attention layers write and read the pool through the engine's cache and attention function, its MLPs and
+norms run once over the batch's tokens. Only each recurrent layer's *mixer* (the module that reads and updates
+the layer's state; `find`) is computed per request, by the model's own mixer code: `prepare` swaps each mixer's
+class for a subclass whose forward, given the engine's `PoolCache`, splits the flat row of new tokens into the
+`Step`'s units and calls the mixer's own forward on each, with a transformers cache holding that unit's state:
+
+- one *batched* unit of every segment of one token whose request has a state (decode steps): the requests'
+  states stacked along the batch axis, the mixer's own one-token update run once for all of them (the model's
+  own batched decode, as its `generate` runs it for a batch);
+- every other segment alone (a prompt or a chunk of it, a segment after a fresh state), split at its marks
+  (where a snapshot of its state is taken, `Carry.marks`) and, `stepwise`, into single tokens (a model whose own
+  forward continues a state by a chunk otherwise than its `generate`: model_runner.ModelRunner._continuation).
+
+After the forward, `Step.finish` hands each request its state (`Carry.state`: per-request views of the stacked
+states) and puts the snapshots. Requests never see each other: a unit's rows are its own; stacking equal-shape
+states along the batch axis changes no row's arithmetic (the update is elementwise and per-row products). A
+mixer's output has the shape of its input (an out-projection back to the hidden size).
+
+Any other call of a swapped mixer (transformers' own `generate`, the reference forwards) runs the mixer's own
+forward unchanged; a probe's (admission.probe) runs it on a fresh transformers cache (`Fresh`).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+
+from . import admission
+from .own_forward import RecurrentState, _clone_layer
+from ..segment import Segment
+
+_SWAPPED: dict[type, type] = {}
+
+
+def find(hf_model, kinds: tuple[str, ...]) -> dict[int, torch.nn.Module] | None:
+    """Layer index -> the mixer of each recurrent layer (`kinds`: admission.layer_kind per layer): the innermost
+    module whose forward takes `hidden_states` and a `cache`, and no positions, with that `layer_idx`; None where
+    some recurrent layer has not exactly one."""
+    wanted = {i for i, kind in enumerate(kinds) if "state" in kind}
+    found: dict[int, list] = {i: [] for i in wanted}
+    for module in hf_model.modules():
+        i = getattr(module, "layer_idx", None)
+        if i in wanted and _takes_cache(type(module)):
+            found[i].append(module)
+    mixers = {}
+    for i, modules in found.items():
+        inner = [m for m in modules if not any(o is not m and o in set(m.modules()) for o in modules)]
+        if len(inner) != 1:
+            return None
+        mixers[i] = inner[0]
+    return mixers
+
+
+def _takes_cache(cls) -> bool:
+    try:
+        params = inspect.signature(getattr(cls, "kvql_mixer_of", cls).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "hidden_states" in params and "cache" in params and not {"position_ids", "position_embeddings"} & set(params)
+
+
+def prepare(mixers: dict[int, torch.nn.Module]) -> None:
+    """Swap each mixer's class for its ragged subclass (module doc); idempotent."""
+    for module in mixers.values():
+        cls = type(module)
+        if getattr(cls, "kvql_mixer_of", None) is None:
+            module.__class__ = _swapped(cls)
+
+
+def restore(mixers: dict[int, torch.nn.Module]) -> None:
+    for module in mixers.values():
+        original = getattr(type(module), "kvql_mixer_of", None)
+        if original is not None:
+            module.__class__ = original
+
+
+def _swapped(cls: type) -> type:
+    if cls not in _SWAPPED:
+        _SWAPPED[cls] = type(f"Ragged{cls.__name__}", (cls,), {"forward": _forward, "kvql_mixer_of": cls})
+    return _SWAPPED[cls]
+
+
+def _forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    original = type(self).kvql_mixer_of.forward
+    step = getattr(cache, "recurrent", None)  # the engine's cache (`Step`) or a probe's (`Fresh`)
+    if step is not None:
+        return step.mix(self, original, hidden_states, kwargs)
+    return original(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+
+
+class Fresh:
+    """A probe's recurrent work: its one sequence from a fresh state (a transformers cache of the model's)."""
+
+    def __init__(self, config):
+        self.cache = admission.config_cache(config)
+
+    def mix(self, module, original, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        kwargs.pop("kvql_plan", None)
+        return original(module, hidden_states, cache=self.cache, attention_mask=None, **kwargs)
+
+
+class Unit:
+    """Rows of the step's flat token row that one call of each mixer computes: `segments` (indices into the step's
+    segments) and `cache`, the transformers cache of their state. A batched unit: its segments' flat positions
+    `rows` (one token each). A single segment's: its flat `offset` and `cuts`, the ends of its pieces (a mixer
+    call each); after those in `snap_at` (its marks) a copy of each layer's state goes to `snaps`."""
+
+    def __init__(self, segments: list[int], cache, rows: torch.Tensor | None = None, offset: int = 0,
+                 cuts: tuple[int, ...] = (), snap_at: frozenset = frozenset()):
+        self.segments, self.cache, self.rows, self.offset, self.cuts = segments, cache, rows, offset, cuts
+        self.snap_at = snap_at
+        self.snaps: dict[int, list] = {}  # piece end (tokens into the segment) -> the layers' states there
+
+
+class Step:
+    """One forward's recurrent work (module doc): built by `Mixers.step` from the batch's segments, read by every
+    swapped mixer through the `PoolCache` (`recurrent`), closed by `finish`."""
+
+    def __init__(self, mixers: Mixers, segments: list[Segment]):
+        self.mixers, self.segments = mixers, segments
+        self.units: list[Unit] = []
+        offsets, at = [], 0
+        for s in segments:
+            offsets.append(at)
+            at += len(s.token_ids)
+        batched = [i for i, s in enumerate(segments)
+                   if len(s.token_ids) == 1 and s.carry.state is not None and not self._marks(s)]
+        self.before = [segments[i].carry.state for i in batched]
+        stacked = _stack_states(self.before, mixers.recurrent) if len(batched) > 1 else None
+        if stacked is None:
+            batched, self.before = [], []
+        else:
+            self.units.append(Unit(batched, mixers.cache_with(stacked), rows=torch.tensor([offsets[i] for i in batched])))
+        alone = set(range(len(segments))) - set(batched)
+        for i in sorted(alone):
+            s = segments[i]
+            n = len(s.token_ids)
+            marks = {m - s.start for m in self._marks(s)}
+            cuts = sorted(marks | (set(range(1, n)) if mixers.stepwise else set())) + [n]
+            layers = s.carry.state.layers if s.carry.state is not None else None
+            self.units.append(Unit([i], mixers.cache_with(layers), offset=offsets[i], cuts=tuple(cuts),
+                                   snap_at=frozenset(marks)))
+
+    def _marks(self, s: Segment) -> list[int]:
+        """The marks strictly inside segment `s`, where its state is copied mid-segment."""
+        if self.mixers.snapshots is None:
+            return []
+        end = s.start + len(s.token_ids)
+        return [m for m in s.carry.marks if s.start < m < end]
+
+    def mix(self, module, original, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The mixer `module` (of layer `module.layer_idx`) over the step's flat row `hidden_states [1, T, H]`."""
+        kwargs.pop("kvql_plan", None)
+        i = module.layer_idx
+        x = hidden_states[0]
+        out = torch.empty_like(x)
+        for unit in self.units:
+            if unit.rows is not None:  # batched: one token per request
+                y = original(module, x.index_select(0, unit.rows)[:, None], cache=unit.cache, attention_mask=None,
+                             **kwargs)
+                out.index_copy_(0, unit.rows, y[:, 0])
+                continue
+            a = 0
+            for b in unit.cuts:
+                lo, hi = unit.offset + a, unit.offset + b
+                out[lo:hi] = original(module, x[lo:hi][None], cache=unit.cache, attention_mask=None, **kwargs)[0]
+                if b in unit.snap_at:
+                    unit.snaps.setdefault(b, [None] * len(self.mixers.kinds))[i] = _clone_layer(unit.cache.layers[i])
+                a = b
+        return out[None]
+
+    def finish(self) -> None:
+        """Each request's state after its segment (`Carry.state`, `.length`) and the snapshots at its marks."""
+        mixers = self.mixers
+        for unit in self.units:
+            if unit.rows is not None:
+                for b, state in enumerate(_split_states(unit.cache, self.before, mixers.recurrent)):
+                    self._carry(self.segments[unit.segments[b]], state)
+                continue
+            s = self.segments[unit.segments[0]]
+            for b, layers in unit.snaps.items():
+                mixers.snapshots.put(s.carry.salt, s.carry.tokens[:s.start + b], RecurrentState(layers))
+            self._carry(s, RecurrentState([unit.cache.layers[i] if i in mixers.recurrent else None
+                                           for i in range(len(mixers.kinds))]))
+
+    def _carry(self, s: Segment, state: RecurrentState) -> None:
+        carry, end = s.carry, s.start + len(s.token_ids)
+        carry.state, carry.length = state, end
+        snapshots = self.mixers.snapshots
+        if snapshots is not None and end in carry.marks:
+            snapshots.put(carry.salt, carry.tokens[:end], state.clone())
+
+
+class Mixers:
+    """A hybrid model's recurrent mixers, swapped for the ragged path (module doc). `stepwise` and `snapshots` as
+    own_forward.OwnForward's (the engine sets `snapshots`)."""
+
+    def __init__(self, hf_model, kinds: tuple[str, ...], mixers: dict[int, torch.nn.Module]):
+        self.model, self.kinds, self.modules = hf_model, kinds, mixers
+        self.recurrent = sorted(mixers)
+        self.stepwise = False
+        self.snapshots = None
+        prepare(mixers)
+
+    def decode_state(self, description: dict, tensors: dict[str, torch.Tensor]) -> RecurrentState:
+        """A snapshot read back from the disk tier (`RecurrentState.decode`)."""
+        return RecurrentState.decode(self.model.config, description, tensors)
+
+    def step(self, segments: list[Segment]) -> Step:
+        for s in segments:
+            if s.carry is None:
+                raise RuntimeError("a segment of a model with recurrent layers without its request's state")
+            if s.carry.length != s.start:
+                raise RuntimeError(f"a recurrent state after {s.carry.length} tokens, for a segment from token "
+                                   f"{s.start}")
+        return Step(self, segments)
+
+    def cache_with(self, layers: list | None):
+        """A transformers cache laid out as the config says, its recurrent layers `layers[i]` (None: fresh)."""
+        cache = admission.config_cache(self.model.config)
+        if layers is not None:
+            for i in self.recurrent:
+                cache.layers[i] = layers[i]
+        return cache
+
+
+def _stack_states(states: list[RecurrentState], recurrent: list[int]) -> list | None:
+    """Per layer, one cache layer holding the requests' `states` stacked along the batch axis (their tensors of
+    batch 1 concatenated; a scalar tensor, a layer's token count, the first's); None where their layers differ
+    in structure or in any other value (then each runs alone)."""
+    out: list = [None] * len(states[0].layers)
+    for i in recurrent:
+        layers = [s.layers[i] for s in states]
+        if any(type(layer) is not type(layers[0]) for layer in layers):
+            return None
+        try:
+            values = {name: _stack([vars(layer)[name] for layer in layers]) for name in vars(layers[0])}
+        except (KeyError, _Differ):
+            return None
+        stacked = out[i] = copy.copy(layers[0])
+        stacked.__dict__ = values
+    return out
+
+
+class _Differ(Exception):
+    pass
+
+
+def _stack(values: list):
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            return first.clone()
+        if first.shape[0] != 1 or any(not isinstance(v, torch.Tensor) or v.shape != first.shape for v in values):
+            raise _Differ
+        return torch.cat(values)
+    if isinstance(first, dict):
+        if any(not isinstance(v, dict) or v.keys() != first.keys() for v in values):
+            raise _Differ
+        return {k: _stack([v[k] for v in values]) for k in first}
+    if any(type(v) is not type(first) or isinstance(v, (list, tuple)) and v or v != first for v in values):
+        raise _Differ
+    return first
+
+
+def _split_states(cache, before: list[RecurrentState], recurrent: list[int]) -> list[RecurrentState]:
+    """Each request's state from a batched unit's cache: views of its row of the stacked tensors; a scalar tensor
+    (a token count) its own before the step plus what the step added."""
+    states = [RecurrentState([None] * len(cache.layers)) for _ in before]
+    for i in recurrent:
+        layer = cache.layers[i]
+        for b, old in enumerate(before):
+            own = states[b].layers[i] = copy.copy(layer)
+            own.__dict__ = {name: _row(value, b, vars(old.layers[i])[name], vars(before[0].layers[i])[name])
+                            for name, value in vars(layer).items()}
+    return states
+
+
+def _row(value, b: int, old, first):
+    if isinstance(value, torch.Tensor):
+        return old + (value - first) if value.dim() == 0 else value[b:b + 1]
+    if isinstance(value, dict):
+        return {k: _row(v, b, old[k], first[k]) for k, v in value.items()}
+    return value
