@@ -11,14 +11,17 @@ The engine runs a model one of two ways (`Geometry.own`):
 - **own** (the exact fallback): the model's own forward, one request at a time, over a transformers cache laid
   out as its config says, filled with the request's cached K/V from the pool, its new tokens' K/V copied back
   to their slots (own_forward.py). Whatever the model attends with (ALiBi, K/V transformed after `cache.update`, attention that bypasses the interface, a cached latent: DeepSeek's MLA) is the model's
-  own code; the pool holds what the model caches, per token, whatever its shape (`Layer.v_dim`). Recurrent
-  layers (Mamba, Gated DeltaNet, LFM2's convolutions: `Geometry.recurrent`) keep their state per request
-  between its steps, and snapshots of it serve prefixes (cache/state_snapshots.py).
+  own code; the pool holds what the model caches, per token, whatever its shape (`Layer.v_dim`).
+Recurrent layers (Mamba, Gated DeltaNet, LFM2's convolutions: `Geometry.recurrent`, `kinds`) keep their state per
+request between its steps, and snapshots of it serve prefixes (cache/state_snapshots.py). A hybrid whose attention
+layers pass the probe runs on the ragged path, its recurrent mixers per request (recurrent_mixers.py; the probe
+then expects K/V from exactly the layers its own cache holds K/V for: `Geometry.kv_layers`); else on its own
+forward.
 
 `check_config` refuses, before the weights load, what neither way serves: encoder-decoder models. `own_reason`
-names what the config alone shows the ragged path does not compute: recurrent layers (a `layer_types` kind
-whose cache in transformers is a recurrent or convolutional state), a `layer_types` kind but full, sliding and
-chunked attention.
+names what the config alone shows the ragged path's attention does not compute: recurrent layers (a `layer_types`
+kind whose cache in transformers is a recurrent or convolutional state: the ragged path then runs only with their
+mixers swapped), a `layer_types` kind but full, sliding and chunked attention.
 
 `probe(model)` runs one forward of a few tokens with a recording cache and records, per layer, what the
 attention function receives: query heads, KV heads, head dim, the layer's sliding window, logit soft-cap and
