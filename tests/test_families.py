@@ -92,15 +92,14 @@ def test_a_hybrid_whose_batched_states_differ_gives_way_to_its_own_forward(token
     import kvql
     from kvql.engine.model import recurrent_mixers
 
-    stack = recurrent_mixers._stack_states
+    stack = recurrent_mixers._stack_layers
 
-    def scaled(states, recurrent):
-        out = stack(states, recurrent)
-        for i in recurrent:
-            out[i].conv_states = {k: None if v is None else v * 1.5 for k, v in out[i].conv_states.items()}
+    def scaled(layers):
+        out = stack(layers)
+        out.conv_states = {k: None if v is None else v * 1.5 for k, v in out.conv_states.items()}
         return out
 
-    monkeypatch.setattr(recurrent_mixers, "_stack_states", scaled)
+    monkeypatch.setattr(recurrent_mixers, "_stack_layers", scaled)
     name = "lfm2"
     hf = F.build(*F.FAMILIES[name], len(tokenizer), tokenizer.eos_token_id)
     m = kvql.Model(hf, tokenizer, cache_budget=1 << 20)

@@ -379,6 +379,9 @@ class ModelRunner:
     def _verify(self) -> float:
         config = self.model.config
         first, rest = admission.verify_plan(config, self.geometry, self.pool.num_free)
+        if self.mixers is not None:  # the chunk long enough that the mixers continue its state by a chunk, not stepped
+            rest = max(rest, min(recurrent_mixers.STEP_MAX + 1,
+                                 self.pool.num_free - first - 2 * admission.VERIFY_DECODES))
         n = first + rest + admission.VERIFY_DECODES
         if rest < 1:
             return 0.0  # a pool smaller than the check: requests are refused by size anyway

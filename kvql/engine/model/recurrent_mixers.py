@@ -5,17 +5,17 @@ Nemotron-H, Falcon-H1, Zamba2, Bamba, Jamba, Mamba) runs on the ragged path like
 attention layers write and read the pool through the engine's cache and attention function, its MLPs and
 norms run once over the batch's tokens. Only each recurrent layer's *mixer* (the module that reads and updates
 the layer's state; `find`) is computed per request, by the model's own mixer code: `prepare` swaps each mixer's
-class for a subclass whose forward, given the engine's `PoolCache`, splits the flat row of new tokens into the
-`Step`'s units and calls the mixer's own forward on each, with a transformers cache holding that unit's state:
+class for a subclass whose forward, given the engine's `PoolCache`, splits the flat row of new tokens as the
+`Step` says and calls the mixer's own forward with a transformers cache holding the state of the rows it gets:
 
-- one *batched* unit of every segment of one token whose request has a state (decode steps): the requests'
-  states stacked along the batch axis, the mixer's own one-token update run once for all of them (the model's
-  own batched decode, as its `generate` runs it for a batch);
-- every other segment alone (a prompt or a chunk of it, a segment after a fresh state), split at its marks
+- *stepped*: the segments that continue a state by a few tokens (decode steps, a question after a few-shot
+  prefix resumed from a snapshot, forced tokens), token by token, the t-th tokens of all of them in one call,
+  their states stacked along the batch axis (the model's own batched decode, as its `generate` runs a batch);
+- every other segment alone (a prompt or a long chunk of it, a segment after a fresh state), split at its marks
   (where a snapshot of its state is taken, `Carry.marks`) and, `stepwise`, into single tokens (a model whose own
   forward continues a state by a chunk otherwise than its `generate`: model_runner.ModelRunner._continuation).
 
-After the forward, `Step.finish` hands each request its state (`Carry.state`: per-request views of the stacked
+After the forward, `Step.finish` hands each request its state (`Carry.state`: views of its rows of the stacked
 states) and puts the snapshots. Requests never see each other: a unit's rows are its own; stacking equal-shape
 states along the batch axis changes no row's arithmetic (the update is elementwise and per-row products). A
 mixer's output has the shape of its input (an out-projection back to the hidden size).
@@ -35,6 +35,7 @@ from . import admission
 from .own_forward import RecurrentState, _clone_layer
 from ..segment import Segment
 
+STEP_MAX = 16  # a continuation of at most this many tokens from a state is stepped with the others (`Step`)
 _SWAPPED: dict[type, type] = {}
 
 
@@ -105,47 +106,47 @@ class Fresh:
         return original(module, hidden_states, cache=self.cache, attention_mask=None, **kwargs)
 
 
-class Unit:
-    """Rows of the step's flat token row that one call of each mixer computes: `segments` (indices into the step's
-    segments) and `cache`, the transformers cache of their state. A batched unit: its segments' flat positions
-    `rows` (one token each). A single segment's: its flat `offset` and `cuts`, the ends of its pieces (a mixer
-    call each); after those in `snap_at` (its marks) a copy of each layer's state goes to `snaps`."""
+class Alone:
+    """One segment computed alone by each mixer: at flat `offset`, from `cache` (its state, or a fresh one), in
+    pieces ending at `cuts` (a mixer call each); after those in `snap_at` (its marks) a copy of each layer's state
+    goes to `snaps`."""
 
-    def __init__(self, segments: list[int], cache, rows: torch.Tensor | None = None, offset: int = 0,
-                 cuts: tuple[int, ...] = (), snap_at: frozenset = frozenset()):
-        self.segments, self.cache, self.rows, self.offset, self.cuts = segments, cache, rows, offset, cuts
-        self.snap_at = snap_at
+    def __init__(self, segment: int, cache, offset: int, cuts: tuple[int, ...], snap_at: frozenset):
+        self.segment, self.cache, self.offset, self.cuts, self.snap_at = segment, cache, offset, cuts, snap_at
         self.snaps: dict[int, list] = {}  # piece end (tokens into the segment) -> the layers' states there
 
 
 class Step:
     """One forward's recurrent work (module doc): built by `Mixers.step` from the batch's segments, read by every
-    swapped mixer through the `PoolCache` (`recurrent`), closed by `finish`."""
+    swapped mixer through the `PoolCache` (`recurrent`), closed by `finish`.
+
+    `stepped`: the segments continuing a state by at most `STEP_MAX` tokens (any number, `stepwise`): each mixer
+    runs them token by token, the t-th tokens of all of them as one call over their states stacked (a decode
+    step is the case of one token each), copying a state where a mark is. Whether a segment is stepped depends on
+    it alone (its state and length), so a request computes alike in any batch. The others run `Alone`."""
 
     def __init__(self, mixers: Mixers, segments: list[Segment]):
         self.mixers, self.segments = mixers, segments
-        self.units: list[Unit] = []
-        offsets, at = [], 0
+        self.offsets, at = [], 0
         for s in segments:
-            offsets.append(at)
+            self.offsets.append(at)
             at += len(s.token_ids)
-        batched = [i for i, s in enumerate(segments)
-                   if len(s.token_ids) == 1 and s.carry.state is not None and not self._marks(s)]
-        self.before = [segments[i].carry.state for i in batched]
-        stacked = _stack_states(self.before, mixers.recurrent) if len(batched) > 1 else None
-        if stacked is None:
-            batched, self.before = [], []
-        else:
-            self.units.append(Unit(batched, mixers.cache_with(stacked), rows=torch.tensor([offsets[i] for i in batched])))
-        alone = set(range(len(segments))) - set(batched)
-        for i in sorted(alone):
+        self.stepped = sorted((i for i, s in enumerate(segments) if s.carry.state is not None
+                               and (len(s.token_ids) <= STEP_MAX or mixers.stepwise)),
+                              key=lambda i: -len(segments[i].token_ids))
+        self.states = {i: list(segments[i].carry.state.layers) for i in self.stepped}  # as the forward goes
+        # a stepped segment's marks: tokens into it -> the layers' states there, copied as the forward goes
+        self.snaps = {i: {m - segments[i].start: [None] * len(mixers.kinds) for m in self._marks(segments[i])}
+                      for i in self.stepped}
+        self.scratch = mixers.cache_with(None)  # the cache a stepped call reads its stacked layer from
+        self.alone: list[Alone] = []
+        for i in sorted(set(range(len(segments))) - set(self.stepped)):
             s = segments[i]
             n = len(s.token_ids)
             marks = {m - s.start for m in self._marks(s)}
             cuts = sorted(marks | (set(range(1, n)) if mixers.stepwise else set())) + [n]
             layers = s.carry.state.layers if s.carry.state is not None else None
-            self.units.append(Unit([i], mixers.cache_with(layers), offset=offsets[i], cuts=tuple(cuts),
-                                   snap_at=frozenset(marks)))
+            self.alone.append(Alone(i, mixers.cache_with(layers), self.offsets[i], tuple(cuts), frozenset(marks)))
 
     def _marks(self, s: Segment) -> list[int]:
         """The marks strictly inside segment `s`, where its state is copied mid-segment."""
@@ -157,15 +158,12 @@ class Step:
     def mix(self, module, original, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """The mixer `module` (of layer `module.layer_idx`) over the step's flat row `hidden_states [1, T, H]`."""
         kwargs.pop("kvql_plan", None)
-        i = module.layer_idx
         x = hidden_states[0]
         out = torch.empty_like(x)
-        for unit in self.units:
-            if unit.rows is not None:  # batched: one token per request
-                y = original(module, x.index_select(0, unit.rows)[:, None], cache=unit.cache, attention_mask=None,
-                             **kwargs)
-                out.index_copy_(0, unit.rows, y[:, 0])
-                continue
+        if self.stepped:
+            self._step(module, original, x, out, kwargs)
+        i = module.layer_idx
+        for unit in self.alone:
             a = 0
             for b in unit.cuts:
                 lo, hi = unit.offset + a, unit.offset + b
@@ -175,19 +173,44 @@ class Step:
                 a = b
         return out[None]
 
+    def _step(self, module, original, x: torch.Tensor, out: torch.Tensor, kwargs: dict) -> None:
+        """The stepped segments through `module`: token t of each (the longest first) in one call, their states
+        stacked; a single one's state (or states of differing structure, one by one) updated in place."""
+        i, segments = module.layer_idx, self.segments
+        for t in range(len(segments[self.stepped[0]].token_ids)):
+            active = [j for j in self.stepped if len(segments[j].token_ids) > t]
+            layers = [self.states[j][i] for j in active]
+            stacked = _stack_layers(layers) if len(layers) > 1 else None
+            groups = [(active, stacked)] if stacked is not None else [([j], layer) for j, layer in zip(active, layers)]
+            for members, layer in groups:
+                rows = torch.tensor([self.offsets[j] + t for j in members])
+                self.scratch.layers[i] = layer
+                y = original(module, x.index_select(0, rows)[:, None], cache=self.scratch, attention_mask=None,
+                             **kwargs)
+                out.index_copy_(0, rows, y[:, 0])
+            if stacked is not None:
+                for j, own in zip(active, _split_layer(stacked, layers)):
+                    self.states[j][i] = own
+            for j in active:
+                if t + 1 in self.snaps[j]:
+                    self.snaps[j][t + 1][i] = _clone_layer(self.states[j][i])
+        self.scratch.layers[i] = None
+
     def finish(self) -> None:
         """Each request's state after its segment (`Carry.state`, `.length`) and the snapshots at its marks."""
         mixers = self.mixers
-        for unit in self.units:
-            if unit.rows is not None:
-                for b, state in enumerate(_split_states(unit.cache, self.before, mixers.recurrent)):
-                    self._carry(self.segments[unit.segments[b]], state)
-                continue
-            s = self.segments[unit.segments[0]]
-            for b, layers in unit.snaps.items():
-                mixers.snapshots.put(s.carry.salt, s.carry.tokens[:s.start + b], RecurrentState(layers))
+        for j in self.stepped:
+            self._put(self.segments[j], self.snaps[j])
+            self._carry(self.segments[j], RecurrentState(self.states[j]))
+        for unit in self.alone:
+            s = self.segments[unit.segment]
+            self._put(s, unit.snaps)
             self._carry(s, RecurrentState([unit.cache.layers[i] if i in mixers.recurrent else None
                                            for i in range(len(mixers.kinds))]))
+
+    def _put(self, s: Segment, snaps: dict[int, list]) -> None:
+        for b, layers in snaps.items():
+            self.mixers.snapshots.put(s.carry.salt, s.carry.tokens[:s.start + b], RecurrentState(layers))
 
     def _carry(self, s: Segment, state: RecurrentState) -> None:
         carry, end = s.carry, s.start + len(s.token_ids)
@@ -230,22 +253,19 @@ class Mixers:
         return cache
 
 
-def _stack_states(states: list[RecurrentState], recurrent: list[int]) -> list | None:
-    """Per layer, one cache layer holding the requests' `states` stacked along the batch axis (their tensors of
-    batch 1 concatenated; a scalar tensor, a layer's token count, the first's); None where their layers differ
-    in structure or in any other value (then each runs alone)."""
-    out: list = [None] * len(states[0].layers)
-    for i in recurrent:
-        layers = [s.layers[i] for s in states]
-        if any(type(layer) is not type(layers[0]) for layer in layers):
-            return None
-        try:
-            values = {name: _stack([vars(layer)[name] for layer in layers]) for name in vars(layers[0])}
-        except (KeyError, _Differ):
-            return None
-        stacked = out[i] = copy.copy(layers[0])
-        stacked.__dict__ = values
-    return out
+def _stack_layers(layers: list):
+    """One cache layer holding `layers` (one request's each) stacked along the batch axis: their tensors of batch 1
+    concatenated; a scalar tensor (a layer's token count) the first's. None where they differ in structure or in
+    any other value."""
+    if any(type(layer) is not type(layers[0]) for layer in layers):
+        return None
+    try:
+        values = {name: _stack([vars(layer)[name] for layer in layers]) for name in vars(layers[0])}
+    except (KeyError, _Differ):
+        return None
+    stacked = copy.copy(layers[0])
+    stacked.__dict__ = values
+    return stacked
 
 
 class _Differ(Exception):
@@ -269,17 +289,16 @@ def _stack(values: list):
     return first
 
 
-def _split_states(cache, before: list[RecurrentState], recurrent: list[int]) -> list[RecurrentState]:
-    """Each request's state from a batched unit's cache: views of its row of the stacked tensors; a scalar tensor
-    (a token count) its own before the step plus what the step added."""
-    states = [RecurrentState([None] * len(cache.layers)) for _ in before]
-    for i in recurrent:
-        layer = cache.layers[i]
-        for b, old in enumerate(before):
-            own = states[b].layers[i] = copy.copy(layer)
-            own.__dict__ = {name: _row(value, b, vars(old.layers[i])[name], vars(before[0].layers[i])[name])
-                            for name, value in vars(layer).items()}
-    return states
+def _split_layer(stacked, before: list) -> list:
+    """Each request's layer from a stacked one after a call: views of its row of the stacked tensors; a scalar
+    tensor (a token count) its own before the call plus what the call added."""
+    out = []
+    for b, old in enumerate(before):
+        own = copy.copy(stacked)
+        own.__dict__ = {name: _row(value, b, vars(old)[name], vars(before[0])[name])
+                        for name, value in vars(stacked).items()}
+        out.append(own)
+    return out
 
 
 def _row(value, b: int, old, first):
