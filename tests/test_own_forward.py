@@ -203,3 +203,27 @@ def test_the_snapshots_file_counts_in_the_disk_budget(tokenizer, tmp_path):
         finally:
             m.close()
     assert 0 < kept[96 << 10] < kept[64 << 20]
+
+
+def test_the_running_requests_states_are_counted_in_the_cache_budget(tokenizer):
+    """A hybrid's running requests hold a recurrent state each: the engine reserves one for each request that may
+    run at once from the cache budget (at most a quarter of it: fewer run at once where a quarter holds fewer),
+    beside the snapshots' quarter and the pool; requests past that wait their turn and answer exactly."""
+    import kvql
+
+    name = "qwen3_5"
+    hf = F.build(*F.FAMILIES[name], len(tokenizer), tokenizer.eos_token_id)
+    budget = 96 << 10
+    m = kvql.Model(hf, tokenizer, cache_budget=budget)
+    try:
+        state, running = m.engine.runner.geometry.state_bytes, m.engine.scheduler.max_running
+        assert state > 0 and 1 <= running < 6
+        stats = m.stats()
+        assert stats["running_state_bytes"] == state * running <= budget // 4
+        assert stats["running_state_bytes"] + stats["snapshot_budget_bytes"] + m.engine.pool.num_slots * \
+            m.engine.pool.token_bytes <= budget
+        ps = F.prompts(len(tokenizer), seed=9, count=6)
+        assert [c.token_ids for c in m.generate(ps, max_tokens=6)] == _reference(name, tokenizer, ps, 6)
+        m.check_integrity()
+    finally:
+        m.close()

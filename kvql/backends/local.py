@@ -127,11 +127,15 @@ class LocalBackend(Backend):
         geometry = model_runner.read_geometry(hf_model)  # UnsupportedModel (a ValueError) says why not
         slot_bytes = KVPool.slot_bytes(num_layers=len(geometry.layers), kv_heads=geometry.kv_heads,
                                        head_dim=geometry.head_dim, v_dim=geometry.v_dim, dtype=hf_model.dtype)
-        # a model with recurrent layers: a quarter of the budget for snapshots of their states
+        # a model with recurrent layers: a quarter of the budget for snapshots of their states, at most a quarter
+        # for the states of the requests running (fewer run at once where a quarter holds fewer)
         snapshot_bytes = budget // SNAPSHOT_SHARE if geometry.recurrent else 0
-        if budget - snapshot_bytes < slot_bytes:
+        if geometry.state_bytes:
+            max_running = max(1, min(max_running, budget // SNAPSHOT_SHARE // geometry.state_bytes))
+        running_bytes = max_running * geometry.state_bytes
+        if budget - snapshot_bytes - running_bytes < slot_bytes:
             raise ValueError(f"cache_budget {budget} bytes holds no token ({slot_bytes} bytes per token)")
-        self.engine = Engine(hf_model, tokenizer, num_slots=(budget - snapshot_bytes) // slot_bytes,
+        self.engine = Engine(hf_model, tokenizer, num_slots=(budget - snapshot_bytes - running_bytes) // slot_bytes,
                              max_batch_tokens=max_batch_tokens, max_running=max_running, background=background,
                              geometry=geometry, speculate=speculate, disk_cache=disk_cache, disk_budget=disk_bytes,
                              save_interval=cache_save_interval, snapshot_budget=snapshot_bytes)

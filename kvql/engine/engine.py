@@ -356,7 +356,9 @@ class Engine(Persistence):
         if snapshots is None:
             return {}
         return {"snapshots": len(snapshots), "snapshot_bytes": snapshots.bytes, "snapshot_budget_bytes":
-                snapshots.budget, "snapshots_taken": snapshots.puts, "snapshot_resumes": snapshots.hits}
+                snapshots.budget, "snapshots_taken": snapshots.puts, "snapshot_resumes": snapshots.hits,
+                # the running requests' states, reserved from the cache budget for `max_running` of them
+                "running_state_bytes": self.runner.geometry.state_bytes * self.scheduler.max_running}
 
     @openmp.releases_caller
     def check_integrity(self, full: bool = True) -> None:

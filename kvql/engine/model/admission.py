@@ -86,6 +86,7 @@ class Geometry:
     layers: tuple[Layer, ...]
     own: str | None = None
     kinds: tuple[str, ...] | None = None  # `layer_kind` of each of the model's cache layers (own path, hybrids)
+    state_bytes: int = 0  # the recurrent state one request holds while it runs (all its recurrent layers)
 
     @property
     def kv_layers(self) -> tuple[int, ...] | None:
@@ -335,7 +336,10 @@ def own_geometry(hf_model, forward, reason: str) -> Geometry:
         layer = Layer(k[1], k[1], k[3], v_dim=v[3] if v[3] != k[3] else None)
     else:  # recurrent layers only (Mamba): the pool holds one token's worth of nothing but a placeholder
         layer = Layer(1, 1, 1)
-    return Geometry((layer,) * max(len(kv), 1), own=reason, kinds=kinds)
+    state = sum(t.numel() * t.element_size() for x, kind in zip(cache.layers, kinds) if "state" in kind
+                for name in ("conv_states", "recurrent_states") for t in (getattr(x, name, None) or {}).values()
+                if isinstance(t, torch.Tensor))
+    return Geometry((layer,) * max(len(kv), 1), own=reason, kinds=kinds, state_bytes=state)
 
 
 def verify_plan(config, geometry: Geometry, room: int) -> tuple[int, int]:

@@ -21,6 +21,7 @@ function also receives per call (`sliding_window`, `softcap`, `scaling`) and app
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -214,8 +215,8 @@ def read_geometry(hf_model) -> admission.Geometry:
         if mixers is not None:
             recurrent_mixers.prepare(mixers)
         try:
-            return admission.probe(hf_model, forward, own and own.kinds,
-                                   mixers and recurrent_mixers.Fresh(config))
+            geometry = admission.probe(hf_model, forward, own and own.kinds, mixers and recurrent_mixers.Fresh(config))
+            return dataclasses.replace(geometry, state_bytes=own.state_bytes) if own else geometry
         except admission.UnsupportedModel as e:
             reason = f"{reason}; on the ragged path: " if own else ""
             reason += str(e).removeprefix(f"{config.model_type!r}: ")
