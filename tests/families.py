@@ -100,7 +100,7 @@ REFUSED = {
 }
 
 # the families admission runs on their own forward (the others: the ragged path)
-OWN = {"falcon", "bloom", "mpt", "stablelm", "nemotron", "xglm", "jetmoe", "llama4_tuned", "deepseek_v3"}
+OWN = {"falcon", "stablelm", "nemotron", "xglm", "jetmoe", "llama4_tuned", "deepseek_v3"}
 
 def build(model_type: str, overrides: dict, vocab_size: int, eos_token_id: int, seed: int = 0,
           attn_implementation: str | None = None):

@@ -71,7 +71,8 @@ def test_a_ragged_path_whose_cached_logits_differ_gives_way_to_the_models_own_fo
 
     attend = paged_attention.attend
     monkeypatch.setattr(paged_attention, "attend", lambda q, k, v, o, s, scale, window=None, softcap=None,
-                        sinks=None, chunk=None: attend(q, k, v, o, s, scale, None, softcap, sinks, chunk))
+                        sinks=None, chunk=None, alibi=None: attend(q, k, v, o, s, scale, None, softcap, sinks, chunk,
+                                                                   alibi))
     monkeypatch.setattr(lean_model, "build", lambda hf: None)  # its bound calls would not go through `attend`
     hf = F.build(*F.FAMILIES["mistral"], len(tokenizer), tokenizer.eos_token_id)
     m = kvql.Model(hf, tokenizer, cache_budget=1 << 20)

@@ -46,13 +46,14 @@ def test_mla_caches_its_latent_and_the_disk_tier_serves_it_after_a_restart(token
 
 
 def test_samples_speculation_and_prompt_logprobs_on_the_own_path(tokenizer):
-    """ALiBi (Bloom): n = 2 greedy samples each equal the reference, speculation on equals off (the warm run
-    drafts from the first run's outputs), prompt logprobs equal those of the model's plain forward."""
-    _, m = _model("bloom", tokenizer)
-    _, off = _model("bloom", tokenizer, speculate=False)
+    """StableLM (its attention outside transformers' interface): n = 2 greedy samples each equal the reference,
+    speculation on equals off (the warm run drafts from the first run's outputs), prompt logprobs equal those of
+    the model's plain forward."""
+    _, m = _model("stablelm", tokenizer)
+    _, off = _model("stablelm", tokenizer, speculate=False)
     try:
         ps = F.prompts(len(tokenizer), seed=6, count=4)
-        want = F.reference("bloom", F.FAMILIES["bloom"][1], tokenizer, ps, 8)
+        want = F.reference("stablelm", F.FAMILIES["stablelm"][1], tokenizer, ps, 8)
         for _ in range(2):
             groups = m.generate(ps, max_tokens=8, n=2)
             assert [[x.token_ids for x in groups[2 * i:2 * i + 2]] for i in range(len(ps))] == [[w, w] for w in want]

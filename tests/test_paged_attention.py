@@ -83,6 +83,31 @@ def test_attention_sinks_match_float64_attention_with_a_logit_per_head(d):
         assert not torch.allclose(out[start:start + n], plain[start:start + n], atol=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("d", [64, 40])
+def test_alibi_matches_float64_attention_with_a_slope_per_head(d, window):
+    """ALiBi (Bloom, MPT): each score gains its head's slope times its key's position; decode rows (read in place)
+    and prefill blocks alike, also where a window starts the keys past the sequence's start. Without the slopes
+    the rows differ (they are not ignored)."""
+    k_pool, v_pool, query, idx, slots = _case(torch.float32, seed=5, d=d)
+    slopes = torch.rand(H, generator=torch.Generator().manual_seed(6)) * 0.5
+    segs = pa.Segments(*idx, torch.cat(slots))
+    out = torch.full((query.shape[1], H, d), float("nan"))
+    pa.attend(query, k_pool, v_pool, out, segs, d ** -0.5, window=window, alibi=slopes)
+    plain = torch.full_like(out, float("nan"))
+    pa.attend(query, k_pool, v_pool, plain, segs, d ** -0.5, window=window)
+    for (past, n), start, s in zip(SPEC, idx[0], slots):
+        q = query[:, start:start + n].double()  # [H, n, d]
+        k, v = (x[:, s].double().repeat_interleave(H // KV, 0) for x in (k_pool, v_pool))
+        keys, rows = torch.arange(past + n), torch.arange(past, past + n)[:, None]
+        scores = (q @ k.transpose(1, 2)) * d ** -0.5 + slopes.double()[:, None, None] * keys
+        hidden = (keys[None] > rows) | ((keys[None] <= rows - window) if window else False)
+        ref = torch.softmax(scores.masked_fill(hidden, -torch.inf), -1) @ v
+        torch.testing.assert_close(out[start:start + n].double(), ref.transpose(0, 1), atol=2e-6, rtol=2e-6)
+        if past + n > 1:
+            assert not torch.allclose(out[start:start + n], plain[start:start + n], atol=1e-4)
+
+
 @pytest.mark.parametrize("chunk", [8, 16, 20, 64])  # below, at and off the kernel's 16-key alignment, and above
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 def test_chunked_attention_matches_float64_attention_within_each_chunk(dtype, tol, chunk):

@@ -63,7 +63,8 @@ class UnsupportedModel(ValueError):
 class Layer:
     """What one attention layer computes: `heads` query heads over `kv_heads` K/V heads of `head_dim`,
     each query seeing its last `window` positions (None: all), scores soft-capped at `softcap` (None: not),
-    `sinks`: a learned logit per query head in each softmax's denominator (gpt-oss's `s_aux`), `chunk`: each
+    `sinks`: a learned logit per query head in each softmax's denominator (gpt-oss's `s_aux`), `alibi`: ALiBi's
+    slope per head times each key's position added to its score (Bloom's, MPT's), `chunk`: each
     query seeing only the positions of its own chunk of `chunk` (chunked attention, Llama 4's; None: not).
     `v_dim`: the width of what the layer caches as values, where it differs from its keys' (`own` geometries:
     MLA's latent)."""
@@ -76,6 +77,7 @@ class Layer:
     sinks: bool = False
     v_dim: int | None = None
     chunk: int | None = None
+    alibi: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,12 @@ class ProbeCache:
         self.probe.updates.append((layer_idx, tuple(key_states.shape), tuple(value_states.shape)))
         return key_states, value_states
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0  # no past (as `get_seq_length`)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
     def get_seq_length(self, layer_idx: int | None = None) -> int:
         if layer_idx is not None:  # a layer's own question (a model's, for its positions, passes none)
             self.probe.lengths.append(layer_idx)
@@ -149,7 +157,8 @@ def record(probe: Probe, query, key, value, kwargs) -> None:
     sinks = {k: kwargs[k] for k in SINKS if kwargs.get(k) is not None}
     probe.calls.append({"heads": query.shape[1], "kv_heads": key.shape[1], "head_dim": key.shape[-1],
                         "v_dim": value.shape[-1], "window": kwargs.get("sliding_window"),
-                        "softcap": kwargs.get("softcap"), "sinks": sorted(sinks)})
+                        "softcap": kwargs.get("softcap"), "sinks": sorted(sinks),
+                        "alibi": kwargs.get("alibi") is not None})
 
 
 def check_config(config) -> None:
@@ -185,14 +194,17 @@ def recurrent_layer_types(config) -> list[str]:
             and isinstance(mapping.get(t), type) and issubclass(mapping[t], mixin)]
 
 
-def probe(hf_model, forward, kinds: tuple[str, ...] | None = None, recurrent=None) -> Geometry:
+def probe(hf_model, forward, kinds: tuple[str, ...] | None = None, recurrent=None,
+          own_attention: bool = False) -> Geometry:
     """The geometry of `hf_model` (module doc), or UnsupportedModel. `forward(probe, cache, ids, positions)`
     runs the model's forward with the engine's attention function and `kvql_plan=probe`. `kinds`: a model with
     recurrent layers (`layer_kind` per layer, read from its own forward): its K/V layers are those that write K/V,
-    its recurrent mixers run on the ragged path (recurrent_mixers.py), in the probe by `recurrent` (`ProbeCache`)."""
+    its recurrent mixers run on the ragged path (recurrent_mixers.py), in the probe by `recurrent` (`ProbeCache`).
+    `own_attention`: kvql's own attention modules (alibi_attention.py) call the engine's attention function, where
+    transformers cannot set the model's attention implementation."""
     config = hf_model.config
     name = config.model_type
-    if not type(hf_model)._can_set_attn_implementation():
+    if not own_attention and not type(hf_model)._can_set_attn_implementation():
         raise UnsupportedModel(f"{name!r}: its attention does not go through transformers' AttentionInterface "
                                f"(transformers cannot set its attention implementation), which is where the "
                                f"engine reads and writes the KV cache")
@@ -272,7 +284,7 @@ def _layer(name: str, i: int, k_shape: tuple, v_shape: tuple, call: dict, chunk:
     if window and chunk:
         raise UnsupportedModel(f"{name!r}: layer {i} has both a sliding window and chunked attention")
     return Layer(int(call["heads"]), int(call["kv_heads"]), int(call["head_dim"]), window, softcap,
-                 bool(call["sinks"]), chunk=chunk)
+                 bool(call["sinks"]), chunk=chunk, alibi=call["alibi"])
 
 
 def config_cache(config):

@@ -286,7 +286,7 @@ class _Program:
                          query.data_ptr(), query.stride(1), query.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
                          k_pool.stride(0), k_pool.stride(1), out.data_ptr(), out.stride(0), d, s.heads, s.kv_heads, d,
                          self.is_bf16, step_program.f32(s.scaling), int(s.window or 0),
-                         step_program.f32(s.softcap or 0.0), 0 if s.sinks is None else s.sinks.data_ptr())
+                         step_program.f32(s.softcap or 0.0), 0 if s.sinks is None else s.sinks.data_ptr(), 0)
 
     def _gated_act(self, s: step.GatedAct) -> None:
         gu, act = self.bound[s.src], self._out(s.dst, s.width)

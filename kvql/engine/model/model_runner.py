@@ -31,7 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .attention_plan import Bucket, Causal, Plan, in_span, plan
-from . import admission, cpu_linear, fused_layers, lean_model, own_forward, recurrent_mixers
+from . import admission, alibi_attention, cpu_linear, fused_layers, lean_model, own_forward, recurrent_mixers
 from .kernels import paged_attention
 from ..cache.kv_pool import KVPool
 from ..segment import Carry, Segment
@@ -44,17 +44,19 @@ STEPWISE_MARGIN = 1.5
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kvql_plan=None,
-               sliding_window=None, softcap=None, s_aux=None, **kwargs):
+               sliding_window=None, softcap=None, s_aux=None, alibi_slopes=None, **kwargs):
     """Attention over pool K/V following `kvql_plan`, with the layer's own `scaling`, `sliding_window`, `softcap`
     and attention sinks `s_aux` (gpt-oss: a logit per query head in each softmax's denominator; the keywords
-    transformers' attention modules pass); the model's own attention when called by ordinary transformers code
-    (no plan), so the same model object still works with `generate`."""
+    transformers' attention modules pass), and ALiBi's `alibi_slopes` (`[heads]`: each score gains its head's
+    slope times its key's position; passed by kvql's own attention modules, alibi_attention.py); the model's own
+    attention when called by ordinary transformers code (no plan), so the same model object still works with
+    `generate`."""
     if kvql_plan is None:
         return _plain(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
                       {**kwargs, **({} if s_aux is None else {"s_aux": s_aux})})
     if isinstance(kvql_plan, admission.Probe):
         admission.record(kvql_plan, query, key, value, {"sliding_window": sliding_window, "softcap": softcap,
-                                                        "s_aux": s_aux, **kwargs})
+                                                        "s_aux": s_aux, "alibi": alibi_slopes, **kwargs})
         t = query.shape[2]
         causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
         sinks = None if s_aux is None else s_aux.view(-1, 1, 1)
@@ -66,20 +68,22 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     kv_heads = k_pool.shape[0]
     g = heads // kv_heads
     out = query.new_empty(t, heads, v_pool.shape[-1])
+    slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
     if kvql_plan.paged is not None:  # a paged plan has nothing else: every segment read in place
         paged_attention.attend(query[0], k_pool, v_pool, out, kvql_plan.paged, scaling or d ** -0.5,
                                sliding_window, softcap, None if s_aux is None else s_aux.float().contiguous(),
-                               chunk)
+                               chunk, slopes)
         return out[None], None
     c: Causal
     for c in kvql_plan.causal:  # no past: causal attention over the fresh K/V, read in place
         span = slice(c.offset, c.offset + c.rows * c.q_len)
         q, k, v = (x[0, :, span].unflatten(1, (c.rows, c.q_len)).transpose(0, 1)
                    for x in (query, *kvql_plan.fresh))
-        if sliding_window or chunk or softcap or s_aux is not None:
+        if sliding_window or chunk or softcap or s_aux is not None or slopes is not None:
             i = torch.arange(c.q_len, device=query.device)
             mask = (i[None, :] <= i[:, None]) & in_span(i[:, None], i[None, :], sliding_window, chunk)
-            o = _eager(q, k, v, mask, scaling, softcap, g, None if s_aux is None else s_aux.view(-1, 1, 1))
+            bias = None if slopes is None else slopes.view(-1, 1, 1) * i  # the keys' positions: 0 ...
+            o = _eager(q, k, v, mask, scaling, softcap, g, None if s_aux is None else s_aux.view(-1, 1, 1), bias)
         else:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                                                  enable_gqa=g > 1)
@@ -94,10 +98,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         q = q.reshape(b.rows, kv_heads, g * b.q_len, d)
         k, v = (x.view(kv_heads, b.rows, b.k_len, -1).transpose(0, 1) for x in _gather(b, k_pool, v_pool))
         mask = b.span_mask(sliding_window, chunk, g)
-        if softcap or s_aux is not None:  # a sink per query head: per row of the packed query axis
-            sinks = None if s_aux is None else s_aux.view(kv_heads, g, 1).repeat_interleave(b.q_len, 1).view(
-                kv_heads, g * b.q_len, 1)
-            o = _eager(q, k, v, mask, scaling, softcap, 1, sinks)
+        if softcap or s_aux is not None or slopes is not None:  # per query head: per row of the packed query axis
+            per_row = lambda x: x.view(kv_heads, g, 1).repeat_interleave(b.q_len, 1).view(kv_heads, g * b.q_len, 1)
+            sinks = None if s_aux is None else per_row(s_aux)
+            bias = None if slopes is None else per_row(slopes) * b.k_pos.view(b.rows, 1, 1, b.k_len)
+            o = _eager(q, k, v, mask, scaling, softcap, 1, sinks, bias)
         else:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
         o = o.view(b.rows, kv_heads, g, b.q_len, -1).permute(0, 3, 1, 2, 4).reshape(b.rows * b.q_len, heads, -1)
@@ -105,14 +110,17 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out[None], None
 
 
-def _eager(q, k, v, mask, scaling, softcap, groups: int, sinks=None):
-    """Attention written out (for what SDPA cannot do: soft-capped scores, sinks): `q [.., heads, Q, d]` over
+def _eager(q, k, v, mask, scaling, softcap, groups: int, sinks=None, bias=None):
+    """Attention written out (for what SDPA cannot do: soft-capped scores, sinks, ALiBi): `q [.., heads, Q, d]` over
     `k`/`v [.., heads / groups, K, d]`, boolean `mask` broadcast to `[.., Q, K]`; softmax in float32. `sinks`
     (broadcast to `[.., heads, Q, 1]`): one more logit in each row's softmax, whose weight goes to no value
-    (gpt-oss's attention sinks, as its eager attention computes them)."""
+    (gpt-oss's attention sinks, as its eager attention computes them); `bias` (broadcast to the scores, float32):
+    added to the scaled scores (ALiBi's)."""
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scaling or q.shape[-1] ** -0.5)
+    if bias is not None:
+        scores = (scores.float() + bias).to(scores.dtype)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -179,6 +187,14 @@ class PoolCache:
         v.index_copy_(1, self.write_slots, value_states[0])
         return k[None], v[None]
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """(the new tokens, no past): what a model asks to build its masks and ALiBi tensor with no mask given
+        (Bloom's, alibi_attention.py), which the engine's attention does not read."""
+        return query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0  # as `get_mask_sizes`
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """0. A batch's rows have no one past length; the engine passes position_ids and its own mask, so a
         forward has no use for it (some, Falcon's, ask all the same). A model whose layers ask (with their
@@ -205,23 +221,27 @@ def read_geometry(hf_model) -> admission.Geometry:
         original = config._attn_implementation
         if type(hf_model)._can_set_attn_implementation():
             hf_model.set_attn_implementation(ATTENTION)
+        alibi = alibi_attention.prepare(hf_model)
 
         @torch.inference_mode()
         def forward(probe, cache, ids, positions):
             dev = next(hf_model.parameters()).device
             hf_model(input_ids=ids[None].to(dev), position_ids=positions[None].to(dev),
-                     attention_mask=_NO_MASK.to(dev), cache=cache, kvql_plan=probe, logits_to_keep=1)
+                     attention_mask=None if alibi else _NO_MASK.to(dev), cache=cache, kvql_plan=probe,
+                     logits_to_keep=1)
 
         if mixers is not None:
             recurrent_mixers.prepare(mixers)
         try:
-            geometry = admission.probe(hf_model, forward, own and own.kinds, mixers and recurrent_mixers.Fresh(config))
+            geometry = admission.probe(hf_model, forward, own and own.kinds, mixers and recurrent_mixers.Fresh(config),
+                                       own_attention=alibi)
             return dataclasses.replace(geometry, state_bytes=own.state_bytes) if own else geometry
         except admission.UnsupportedModel as e:
             reason = f"{reason}; on the ragged path: " if own else ""
             reason += str(e).removeprefix(f"{config.model_type!r}: ")
         if mixers is not None:
             recurrent_mixers.restore(mixers)
+        alibi_attention.restore(hf_model)
         if type(hf_model)._can_set_attn_implementation():
             hf_model.set_attn_implementation(original)
     return own_forward.geometry(hf_model, reason)
@@ -238,7 +258,7 @@ class ModelRunner:
         # batch-invariant attention (attention_plan's module doc): on in reduced precision, where a
         # merged cluster's reduction order changes outputs; fp32 merges shared prefixes (cheaper)
         self.batch_invariant = pool.k.dtype != torch.float32
-        self.lean, self.paged, self.own, self.chunks, self.mixers = None, False, None, None, None
+        self.lean, self.paged, self.own, self.chunks, self.mixers, self.mask = None, False, None, None, None, _NO_MASK
         if geometry.own is None:
             if geometry.recurrent:
                 self.mixers = recurrent_mixers.Mixers(hf_model, geometry.kinds,
@@ -253,7 +273,8 @@ class ModelRunner:
 
     def _prepare_ragged(self) -> None:
         hf_model, pool, geometry = self.model, self.pool, self.geometry
-        hf_model.set_attn_implementation(ATTENTION)
+        if type(hf_model)._can_set_attn_implementation():  # (Bloom's cannot: kvql's own modules, alibi_attention.py)
+            hf_model.set_attn_implementation(ATTENTION)
         if self.device.type == "cpu":
             # prepacked weights; in reduced precision a GEMM row then never depends on its batch (cpu_linear.py)
             max_reduction = cpu_linear.MAX_REDUCTION if self.batch_invariant else None
@@ -266,6 +287,7 @@ class ModelRunner:
         # the same forward without transformers' module calls, where the model's structure allows (lean_model.py)
         lean = self.device.type == "cpu" and not self.chunks and self.mixers is None
         self.lean = lean_model.build(hf_model) if lean else None
+        self.mask = None if alibi_attention.takes_no_mask(hf_model) else _NO_MASK  # the forward's attention mask
         self.paged = paged_attention.supports(self.device, pool.k.dtype, geometry.heads, geometry.kv_heads,
                                               pool.k.shape[-1])
 
@@ -306,7 +328,7 @@ class ModelRunner:
             out = self.model(
                 input_ids=torch.tensor([ids], device=dev),
                 position_ids=torch.cat(pos).to(dev)[None],
-                attention_mask=_NO_MASK.to(dev),
+                attention_mask=None if self.mask is None else self.mask.to(dev),
                 cache=PoolCache(self.pool, write_slots, step_plan, self.geometry.kv_layers, recurrent),
                 logits_to_keep=keep,
                 kvql_plan=step_plan,
@@ -368,6 +390,7 @@ class ModelRunner:
                                              f"its attention layers write") from failed
         if self.mixers is not None:
             recurrent_mixers.restore(self.mixers.modules)
+        alibi_attention.restore(self.model)
         self.geometry, self.lean, self.paged, self.mixers = own, None, False, None
         self.own = own_forward.OwnForward(self.model, self.pool, own)
         try:

@@ -75,6 +75,12 @@ static inline float softmax(float *row, int64_t lo, int64_t nr, float sink) {
     return 1.0f / sum;
 }
 
+/* ALiBi (Bloom, MPT): each score of key j (its position `base + j` in the sequence) gains `slope * position`;
+   softmax is the same for any shift of a row, so this is the bias `slope * (key - query)` too. */
+static inline void add_alibi(float *row, int64_t lo, int64_t nr, int64_t base, float slope) {
+    for (int64_t j = lo; j < nr; j++) row[j] += slope * (float)(base + j);
+}
+
 /* Attention logit soft-capping (Gemma 2): each score s becomes cap * tanh(s / cap). */
 static inline void soft_cap(float *row, int64_t lo, int64_t nr, float cap) {
     for (int64_t j = lo; j < nr; j++) row[j] = cap * tanhf(row[j] / cap);
@@ -120,14 +126,15 @@ static float *scratch(size_t n) {
 /* Rows `rows` of a block (row r = query r / g, head r % g of KV head h) whose first query sees `n0` keys;
    keys and values already widened in `w` (kp = keys padded to 16), from key `base` (a multiple of 16) of
    the segment on; `win`: the layer's sliding window (0: none; negative: chunks, window_start), `cap` its
-   soft-cap (0: none), `sinks` the g heads' attention sinks (NULL: none). Writes outputs into `out` (also the even-key accumulator; `w->odd` the odd-key one). Keys are visited in tiles of
+   soft-cap (0: none), `sinks` the g heads' attention sinks (NULL: none), `alibi` their ALiBi slopes (NULL: none:
+   each score gains slope * the key's position, `base + j`, before the soft-cap). Writes outputs into `out` (also the even-key accumulator; `w->odd` the odd-key one). Keys are visited in tiles of
    KEY_TILE for all rows, so that a tile stays in cache while every row uses it; tiles start at fixed key
    indices and each row's sums still run over its keys in order, so the tiling changes no result; keys
    outside a row's window take part with weight exactly 0. */
 static inline __attribute__((always_inline)) void attend_block(Scratch *w, int64_t rows, int g, int nv,
                                                               int64_t n0, int64_t kp, int64_t base,
                                                               int64_t win, float cap, const float *sinks,
-                                                              float *out) {
+                                                              const float *alibi, float *out) {
     int dv = nv * LANES; /* nv: vectors per padded row, a constant where the caller specializes it */
     int64_t n = n0 + (rows - 1) / g; /* keys of the last row */
     for (int64_t t0 = 0; t0 < n; t0 += KEY_TILE)
@@ -151,6 +158,7 @@ static inline __attribute__((always_inline)) void attend_block(Scratch *w, int64
     float inv[QUERY_BLOCK * MAX_GROUP];
     for (int64_t r = 0; r < rows; r++) {
         int64_t nr = n0 + r / g, lo = window_start(nr, base, win);
+        if (alibi) add_alibi(w->s + r * kp, lo, nr, base, alibi[r % g]);
         if (cap > 0) soft_cap(w->s + r * kp, lo, nr, cap);
         inv[r] = softmax(w->s + r * kp, lo, nr, sinks ? sinks[r % g] : -INFINITY);
         memset(out + r * dv, 0, sizeof(float) * dv);
@@ -240,14 +248,16 @@ static inline __attribute__((always_inline)) void values_one(Scratch *w, const c
 /* One new token: its g rows (heads of one KV head) over the same n keys, read straight from the pool
    (`kh`/`vh`: the KV head's rows, `row_bytes` apart, slot list `sl`) rather than widened into scratch
    first: here each key serves g rows only, and the copy cost more than the arithmetic. Keys before `lo`
-   are outside its sliding window (weight 0); `cap`: the soft-cap (0: none); `sinks` as attend_block's. The
+   are outside its sliding window (weight 0); `cap`: the soft-cap (0: none); `sinks` and `alibi` (keys counted
+   from `base`) as attend_block's. The
    arithmetic and its order
    are attend_block's, so a token's output is bit for bit the same on either path (the tests split prompts
    so that both run). */
 static inline __attribute__((always_inline)) void attend_one(Scratch *w, const char *kh, const char *vh,
                                                             const int64_t *sl, int64_t row_bytes, int g,
                                                             int nv, int64_t n, int64_t lo, float cap,
-                                                            const float *sinks, int is_bf16, float *out) {
+                                                            const float *sinks, const float *alibi, int64_t base,
+                                                            int is_bf16, float *out) {
     int dv = nv * LANES;
     int64_t kp = (n + LANES - 1) / LANES * LANES;
     for (int64_t j0 = 0; j0 < n; j0 += LANES) {
@@ -277,6 +287,7 @@ static inline __attribute__((always_inline)) void attend_one(Scratch *w, const c
     }
     float inv[MAX_GROUP];
     for (int r = 0; r < g; r++) {
+        if (alibi) add_alibi(w->s + r * kp, lo, n, base, alibi[r]);
         if (cap > 0) soft_cap(w->s + r * kp, lo, n, cap);
         inv[r] = softmax(w->s + r * kp, lo, n, sinks ? sinks[r] : -INFINITY);
     }
@@ -291,7 +302,8 @@ int kvql_paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_str
                          const void *k_pool, const void *v_pool, int64_t kv_head_stride, int64_t slot_stride,
                          void *out, int64_t out_tok_stride, int64_t out_head_stride,
                          int heads, int kv_heads, int d, int is_bf16, float scale, int64_t window, float softcap,
-                         const float *sinks, int64_t n_seg, const int64_t *q_start, const int64_t *q_len,
+                         const float *sinks, const float *alibi, int64_t n_seg, const int64_t *q_start,
+                         const int64_t *q_len,
                          const int64_t *key_start, const int64_t *n_keys, const int64_t *slots,
                          int64_t max_keys, int threads) {
     int g = heads / kv_heads;
@@ -324,6 +336,7 @@ int kvql_paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_str
             int64_t s = block[2 * (t / kv_heads)], i0 = block[2 * (t / kv_heads) + 1];
             int h = (int)(t % kv_heads);
             const float *sk = sinks ? sinks + (int64_t)h * g : NULL; /* this KV head's query heads' sinks */
+            const float *ak = alibi ? alibi + (int64_t)h * g : NULL; /* and ALiBi slopes */
             int64_t qb = q_len[s] - i0 < QUERY_BLOCK ? q_len[s] - i0 : QUERY_BLOCK, rows = qb * g;
             int64_t n0 = n_keys[s] - q_len[s] + i0 + 1, n = n0 + qb - 1;
             /* a sliding window or chunk: the block's keys from its first row's start, down to a multiple of
@@ -340,19 +353,19 @@ int kvql_paged_attention(const void *q, int64_t q_tok_stride, int64_t q_head_str
             }
             if (qb == 1 && dv == d) { /* a decode step: keys read in place */
                 int64_t rb = elem * slot_stride, lo = window_start(n, base, window);
-                if (nv == 4 && is_bf16) attend_one(&w, kh, vh, sl, rb, g, 4, n, lo, softcap, sk, 1, outs);
-                else if (nv == 4) attend_one(&w, kh, vh, sl, rb, g, 4, n, lo, softcap, sk, 0, outs);
-                else if (is_bf16) attend_one(&w, kh, vh, sl, rb, g, nv, n, lo, softcap, sk, 1, outs);
-                else attend_one(&w, kh, vh, sl, rb, g, nv, n, lo, softcap, sk, 0, outs);
+                if (nv == 4 && is_bf16) attend_one(&w, kh, vh, sl, rb, g, 4, n, lo, softcap, sk, ak, base, 1, outs);
+                else if (nv == 4) attend_one(&w, kh, vh, sl, rb, g, 4, n, lo, softcap, sk, ak, base, 0, outs);
+                else if (is_bf16) attend_one(&w, kh, vh, sl, rb, g, nv, n, lo, softcap, sk, ak, base, 1, outs);
+                else attend_one(&w, kh, vh, sl, rb, g, nv, n, lo, softcap, sk, ak, base, 0, outs);
             } else {
                 for (int64_t j = 0; j < n; j++) { /* the keys this block sees, widened */
                     widen(kh + elem * sl[j] * slot_stride, w.k + j * dv, d, dv, is_bf16);
                     widen(vh + elem * sl[j] * slot_stride, w.v + j * dv, d, dv, is_bf16);
                 }
                 memset(w.k + n * dv, 0, sizeof(float) * (size_t)((kp - n) * dv)); /* tile padding: scores unused */
-                if (nv == 4) attend_block(&w, rows, g, 4, n0, kp, base, window, softcap, sk, outs); /* head_dim 64 */
-                else if (nv == 8) attend_block(&w, rows, g, 8, n0, kp, base, window, softcap, sk, outs); /* 128 */
-                else attend_block(&w, rows, g, nv, n0, kp, base, window, softcap, sk, outs);
+                if (nv == 4) attend_block(&w, rows, g, 4, n0, kp, base, window, softcap, sk, ak, outs); /* head_dim 64 */
+                else if (nv == 8) attend_block(&w, rows, g, 8, n0, kp, base, window, softcap, sk, ak, outs); /* 128 */
+                else attend_block(&w, rows, g, nv, n0, kp, base, window, softcap, sk, ak, outs);
             }
             for (int64_t r = 0; r < rows; r++) {
                 int64_t o = (q_start[s] + i0 + r / g) * out_tok_stride + (h * g + r % g) * out_head_stride;

@@ -35,7 +35,8 @@ from . import build
 DTYPES = build.DTYPES
 SIGNATURES = {"kvql_paged_attention": (build.I32, [
     build.PTR, build.I64, build.I64, build.PTR, build.PTR, build.I64, build.I64, build.PTR, build.I64, build.I64,
-    build.I32, build.I32, build.I32, build.I32, build.F32, build.I64, build.F32, build.PTR, build.I64, build.PTR,
+    build.I32, build.I32, build.I32, build.I32, build.F32, build.I64, build.F32, build.PTR, build.PTR, build.I64,
+    build.PTR,
     build.PTR, build.PTR, build.PTR, build.PTR, build.I64, build.I32])}
 LIBRARY = build.Library("paged_attention", "KVQL_PAGED_ATTENTION", "gathering K/V instead", SIGNATURES,
                         flags=["-ffp-contract=off"],
@@ -68,7 +69,7 @@ class Segments:
 
 def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
            segs: Segments, scale: float, window: int | None = None, softcap: float | None = None,
-           sinks: torch.Tensor | None = None, chunk: int | None = None) -> None:
+           sinks: torch.Tensor | None = None, chunk: int | None = None, alibi: torch.Tensor | None = None) -> None:
     """`query [heads, T, head_dim]` (any strides, last dim contiguous), `k_pool`/`v_pool` `[kv_heads, slots,
     head_dim]` (last dim contiguous, same strides), `out [T, heads, head_dim]` contiguous; all one dtype
     of DTYPES on the CPU. Writes the rows of `segs`' tokens into `out` (module doc). `window`: each token
@@ -76,11 +77,13 @@ def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out:
     become `softcap * tanh(score / softcap)` (Gemma 2's attention logit soft-capping), `sinks` (`[heads]`
     float32, contiguous): one more logit per head in each softmax, whose weight goes to no value (gpt-oss's
     attention sinks), `chunk`: each token sees only the keys of its own chunk of `chunk` positions (chunked
-    attention; not with a window)."""
+    attention; not with a window), `alibi` (`[heads]` float32, contiguous): ALiBi's slope per head, each score
+    gaining slope * its key's position in the sequence (Bloom's, MPT's)."""
     if not segs.count:
         return
     assert not (window and chunk)
-    assert sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.numel() == query.shape[0])
+    for x in (sinks, alibi):
+        assert x is None or (x.dtype == torch.float32 and x.is_contiguous() and x.numel() == query.shape[0])
     lib = LIBRARY.get()
     heads, _, d = query.shape
     kv_heads = k_pool.shape[0]
@@ -91,7 +94,8 @@ def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out:
         out.data_ptr(), out.stride(0), out.stride(1),
         heads, kv_heads, d, DTYPES[query.dtype], scale,
         -int(chunk) if chunk else int(window or 0),  # the C side's one span argument: negative for a chunk
-        float(softcap or 0.0), None if sinks is None else sinks.data_ptr(), segs.count, segs.q_start.data_ptr(),
+        float(softcap or 0.0), None if sinks is None else sinks.data_ptr(), None if alibi is None else alibi.data_ptr(),
+        segs.count, segs.q_start.data_ptr(),
         segs.q_len.data_ptr(), segs.key_start.data_ptr(), segs.n_keys.data_ptr(), segs.slots.data_ptr(),
         segs.max_keys, torch.get_num_threads())
     if rc:

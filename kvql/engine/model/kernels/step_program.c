@@ -26,7 +26,8 @@ typedef void (*norm_fn)(const void *, int64_t, const void *, void *, int64_t, in
 typedef void (*rope_fn)(void *, int64_t, int64_t, int64_t, int64_t, const void *, const void *, int64_t, int, int);
 typedef void (*gated_fn)(const void *, int64_t, void *, int64_t, int64_t, int64_t, int, int, int);
 typedef int (*attention_fn)(const void *, int64_t, int64_t, const void *, const void *, int64_t, int64_t, void *,
-                            int64_t, int64_t, int, int, int, int, float, int64_t, float, const float *, int64_t,
+                            int64_t, int64_t, int, int, int, int, float, int64_t, float, const float *,
+                            const float *, int64_t,
                             const int64_t *, const int64_t *, const int64_t *, const int64_t *, const int64_t *,
                             int64_t, int);
 
@@ -93,7 +94,7 @@ int64_t kvql_step_run(const Op *ops, int64_t n, const int64_t *tail) {
             rc = ((attention_fn)(intptr_t)o->fn)(
                 P(0), o->a[1], o->a[2], P(3), P(4), o->a[5], o->a[6], P(7), o->a[8], o->a[9], (int)o->a[10],
                 (int)o->a[11], (int)o->a[12], (int)o->a[13], as_float(o->a[14]), o->a[15], as_float(o->a[16]),
-                (const float *)P(17), tail[0], (const int64_t *)(intptr_t)tail[1], (const int64_t *)(intptr_t)tail[2],
+                (const float *)P(17), (const float *)P(18), tail[0], (const int64_t *)(intptr_t)tail[1], (const int64_t *)(intptr_t)tail[2],
                 (const int64_t *)(intptr_t)tail[3], (const int64_t *)(intptr_t)tail[4],
                 (const int64_t *)(intptr_t)tail[5], tail[6], (int)tail[7]);
             break;

@@ -7,7 +7,7 @@ tenth of a bf16 batch-1 step (docs/benchmarks.md, Design measurements).
 
 Contract: `Program.add(kind, fn, *args)` appends a call: `fn` a ctypes function of kvql's kernel libraries
 whose signature is the kind's (gemv, qgemm, rms_norm, rope, gated_mul, attention: their C files), `args` its
-arguments as integers (pointers as addresses; float arguments through `f32`); attention takes 18 and the
+arguments as integers (pointers as addresses; float arguments through `f32`); attention takes 19 and the
 step's 8 segment arguments (`run`'s `tail`). Two kinds are this library's own: `add(dst, dst_stride, src,
 src_stride, rows, n, is_bf16)` (dst += src row by row; src_stride 0 adds one row to every row, a bias) and
 `write_kv(pool, head_stride, slot_stride, src, row_stride, slots, rows, heads, head_dim, elem)` (each row's
