@@ -120,10 +120,14 @@ def test_recurrent_states_through_batches_samples_and_preemption(tokenizer):
         m.check_integrity()
     finally:
         m.close()
-    per_token = m.engine.pool.token_bytes
-    small = kvql.Model(hf, tokenizer, cache_budget=per_token * 80 * 4 // 3, max_batch_tokens=16)
+    # a budget of 9 states: 2 for the requests running at once (at most a quarter), 2.25 for snapshots, the pool
+    # the rest (~120 tokens: two requests of up to 77 tokens each preempt one another)
+    state = m.engine.runner.geometry.state_bytes
+    small = kvql.Model(hf, tokenizer, cache_budget=9 * state, max_batch_tokens=16)
     try:
-        assert [c.token_ids for c in small.generate(ps, max_tokens=10)] == want
+        assert small.engine.scheduler.max_running == 2
+        longer = _reference(name, tokenizer, ps, 30)
+        assert [c.token_ids for c in small.generate(ps, max_tokens=30)] == longer
         assert small.stats()["preemptions"] > 0
         small.check_integrity()
     finally:

@@ -16,8 +16,10 @@ class for a subclass whose forward, given the engine's `PoolCache`, splits the f
   forward continues a state by a chunk otherwise than its `generate`: model_runner.ModelRunner._continuation).
 
 After the forward, `Step.finish` hands each request its state (`Carry.state`: views of its rows of the stacked
-states) and puts the snapshots. Requests never see each other: a unit's rows are its own; stacking equal-shape
+states) and puts the snapshots. Requests never see each other: a call's rows are its own; stacking equal-shape
 states along the batch axis changes no row's arithmetic (the update is elementwise and per-row products). A
+stepped continuation runs the model's one-token update, as its `generate` decodes, where a chunk would run its
+chunked form: the load check compares both with the model's own steps (model_runner.ModelRunner.verify). A
 mixer's output has the shape of its input (an out-projection back to the hidden size).
 
 Any other call of a swapped mixer (transformers' own `generate`, the reference forwards) runs the mixer's own
