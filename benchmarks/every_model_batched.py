@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import kvql
+from hybrid_prefix import FACTS, QUESTIONS  # the same few-shot workload (benchmarks/ is on the path of a script)
 from kvql.backends.loader import load_tokenizer
 
 BASE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
@@ -35,18 +36,12 @@ MODELS = {
         **BASE, "block_ff_dim": 2048, "block_auto_adjust_ff_dim": False,
         "layer_types": ["conv", "conv", "full_attention"]}),
     "DeepSeek-V3-shaped (MLA)": ("deepseek_v3", {
-        **BASE, "num_key_value_heads": 12, "head_dim": 32, "kv_lora_rank": 256, "q_lora_rank": 384, "qk_nope_head_dim": 64,
-        "qk_rope_head_dim": 32, "v_head_dim": 64, "first_k_dense_replace": 12, "n_routed_experts": 4,
+        **BASE, "num_key_value_heads": 12, "head_dim": 32, "kv_lora_rank": 256, "q_lora_rank": 384,
+        "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "first_k_dense_replace": 12, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "moe_intermediate_size": 512, "n_group": 1, "topk_group": 1}),
     "Bloom-shaped (ALiBi)": ("bloom", {"hidden_size": 768, "n_layer": 12, "n_head": 12, "tie_word_embeddings": True}),
 }
-FACTS = [("France", "Paris"), ("Japan", "Tokyo"), ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Canada", "Ottawa"),
-         ("Egypt", "Cairo"), ("Norway", "Oslo"), ("Chile", "Santiago"), ("Spain", "Madrid"), ("India", "New Delhi"),
-         ("Ghana", "Accra"), ("Cuba", "Havana"), ("Italy", "Rome"), ("Iran", "Tehran"), ("Mali", "Bamako"),
-         ("Laos", "Vientiane"), ("Fiji", "Suva"), ("Oman", "Muscat"), ("Chad", "N'Djamena"), ("Togo", "Lome")]
-QUESTIONS = ["Brazil", "Germany", "Mexico", "Sweden", "Poland", "Greece", "Turkey", "Vietnam", "Nigeria", "Morocco",
-             "Austria", "Finland", "Ireland", "Portugal", "Thailand", "Ukraine", "Uganda", "Zambia", "Bolivia",
-             "Nepal", "Qatar", "Jordan", "Latvia", "Serbia"]
+
 
 
 def build(model_type: str, fields: dict, vocab: int, dtype: torch.dtype):

@@ -6,7 +6,8 @@ Contract of `check(tokenizer, grammar)`: compiles `grammar` (llguidance's gramma
 `TIMEOUT_S` seconds of the child's CPU time (its wall time where that cannot be read; at most `WALL_FACTOR` times
 as long in wall time), llguidance's error text when it reports one, and raises ValueError when the
 compiler crashed (the child died) or took too long (the child is killed). CPU time, because children run at the
-lowest CPU priority (`nice` 19): on a machine busy with forwards a compile waits, and is not refused for it. A dead or killed child is replaced
+lowest CPU priority (`nice` 19): on a machine busy with forwards a compile waits, and is not refused for it. A
+dead or killed child is replaced
 on the next call. Thread-safe: up to `CHILDREN` children compile at once, each one constraint at a time (so a
 few slow constraints leave a child for the next one; past that, a check waits for the first child free). A
 child starts when a check finds none free and builds llguidance's view of each tokenizer once (a pass over its

@@ -3,13 +3,15 @@ function.
 
 Bloom's and MPT's attention (ALiBi: each score gains a slope per head times its key's position, no rotary
 embedding) does not go through transformers' AttentionInterface: it adds the bias tensor its model builds (from a
-2-D mask: Bloom's `alibi`; MPT's `position_bias`) to its scores itself. `prepare(model)` swaps the class of each such module for a subclass whose forward, given the
-engine's cache (`PoolCache`, or a probe's `ProbeCache`: its `layer_past`), computes the module's q, k and v as
-its own forward does, writes k and v through the cache's `update`, and calls the attention function registered
-with transformers (model_runner's) with the step's plan and the heads' slopes (`slopes`: transformers' own, from
-the family's function that builds its bias), which the paged kernel and the gather path add to each score; then
-the module's own output projection (and Bloom's residual). Any other call (no engine cache: transformers' `generate`, the uncached
-reference) runs the module's own forward unchanged. The model's own forward builds its `alibi` tensor and
+2-D mask: Bloom's `alibi`; MPT's `position_bias`) to its scores itself. `prepare(model)` swaps the class of each
+such module for a subclass whose forward, given the engine's cache (`PoolCache`, or a probe's `ProbeCache`),
+computes the module's q, k and v as its own forward does, writes k and v through the cache's `update`, and calls
+the attention function registered with transformers (model_runner's) with the step's plan and the heads' slopes
+(`slopes`: transformers' own, from the family's function that builds its bias), which the paged kernel and the
+gather path add to each score; then the module's own output projection (and Bloom's residual). Any other call
+(no engine cache: transformers' `generate`, the uncached reference) runs the module's own forward unchanged. A
+Bloom module split for tensor-parallel pretraining (`pretraining_tp > 1` with `slow_but_exact`) is not swapped:
+the probe then finds its layers outside the engine's attention and the model runs on its own forward. The model's own forward builds its `alibi` tensor and
 causal mask from no mask (`takes_no_mask`): both are unused on the ragged path.
 
 Exactness is the load check's (model_runner.ModelRunner.verify): the scores add the same slopes times the same
@@ -38,11 +40,18 @@ def _forwards() -> dict[type, object]:
 def prepare(hf_model) -> bool:
     """Swap every ALiBi attention module of `hf_model` (module doc); whether it has any."""
     forwards = _forwards()
-    found = [m for m in hf_model.modules() if type(m) in forwards or getattr(type(m), "kvql_alibi_of", None)]
+    found = [m for m in hf_model.modules() if (type(m) in forwards and not _tensor_parallel(m))
+             or getattr(type(m), "kvql_alibi_of", None)]
     for module in found:
         if type(module) in forwards:
             module.__class__ = _swapped(type(module), forwards[type(module)])
     return bool(found)
+
+
+def _tensor_parallel(module) -> bool:
+    """Bloom's output projection computed in slices (its `slow_but_exact` pretraining form), which kvql's forward
+    does not reproduce."""
+    return getattr(module, "pretraining_tp", 1) > 1 and getattr(module, "slow_but_exact", False)
 
 
 def restore(hf_model) -> None:
@@ -85,14 +94,15 @@ def _plan(cache):
 def _bloom_forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
                    output_attentions=False, **kwargs):
     plan = _plan(layer_past)
-    if plan is None or (self.pretraining_tp > 1 and self.slow_but_exact):
+    if plan is None:
         return type(self).kvql_alibi_of.forward(self, hidden_states, residual, alibi, attention_mask, layer_past,
                                                 use_cache, output_attentions, **kwargs)
     batch, length, _ = hidden_states.shape
     query, key, value = self._reshape(self.query_key_value(hidden_states))
     key, value = layer_past.update(key, value, self.layer_idx)
+    alibi_slopes = slopes("bloom", self.num_heads).to(query.device)
     out, _ = ALL_ATTENTION_FUNCTIONS["kvql"](self, query, key, value, None, scaling=self.inv_norm_factor,
-                                             kvql_plan=plan, alibi_slopes=slopes("bloom", self.num_heads).to(query.device))
+                                             kvql_plan=plan, alibi_slopes=alibi_slopes)
     output = self.dense(out.reshape(batch, length, -1))
     return torch.nn.functional.dropout(output, p=self.hidden_dropout, training=self.training) + residual, None
 

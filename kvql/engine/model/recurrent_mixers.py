@@ -140,7 +140,8 @@ class Step:
         # a stepped segment's marks: tokens into it -> the layers' states there, copied as the forward goes
         self.snaps = {i: {m - segments[i].start: [None] * len(mixers.kinds) for m in self._marks(segments[i])}
                       for i in self.stepped}
-        self.scratch = mixers.cache_with(None)  # the cache a stepped call reads its stacked layer from
+        # the cache a stepped call reads its stacked layer from
+        self.scratch = mixers.cache_with(None) if self.stepped else None
         self.alone: list[Alone] = []
         for i in sorted(set(range(len(segments))) - set(self.stepped)):
             s = segments[i]
