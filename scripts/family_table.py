@@ -1,7 +1,7 @@
 """Writes docs/models.md's table of model families from the checks tests/test_families.py asserts (tests/families.py):
 for each tiny random model, fp32 greedy equal to transformers.generate cold / warm / staggered on both CPU
 attention paths, bf16 batched equal to alone, the path that runs it (ragged, or the model's own forward and why),
-how many modules run the fused layers, its attention variants (windows, chunks, soft-caps, sinks, ALiBi); for refused
+how many modules run the fused layers, its attention variants (windows, chunks, soft-caps, sinks, ALiBi, MLA); for refused
 families the engine's reason. Run: `.venv/bin/python scripts/family_table.py` (about a minute; rewrites the
 part of docs/models.md between the `families` markers, prints the table)."""
 
@@ -52,7 +52,8 @@ def rows(tok) -> list[str]:
         variants = [f"{sum(bool(getattr(x, k)) for x in layers)} of {len(layers)} layers {what}"
                     for k, what in (("window", "windowed"), ("chunk", "chunked")) if any(getattr(x, k) for x in layers)]
         variants += [what for k, what in (("softcap", "soft-capped scores"), ("sinks", "attention sinks"),
-                                          ("alibi", "ALiBi")) if any(getattr(x, k) for x in layers)]
+                                          ("alibi", "ALiBi"), ("latent", "MLA (absorbed)"))
+                     if any(getattr(x, k) for x in layers)]
         window = ", ".join(variants) or "none"
         own = r["geometry"].own
         path = "ragged" if own is None else "own forward: " + own.split(" (")[0].split(";")[0].replace("|", "\\|")

@@ -18,6 +18,7 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 SLIDING = ["sliding_attention", "full_attention"]
 MOE = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            shared_expert_intermediate_size=32)
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 
 FAMILIES = {
     "llama": ("llama", {}),
@@ -64,11 +65,15 @@ FAMILIES = {
     # the same with the NoPE layer's attention temperature (scaled by the cache's length: own forward)
     "llama4_tuned": ("llama4_text", {**MOE, "attention_chunk_size": WINDOW, "no_rope_layers": [1, 0],
                                      "floor_scale": 4}),
-    # MLA: the pool holds the compressed latent transformers caches (K: kv_lora_rank, V: the rope part)
-    "deepseek_v3": ("deepseek_v3", {**MOE, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
-                                    "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 24,
-                                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 1,
-                                    "topk_group": 1}),
+    # MLA in its absorbed form: the pool holds the latent and rotary key part as one key (latent_attention.py)
+    "deepseek_v3": ("deepseek_v3", {**MOE, **MLA, "n_routed_experts": 4, "n_shared_experts": 1,
+                                    "first_k_dense_replace": 1, "q_lora_rank": 24, "n_group": 1, "topk_group": 1}),
+    "deepseek_v2": ("deepseek_v2", {**MOE, **MLA, "n_routed_experts": 4, "n_shared_experts": 1,
+                                    "first_k_dense_replace": 1, "q_lora_rank": None}),
+    "minicpm3": ("minicpm3", {**MLA, "q_lora_rank": 24}),
+    "glm4_moe_lite": ("glm4_moe_lite", {**MOE, **MLA, "n_routed_experts": 4, "n_shared_experts": 1,
+                                        "first_k_dense_replace": 1, "q_lora_rank": 24, "n_group": 1,
+                                        "topk_group": 1}),
 }
 
 # recurrent layers (the ragged path, their mixers per request: recurrent_mixers.py; states carried per request,
@@ -91,6 +96,10 @@ FAMILIES.update({
     "jamba": ("jamba", {**MOE, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
                         "mamba_d_state": 4}),
     "bamba": ("bamba", {**HYBRID, "attn_layer_indices": [1]}),  # positions passed: its own default is wrong
+    # Kimi Delta Attention beside MLA
+    "kimi_linear": ("kimi_linear", {**MLA, "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 32,
+                                    "mlp_layer_types": ["dense", "sparse"], "linear_head_dim": 16,
+                                    "linear_num_heads": 4, "layer_types": ["linear_attention", "full_attention"]}),
 })
 
 REFUSED = {
@@ -100,7 +109,7 @@ REFUSED = {
 }
 
 # the families admission runs on their own forward (the others: the ragged path)
-OWN = {"falcon", "stablelm", "nemotron", "xglm", "jetmoe", "llama4_tuned", "deepseek_v3"}
+OWN = {"falcon", "stablelm", "nemotron", "xglm", "jetmoe", "llama4_tuned"}
 
 def build(model_type: str, overrides: dict, vocab_size: int, eos_token_id: int, seed: int = 0,
           attn_implementation: str | None = None):

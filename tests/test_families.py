@@ -113,6 +113,32 @@ def test_a_hybrid_whose_batched_states_differ_gives_way_to_its_own_forward(token
         m.close()
 
 
+def test_mla_whose_absorbed_form_differs_gives_way_to_its_own_forward_on_the_same_pool(tokenizer, monkeypatch):
+    """MLA in its absorbed form (latent_attention.py) caches its latent and rotary key part as one key; made wrong
+    (here: the output's up-projection scaled), the load check catches it and the model runs on its own forward,
+    which caches the two apart: the same pool memory seen so, exact, with the cache serving repeats."""
+    import kvql
+    from kvql.engine.model import latent_attention
+
+    expand = latent_attention.expand_output
+    monkeypatch.setattr(latent_attention, "expand_output", lambda module, out: expand(module, out) * 1.01)
+    name = "deepseek_v3"
+    hf = F.build(*F.FAMILIES[name], len(tokenizer), tokenizer.eos_token_id)
+    m = kvql.Model(hf, tokenizer, cache_budget=1 << 20)
+    try:
+        assert "the ragged path's check failed" in m.engine.runner.geometry.own
+        pool = m.engine.runner.pool
+        assert pool.k.data_ptr() == pool.v.data_ptr() - pool.k.shape[-1] * pool.k.element_size()
+        ps = F.prompts(len(tokenizer), seed=2)
+        want = F.reference(name, F.FAMILIES[name][1], tokenizer, ps, 8)
+        assert [c.token_ids for c in m.generate(ps, max_tokens=8)] == want
+        warm = m.generate(ps, max_tokens=8)
+        assert [c.token_ids for c in warm] == want and all(c.cached_tokens for c in warm)
+        m.check_integrity()
+    finally:
+        m.close()
+
+
 def test_a_model_that_keeps_state_outside_its_cache_is_refused(tokenizer):
     """A deliberately unsupported variant (its logits depend on how often it ran: state no cache holds) fails
     the check on both paths and is refused, naming both, never admitted."""

@@ -1,5 +1,5 @@
-"""The model's own forward over the pool (admission: `own`; model_runner.ModelRunner._own): what the pool holds
-per token is what the model caches (DeepSeek's MLA: the latent), the disk tier keeps it across a restart, and
+"""The model's own forward over the pool (admission: `own`; model_runner.ModelRunner._own) and the layers kvql runs
+in a form of its own (MLA's latent: what the pool holds per token, kept by the disk tier across a restart), and
 the engine's features (n >= 2, speculation, prompt logprobs) give what they give on the ragged path. Exactness
 cold / warm / staggered and bf16 batched = alone per family: tests/test_families.py."""
 
@@ -19,13 +19,14 @@ def _model(name, tokenizer, **kw):
     return hf, kvql.Model(hf, tokenizer, cache_budget=8 << 20, **kw)
 
 
-def test_mla_caches_its_latent_and_the_disk_tier_serves_it_after_a_restart(tokenizer, tmp_path):
+def test_mla_caches_its_latent_once_and_the_disk_tier_serves_it_after_a_restart(tokenizer, tmp_path):
+    """MLA on the ragged path, absorbed (latent_attention.py): the pool holds per token and layer the latent and
+    the rotary key part as one key and no values (what the model's own cache holds, in one row); the disk tier
+    writes such a pool and a new model reads it back, exact."""
     hf, a = _model("deepseek_v3", tokenizer, disk_cache=tmp_path, cache_save_interval=0)
     c = hf.config
-    from kvql.factory import banner
-
-    assert a.own_forward is not None and "the model's own forward" in banner(a)
-    # per token and layer: the latent (kv_lora_rank) as keys, the rotary key part (qk_rope_head_dim) as values
+    assert a.own_forward is None and a.engine.runner.geometry.latent == {0, 1}
+    assert a.engine.pool.v.shape[-1] == 0
     assert a.engine.pool.token_bytes == c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
     ps = F.prompts(len(tokenizer), seed=5)
     want = F.reference("deepseek_v3", F.FAMILIES["deepseek_v3"][1], tokenizer, ps, 6)

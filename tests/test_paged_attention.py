@@ -108,6 +108,31 @@ def test_alibi_matches_float64_attention_with_a_slope_per_head(d, window):
             assert not torch.allclose(out[start:start + n], plain[start:start + n], atol=1e-4)
 
 
+@pytest.mark.parametrize("heads,d", [(20, 576), (40, 288)])  # DeepSeek's latent + rotary width; past 16 heads
+def test_mla_absorbed_form_keys_as_values_many_heads_wide(heads, d):
+    """MLA in its absorbed form (latent_attention.py): one KV head whose keys are also its values (the same pool
+    tensor), more query heads than the kernel takes per call (split into calls by heads), a head dim past 256:
+    equals float64 attention, decode rows (read in place) and prefill blocks alike."""
+    g = torch.Generator().manual_seed(7)
+    k_pool = torch.randn(1, 400, d, generator=g)
+    spec = [(0, 1), (9, 1), (30, 5), (0, 20)]
+    perm, rows, start, keys = torch.randperm(400, generator=g), [], 0, 0
+    for past, n in spec:
+        rows.append((past, n, start, perm[keys:keys + past + n]))
+        start, keys = start + n, keys + past + n
+    query = torch.randn(1, start, heads, d, generator=g).transpose(1, 2)[0]  # [heads, T, d], strided
+    segs = pa.Segments([r[2] for r in rows], [r[1] for r in rows], [0, 1, 11, 46][:len(rows)],
+                       [r[0] + r[1] for r in rows], torch.cat([r[3] for r in rows]))
+    out = torch.full((start, heads, d), float("nan"))
+    pa.attend(query, k_pool, k_pool, out, segs, 0.1)
+    for past, n, at, s in rows:
+        q, k = query[:, at:at + n].double(), k_pool[0, s].double()
+        scores = (q @ k.T) * 0.1
+        scores = scores.masked_fill(torch.arange(past + n)[None] > torch.arange(past, past + n)[:, None], -torch.inf)
+        torch.testing.assert_close(out[at:at + n].double(), (torch.softmax(scores, -1) @ k).transpose(0, 1),
+                                   atol=2e-6, rtol=2e-6)
+
+
 @pytest.mark.parametrize("chunk", [8, 16, 20, 64])  # below, at and off the kernel's 16-key alignment, and above
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 def test_chunked_attention_matches_float64_attention_within_each_chunk(dtype, tol, chunk):

@@ -23,7 +23,8 @@ class KVPool:
             raise ValueError("a KV pool needs at least one slot")
         # torch.empty: pages are touched only when a slot is written, yet the size is fixed here.
         self.k = torch.empty((num_layers, kv_heads, num_slots, head_dim), dtype=dtype, device=device)
-        self.v = torch.empty((num_layers, kv_heads, num_slots, v_dim or head_dim), dtype=dtype, device=device)
+        self.v = torch.empty((num_layers, kv_heads, num_slots, head_dim if v_dim is None else v_dim), dtype=dtype,
+                             device=device)
         self.num_slots = num_slots
         self.device = torch.device(device)
         # the free list, first in first out, as a ring: `_count` slots from `_head` (wrapping). Taking and
@@ -32,11 +33,20 @@ class KVPool:
         self._head = 0
         self._count = num_slots
 
+    def split_keys(self, head_dim: int) -> None:
+        """A pool of keys alone (`v` zero wide: MLA's absorbed form) seen as keys of `head_dim` and values of the
+        rest (MLA's own forward: its latent and its rotary key part apart): views of the same memory, whatever
+        the slots hold kept."""
+        assert self.v.shape[-1] == 0 and 0 < head_dim < self.k.shape[-1]
+        keys = self.k
+        self.k, self.v = keys[..., :head_dim], keys[..., head_dim:]
+
     @staticmethod
     def slot_bytes(*, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                    v_dim: int | None = None) -> int:
         """Bytes one token occupies (K and V, all layers)."""
-        return num_layers * kv_heads * (head_dim + (v_dim or head_dim)) * torch.empty((), dtype=dtype).element_size()
+        v_dim = head_dim if v_dim is None else v_dim
+        return num_layers * kv_heads * (head_dim + v_dim) * torch.empty((), dtype=dtype).element_size()
 
     @property
     def token_bytes(self) -> int:

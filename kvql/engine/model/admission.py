@@ -10,8 +10,11 @@ The engine runs a model one of two ways (`Geometry.own`):
   gpt-oss, their MoE variants).
 - **own** (the exact fallback): the model's own forward, one request at a time, over a transformers cache laid
   out as its config says, filled with the request's cached K/V from the pool, its new tokens' K/V copied back
-  to their slots (own_forward.py). Whatever the model attends with (ALiBi, K/V transformed after `cache.update`, attention that bypasses the interface, a cached latent: DeepSeek's MLA) is the model's
-  own code; the pool holds what the model caches, per token, whatever its shape (`Layer.v_dim`).
+  to their slots (own_forward.py). Whatever the model attends with (K/V transformed after `cache.update`,
+  attention that bypasses the interface) is the model's own code; the pool holds what the model caches, per
+  token, whatever its shape (`Layer.v_dim`).
+kvql's own attention modules put two kinds the interface alone would send to the own forward on the ragged path:
+ALiBi (alibi_attention.py) and MLA in its absorbed form (latent_attention.py: one latent key per token).
 Recurrent layers (Mamba, Gated DeltaNet, LFM2's convolutions: `Geometry.recurrent`, `kinds`) keep their state per
 request between its steps, and snapshots of it serve prefixes (cache/state_snapshots.py). A hybrid whose attention
 layers pass the probe runs on the ragged path, its recurrent mixers per request (recurrent_mixers.py; the probe
@@ -67,7 +70,8 @@ class Layer:
     slope per head times each key's position added to its score (Bloom's, MPT's), `chunk`: each
     query seeing only the positions of its own chunk of `chunk` (chunked attention, Llama 4's; None: not).
     `v_dim`: the width of what the layer caches as values, where it differs from its keys' (`own` geometries:
-    MLA's latent)."""
+    MLA's rotary key part; 0: `latent`'s). `latent`: MLA in its absorbed form (latent_attention.py): one KV head
+    caching MLA's latent and rotary key part as its key, whose first `latent` dims are its values, held once."""
 
     heads: int
     kv_heads: int
@@ -78,6 +82,7 @@ class Layer:
     v_dim: int | None = None
     chunk: int | None = None
     alibi: bool = False
+    latent: int | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,12 @@ class Geometry:
 
     @property
     def v_dim(self) -> int:
-        return self.layers[0].v_dim or self.head_dim
+        return self.head_dim if self.layers[0].v_dim is None else self.layers[0].v_dim
+
+    @property
+    def latent(self) -> frozenset[int]:
+        """The MLA layers in their absorbed form (`Layer.latent`), by index."""
+        return frozenset(i for i, x in enumerate(self.layers) if x.latent)
 
     @property
     def kv_heads(self) -> int:
@@ -133,10 +143,14 @@ class ProbeCache:
     """`cache=` of a probe forward: records each layer's K/V shape and hands the fresh K/V back (no past);
     `recurrent`: what computes a hybrid's recurrent mixers (recurrent_mixers.Fresh), None for other models."""
 
-    def __init__(self, probe: Probe, recurrent=None):
-        self.probe, self.recurrent = probe, recurrent
+    def __init__(self, probe: Probe, recurrent=None, latent: frozenset[int] = frozenset()):
+        self.probe, self.recurrent, self.latent = probe, recurrent, latent
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx in self.latent:  # an MLA layer's latent and rotary key part: one key, no value (as PoolCache)
+            key_states = torch.cat([key_states, value_states], dim=-1)
+            self.probe.updates.append((layer_idx, tuple(key_states.shape), (*key_states.shape[:-1], 0)))
+            return key_states, None
         self.probe.updates.append((layer_idx, tuple(key_states.shape), tuple(value_states.shape)))
         return key_states, value_states
 
@@ -158,7 +172,7 @@ def record(probe: Probe, query, key, value, kwargs) -> None:
     probe.calls.append({"heads": query.shape[1], "kv_heads": key.shape[1], "head_dim": key.shape[-1],
                         "v_dim": value.shape[-1], "window": kwargs.get("sliding_window"),
                         "softcap": kwargs.get("softcap"), "sinks": sorted(sinks),
-                        "alibi": kwargs.get("alibi") is not None})
+                        "alibi": kwargs.get("alibi") is not None, "latent": kwargs.get("latent")})
 
 
 def check_config(config) -> None:
@@ -195,13 +209,14 @@ def recurrent_layer_types(config) -> list[str]:
 
 
 def probe(hf_model, forward, kinds: tuple[str, ...] | None = None, recurrent=None,
-          own_attention: bool = False) -> Geometry:
+          own_attention: bool = False, latent: frozenset[int] = frozenset()) -> Geometry:
     """The geometry of `hf_model` (module doc), or UnsupportedModel. `forward(probe, cache, ids, positions)`
     runs the model's forward with the engine's attention function and `kvql_plan=probe`. `kinds`: a model with
     recurrent layers (`layer_kind` per layer, read from its own forward): its K/V layers are those that write K/V,
     its recurrent mixers run on the ragged path (recurrent_mixers.py), in the probe by `recurrent` (`ProbeCache`).
     `own_attention`: kvql's own attention modules (alibi_attention.py) call the engine's attention function, where
-    transformers cannot set the model's attention implementation."""
+    transformers cannot set the model's attention implementation. `latent`: the layers whose MLA modules run in
+    their absorbed form (latent_attention.prepare), whose caches are given latents."""
     config = hf_model.config
     name = config.model_type
     if not own_attention and not type(hf_model)._can_set_attn_implementation():
@@ -211,7 +226,7 @@ def probe(hf_model, forward, kinds: tuple[str, ...] | None = None, recurrent=Non
     p = Probe()
     ids = torch.arange(1, PROBE_TOKENS + 1) % int(config.get_text_config().vocab_size)
     try:
-        forward(p, ProbeCache(p, recurrent), ids, torch.arange(PROBE_TOKENS))
+        forward(p, ProbeCache(p, recurrent, latent), ids, torch.arange(PROBE_TOKENS))
     except AttributeError as e:
         if not isinstance(e.obj, ProbeCache):
             raise UnsupportedModel(f"{name!r}: a forward through the engine's cache failed ({e})") from e
@@ -273,7 +288,10 @@ def _layer(name: str, i: int, k_shape: tuple, v_shape: tuple, call: dict, chunk:
                                f"what it cached after cache.update: JetMoE repeats K/V per attention expert, "
                                f"DeepSeek's MLA expands a cached latent), where the engine's attention reads the "
                                f"pool as written")
-    if call["v_dim"] != call["head_dim"] or k_shape[1:] != v_shape[1:]:
+    latent = call["latent"]
+    if latent and not (call["v_dim"] == call["head_dim"] and k_shape[1] == 1 and v_shape[-1] == 0):
+        raise UnsupportedModel(f"{name!r}: layer {i} attends over a latent in a form kvql does not read")
+    if not latent and (call["v_dim"] != call["head_dim"] or k_shape[1:] != v_shape[1:]):
         raise UnsupportedModel(f"{name!r}: layer {i} has keys {k_shape} and values {v_shape} of different shapes")
     unread = sorted(set(call["sinks"]) - {"s_aux"})
     if unread:
@@ -284,7 +302,8 @@ def _layer(name: str, i: int, k_shape: tuple, v_shape: tuple, call: dict, chunk:
     if window and chunk:
         raise UnsupportedModel(f"{name!r}: layer {i} has both a sliding window and chunked attention")
     return Layer(int(call["heads"]), int(call["kv_heads"]), int(call["head_dim"]), window, softcap,
-                 bool(call["sinks"]), chunk=chunk, alibi=call["alibi"])
+                 bool(call["sinks"]), chunk=chunk, alibi=call["alibi"], v_dim=0 if latent else None,
+                 latent=latent or None)
 
 
 def config_cache(config):

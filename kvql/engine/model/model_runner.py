@@ -31,7 +31,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .attention_plan import Bucket, Causal, Plan, in_span, plan
-from . import admission, alibi_attention, cpu_linear, fused_layers, lean_model, own_forward, recurrent_mixers
+from . import (admission, alibi_attention, cpu_linear, fused_layers, latent_attention, lean_model, own_forward,
+               recurrent_mixers)
 from .kernels import paged_attention
 from ..cache.kv_pool import KVPool
 from ..segment import Carry, Segment
@@ -48,12 +49,24 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     """Attention over pool K/V following `kvql_plan`, with the layer's own `scaling`, `sliding_window`, `softcap`
     and attention sinks `s_aux` (gpt-oss: a logit per query head in each softmax's denominator; the keywords
     transformers' attention modules pass), and ALiBi's `alibi_slopes` (`[heads]`: each score gains its head's
-    slope times its key's position; passed by kvql's own attention modules, alibi_attention.py); the model's own
+    slope times its key's position; passed by kvql's own attention modules, alibi_attention.py); an MLA module's
+    in its absorbed form (latent_attention.py: `key` and `value` are then the pool's latent); the model's own
     attention when called by ordinary transformers code (no plan), so the same model object still works with
     `generate`."""
     if kvql_plan is None:
         return _plain(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
                       {**kwargs, **({} if s_aux is None else {"s_aux": s_aux})})
+    if latent_attention.is_latent(module):
+        kwargs["latent"] = module.kv_lora_rank
+        out, _ = _attend(module, latent_attention.absorb_query(module, query), key, value, scaling, kvql_plan,
+                         sliding_window, softcap, s_aux, alibi_slopes, kwargs)
+        return latent_attention.expand_output(module, out), None
+    return _attend(module, query, key, value, scaling, kvql_plan, sliding_window, softcap, s_aux, alibi_slopes,
+                   kwargs)
+
+
+def _attend(module, query, key, value, scaling, kvql_plan, sliding_window, softcap, s_aux, alibi_slopes, kwargs):
+    """`_attention` with a plan: `[1, tokens, heads, value width]`."""
     if isinstance(kvql_plan, admission.Probe):
         admission.record(kvql_plan, query, key, value, {"sliding_window": sliding_window, "softcap": softcap,
                                                         "s_aux": s_aux, "alibi": alibi_slopes, **kwargs})
@@ -174,13 +187,23 @@ class PoolCache:
     recurrent work (recurrent_mixers.Step), which its mixers read."""
 
     def __init__(self, pool: KVPool, write_slots: torch.Tensor, plan: Plan, kv_layers: tuple[int, ...] | None = None,
-                 recurrent=None):
+                 recurrent=None, latent: frozenset[int] = frozenset()):
         self.pool, self.write_slots, self.plan, self.recurrent = pool, write_slots, plan, recurrent
         self.pool_layer = None if kv_layers is None else {i: j for j, i in enumerate(kv_layers)}
+        self.latent = latent
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Writes the layer's new K/V to their slots; returns the layer's pool (`[1, kv_heads, slots, dim]` each).
+        A `latent` layer (MLA's, latent_attention.py) is given its latent and rotary key part and caches them as
+        one key; it gets `(its pool's keys, None)` back. (`latent`: pool layer indices.)"""
         if self.pool_layer is not None:
             layer_idx = self.pool_layer[layer_idx]
+        if layer_idx in self.latent:
+            key_states = latent_attention.latent(key_states, value_states)
+            self.plan.fresh, self.plan.layer = (key_states, key_states), layer_idx
+            k = self.pool.k[layer_idx]
+            k.index_copy_(1, self.write_slots, key_states[0])
+            return k[None], None
         self.plan.fresh, self.plan.layer = (key_states, value_states), layer_idx
         k, v = self.pool.k[layer_idx], self.pool.v[layer_idx]
         k.index_copy_(1, self.write_slots, key_states[0])
@@ -221,7 +244,7 @@ def read_geometry(hf_model) -> admission.Geometry:
         original = config._attn_implementation
         if type(hf_model)._can_set_attn_implementation():
             hf_model.set_attn_implementation(ATTENTION)
-        alibi = alibi_attention.prepare(hf_model)
+        alibi, latent = alibi_attention.prepare(hf_model), latent_attention.prepare(hf_model)
 
         @torch.inference_mode()
         def forward(probe, cache, ids, positions):
@@ -234,7 +257,7 @@ def read_geometry(hf_model) -> admission.Geometry:
             recurrent_mixers.prepare(mixers)
         try:
             geometry = admission.probe(hf_model, forward, own and own.kinds, mixers and recurrent_mixers.Fresh(config),
-                                       own_attention=alibi)
+                                       own_attention=alibi, latent=latent)
             return dataclasses.replace(geometry, state_bytes=own.state_bytes) if own else geometry
         except admission.UnsupportedModel as e:
             reason = f"{reason}; on the ragged path: " if own else ""
@@ -242,6 +265,7 @@ def read_geometry(hf_model) -> admission.Geometry:
         if mixers is not None:
             recurrent_mixers.restore(mixers)
         alibi_attention.restore(hf_model)
+        latent_attention.restore(hf_model)
         if type(hf_model)._can_set_attn_implementation():
             hf_model.set_attn_implementation(original)
     return own_forward.geometry(hf_model, reason)
@@ -329,7 +353,8 @@ class ModelRunner:
                 input_ids=torch.tensor([ids], device=dev),
                 position_ids=torch.cat(pos).to(dev)[None],
                 attention_mask=None if self.mask is None else self.mask.to(dev),
-                cache=PoolCache(self.pool, write_slots, step_plan, self.geometry.kv_layers, recurrent),
+                cache=PoolCache(self.pool, write_slots, step_plan, self.geometry.kv_layers, recurrent,
+                                self.geometry.latent),
                 logits_to_keep=keep,
                 kvql_plan=step_plan,
             )
@@ -384,13 +409,16 @@ class ModelRunner:
         """The ragged path failed the check: the model's own forward, where it caches what the pool holds."""
         reason = str(failed).removeprefix(name)
         own = own_forward.geometry(self.model, f"the ragged path's check failed: {reason}")
+        if self.geometry.latent and own.head_dim + own.v_dim == self.geometry.head_dim:
+            self.pool.split_keys(own.head_dim)  # MLA's own forward caches the latent and rotary part apart
         if (own.kv_heads, own.head_dim, own.v_dim, len(own.layers)) != (
-                self.geometry.kv_heads, self.geometry.head_dim, self.geometry.v_dim, len(self.geometry.layers)):
+                self.pool.k.shape[1], self.pool.k.shape[-1], self.pool.v.shape[-1], self.pool.k.shape[0]):
             raise admission.UnsupportedModel(f"{name}{reason}; and its own forward caches other shapes than "
                                              f"its attention layers write") from failed
         if self.mixers is not None:
             recurrent_mixers.restore(self.mixers.modules)
         alibi_attention.restore(self.model)
+        latent_attention.restore(self.model)
         self.geometry, self.lean, self.paged, self.mixers = own, None, False, None
         self.own = own_forward.OwnForward(self.model, self.pool, own)
         try:

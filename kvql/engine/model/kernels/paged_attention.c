@@ -25,7 +25,7 @@
 #include "simd.h"
 
 #define MAX_GROUP 16
-#define MAX_DIM 256
+#define MAX_DIM 576 /* DeepSeek's MLA in its absorbed form: a latent of 512 and a rotary part of 64 */
 const int kvql_max_group = MAX_GROUP, kvql_max_dim = MAX_DIM; /* the limits, for the Python side to read */
 #define QUERY_BLOCK 16
 #define KEY_TILE 64 /* a multiple of 2 * LANES */

@@ -53,7 +53,8 @@ def supports(device, dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
     KV head and head dim) and can run here."""
     if not (torch.device(device).type == "cpu" and dtype in DTYPES and heads % kv_heads == 0 and available()):
         return False
-    return heads // kv_heads <= LIBRARY.limits["kvql_max_group"] and head_dim <= LIBRARY.limits["kvql_max_dim"]
+    return ((kv_heads == 1 or heads // kv_heads <= LIBRARY.limits["kvql_max_group"])
+            and head_dim <= LIBRARY.limits["kvql_max_dim"])
 
 
 class Segments:
@@ -71,7 +72,8 @@ def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out:
            segs: Segments, scale: float, window: int | None = None, softcap: float | None = None,
            sinks: torch.Tensor | None = None, chunk: int | None = None, alibi: torch.Tensor | None = None) -> None:
     """`query [heads, T, head_dim]` (any strides, last dim contiguous), `k_pool`/`v_pool` `[kv_heads, slots,
-    head_dim]` (last dim contiguous, same strides), `out [T, heads, head_dim]` contiguous; all one dtype
+    head_dim]` (last dim contiguous, same strides; the same tensor where the keys are the values: MLA's absorbed
+    form), `out [T, heads, head_dim]` (last dim contiguous); all one dtype
     of DTYPES on the CPU. Writes the rows of `segs`' tokens into `out` (module doc). `window`: each token
     sees only its last `window` keys (itself included; transformers' sliding window), `softcap`: scores
     become `softcap * tanh(score / softcap)` (Gemma 2's attention logit soft-capping), `sinks` (`[heads]`
@@ -87,7 +89,14 @@ def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out:
     lib = LIBRARY.get()
     heads, _, d = query.shape
     kv_heads = k_pool.shape[0]
-    assert query.stride(-1) == k_pool.stride(-1) == 1 and k_pool.stride() == v_pool.stride() and out.is_contiguous()
+    assert query.stride(-1) == k_pool.stride(-1) == out.stride(-1) == 1 and k_pool.stride() == v_pool.stride()
+    most = LIBRARY.limits["kvql_max_group"]
+    if kv_heads == 1 and heads > most:  # MQA over many heads (MLA's): each call a share of the heads, alike
+        for h in range(0, heads, most):
+            part = slice(h, h + most)
+            attend(query[part], k_pool, v_pool, out[:, part], segs, scale, window, softcap,
+                   None if sinks is None else sinks[part], chunk, None if alibi is None else alibi[part])
+        return
     rc = lib.kvql_paged_attention(
         query.data_ptr(), query.stride(1), query.stride(0),
         k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0), k_pool.stride(1),
