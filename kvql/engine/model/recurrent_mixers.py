@@ -33,7 +33,7 @@ import inspect
 
 import torch
 
-from . import admission
+from . import admission, gated_delta
 from .own_forward import RecurrentState, _clone_layer
 from ..segment import Segment
 
@@ -183,6 +183,12 @@ class Step:
         for t in range(len(segments[self.stepped[0]].token_ids)):
             active = [j for j in self.stepped if len(segments[j].token_ids) > t]
             layers = [self.states[j][i] for j in active]
+            rows = torch.tensor([self.offsets[j] + t for j in active])
+            y = gated_delta.step(module, x.index_select(0, rows), layers) if i in self.mixers.own_step else None
+            if y is not None:  # kvql's step, each state in place (gated_delta.py)
+                out.index_copy_(0, rows, y)
+                self._snap(active, t, i)
+                continue
             stacked = _stack_layers(layers) if len(layers) > 1 else None
             groups = [(active, stacked)] if stacked is not None else [([j], layer) for j, layer in zip(active, layers)]
             for members, layer in groups:
@@ -194,10 +200,14 @@ class Step:
             if stacked is not None:
                 for j, own in zip(active, _split_layer(stacked, layers)):
                     self.states[j][i] = own
-            for j in active:
-                if t + 1 in self.snaps[j]:
-                    self.snaps[j][t + 1][i] = _clone_layer(self.states[j][i])
+            self._snap(active, t, i)
         self.scratch.layers[i] = None
+
+    def _snap(self, active: list[int], t: int, i: int) -> None:
+        """Layer `i`'s state copied for the stepped segments `active` with a mark after their token `t`."""
+        for j in active:
+            if t + 1 in self.snaps[j]:
+                self.snaps[j][t + 1][i] = _clone_layer(self.states[j][i])
 
     def finish(self) -> None:
         """Each request's state after its segment (`Carry.state`, `.length`) and the snapshots at its marks."""
@@ -230,6 +240,8 @@ class Mixers:
     def __init__(self, hf_model, kinds: tuple[str, ...], mixers: dict[int, torch.nn.Module]):
         self.model, self.kinds, self.modules = hf_model, kinds, mixers
         self.recurrent = sorted(mixers)
+        # the layers whose one-token steps kvql computes itself (gated_delta.py); the others by the model's code
+        self.own_step = frozenset(i for i, m in mixers.items() if gated_delta.supports(m))
         self.stepwise = False
         self.snapshots = None
         prepare(mixers)

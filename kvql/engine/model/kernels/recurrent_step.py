@@ -1,0 +1,80 @@
+"""One-token steps of recurrent layers for a batch of requests, each on its own state in place (recurrent_step.c).
+
+Why: a decode step of a hybrid model (Qwen3.5's Gated DeltaNet) through transformers' torch code stacks every
+request's state into one tensor, passes over it about nine times (decay, k^T S, the update, q^T S, each an op
+and a temporary) and splits it again; these read and write each state once, from where it lies.
+
+Contracts (CPU; `states`: a list of tensors, one per row, each contiguous and not shared between rows):
+- `short_conv_(x [rows, channels], states [1, channels, taps] each, weight [channels, taps], bias [channels] or
+  None, silu)` -> `[rows, channels]`: each state shifted left one tap, x its last, the output
+  `act(sum(weight * state) + bias)`; x, states, weight, bias and the output in one dtype of DTYPES (float32
+  arithmetic; the sum rounded to the dtype before the activation, as torch's convolution in that dtype).
+- `gated_delta_(q [rows, k_heads, dk], k [rows, k_heads, dk], v [rows, v_heads, dv], g [rows, v_heads], beta [rows,
+  v_heads], states [1, v_heads, dk, dv] each)` -> `[rows, v_heads, dv]`, all float32: the gated delta rule's step
+  (the C file's doc), each value head reading the key head `h // (v_heads // k_heads)`.
+Each row alone, in a fixed order: batch-invariant. Equal to transformers' torch steps to float32 rounding, not
+bit for bit (another order of the same sums): the load check (model_runner.ModelRunner.verify) compares the
+model's steps so computed with its own.
+
+Availability: built once per machine (kvql.engine.model.kernels.build) with -ffp-contract=off; `available()` is
+False without a compiler, when the build fails, or with `KVQL_RECURRENT_STEP=0` (the model's own code steps
+then).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import build
+
+DTYPES = build.DTYPES
+SIGNATURES = {
+    "kvql_short_conv_step": (None, [build.I64, build.I64, build.I64, build.PTR, build.I64, build.PTR, build.PTR,
+                                    build.PTR, build.PTR, build.I64, build.I32, build.I32, build.I32]),
+    "kvql_gated_delta_step": (None, [build.I64, build.I64, build.I64, build.I64, build.I64, build.PTR, build.PTR,
+                                     build.PTR, build.PTR, build.PTR, build.PTR, build.PTR, build.I32]),
+}
+LIBRARY = build.Library("recurrent_step", "KVQL_RECURRENT_STEP", "stepping with the model's own code instead",
+                        SIGNATURES, flags=["-ffp-contract=off"])
+
+
+def available() -> bool:
+    return LIBRARY.available()
+
+
+def _pointers(states: list[torch.Tensor], dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    for s in states:
+        assert s.dtype == dtype and s.is_contiguous() and s.device.type == "cpu" and tuple(s.shape) == shape, (
+            s.dtype, s.shape, shape)
+    return torch.tensor([s.data_ptr() for s in states], dtype=torch.int64)
+
+
+def short_conv_(x: torch.Tensor, states: list[torch.Tensor], weight: torch.Tensor, bias: torch.Tensor | None,
+                silu: bool) -> torch.Tensor:
+    rows, channels = x.shape
+    taps = weight.shape[-1]
+    assert x.stride(-1) == 1 and x.dtype in DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
+    assert weight.shape == (channels, taps) and len(states) == rows
+    assert bias is None or (bias.dtype == x.dtype and bias.is_contiguous() and bias.shape == (channels,))
+    ptrs = _pointers(states, x.dtype, (1, channels, taps))
+    out = torch.empty(rows, channels, dtype=x.dtype)
+    LIBRARY.get().kvql_short_conv_step(rows, channels, taps, x.data_ptr(), x.stride(0), ptrs.data_ptr(),
+                                       weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                       channels, int(silu), DTYPES[x.dtype], torch.get_num_threads())
+    return out
+
+
+def gated_delta_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 states: list[torch.Tensor]) -> torch.Tensor:
+    rows, k_heads, dk = q.shape
+    v_heads, dv = v.shape[1:]
+    assert k.shape == q.shape and v.shape[0] == rows and g.shape == beta.shape == (rows, v_heads)
+    assert v_heads % k_heads == 0 and len(states) == rows
+    for t in (q, k, v, g, beta):
+        assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+    ptrs = _pointers(states, torch.float32, (1, v_heads, dk, dv))
+    out = torch.empty(rows, v_heads, dv)
+    LIBRARY.get().kvql_gated_delta_step(rows, v_heads, k_heads, dk, dv, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                        g.data_ptr(), beta.data_ptr(), ptrs.data_ptr(), out.data_ptr(),
+                                        torch.get_num_threads())
+    return out

@@ -1,0 +1,109 @@
+"""kvql's one-token recurrent steps (kvql/engine/model/kernels/recurrent_step.py, gated_delta.py): the short
+convolution and the gated delta rule equal transformers' own torch steps (outputs and the states they leave), a
+row's result does not depend on its batch mates, each state is updated where it lies; a Qwen3.5-shaped model steps
+with them on the engine, and a step made wrong is caught by the load check."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
+
+import families as F
+from kvql.engine.model.kernels import recurrent_step as rs
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+
+
+def test_kernels_build_where_a_compiler_is():
+    assert rs.available(), rs.LIBRARY.error
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_short_conv_equals_transformers_update_and_leaves_the_same_states(dtype, tol, bias):
+    g = torch.Generator().manual_seed(0)
+    rows, channels, taps = 5, 72, 4  # channels past a multiple of 16: the activation's scalar tail too
+    x = torch.randn(rows, channels, generator=g).to(dtype)
+    w = torch.randn(channels, taps, generator=g).to(dtype)
+    b = torch.randn(channels, generator=g).to(dtype) if bias else None
+    states = [torch.randn(1, channels, taps, generator=g).to(dtype) for _ in range(rows)]
+    want_states = [s.clone() for s in states]
+    want = torch.cat([q35.causal_conv1d_update(x[r:r + 1, :, None], want_states[r], w, b, "silu")[..., 0]
+                      for r in range(rows)])
+    got = rs.short_conv_(x, states, w, b, silu=True)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    for s, t in zip(states, want_states):
+        assert torch.equal(s, t)  # the shift is exact
+
+
+def test_gated_delta_equals_transformers_recurrent_step_and_leaves_the_same_states():
+    g = torch.Generator().manual_seed(1)
+    rows, hk, hv, dk, dv = 4, 2, 6, 32, 48
+    q, k = (torch.nn.functional.normalize(torch.randn(rows, hk, dk, generator=g), dim=-1) for _ in range(2))
+    q = q / dk ** 0.5
+    v = torch.randn(rows, hv, dv, generator=g)
+    decay = -torch.rand(rows, hv, generator=g)
+    beta = torch.rand(rows, hv, generator=g)
+    states = [torch.randn(1, hv, dk, dv, generator=g) for _ in range(rows)]
+    want_out, want_states = [], []
+    for r in range(rows):  # transformers' step normalizes and scales itself: given q * sqrt(dk), unnormalized off
+        out, state = q35.torch_recurrent_gated_delta_rule(
+            (q[r] * dk ** 0.5)[None, None], k[r][None, None], v[r][None, None], decay[r][None, None],
+            beta[r][None, None], initial_state=states[r].clone(), output_final_state=True)
+        want_out.append(out[0, 0])
+        want_states.append(state)
+    ptrs = [s.data_ptr() for s in states]
+    got = rs.gated_delta_(q, k, v, decay, beta, states)
+    torch.testing.assert_close(got, torch.stack(want_out), atol=1e-5, rtol=1e-5)
+    for s, t, p in zip(states, want_states, ptrs):
+        torch.testing.assert_close(s, t, atol=1e-5, rtol=1e-5)
+        assert s.data_ptr() == p  # in place
+
+
+def test_a_rows_step_does_not_depend_on_its_batch_mates():
+    g = torch.Generator().manual_seed(2)
+    rows, hk, hv, dk, dv = 6, 2, 4, 16, 16
+    args = [torch.randn(rows, hk, dk, generator=g), torch.randn(rows, hk, dk, generator=g),
+            torch.randn(rows, hv, dv, generator=g), -torch.rand(rows, hv, generator=g), torch.rand(rows, hv, generator=g)]
+    states = [torch.randn(1, hv, dk, dv, generator=g) for _ in range(rows)]
+    alone_states = [s.clone() for s in states]
+    together = rs.gated_delta_(*args, states)
+    for r in range(rows):
+        alone = rs.gated_delta_(*[a[r:r + 1].contiguous() for a in args], [alone_states[r]])
+        assert torch.equal(alone[0], together[r]) and torch.equal(alone_states[r], states[r])
+    x, w = torch.randn(rows, 32, generator=g).bfloat16(), torch.randn(32, 4, generator=g).bfloat16()
+    conv = [torch.randn(1, 32, 4, generator=g).bfloat16() for _ in range(rows)]
+    conv_alone = [s.clone() for s in conv]
+    together = rs.short_conv_(x, conv, w, None, silu=True)
+    for r in range(rows):
+        assert torch.equal(rs.short_conv_(x[r:r + 1], [conv_alone[r]], w, None, silu=True)[0], together[r])
+
+
+def test_qwen3_5_steps_with_kvqls_step_exactly_and_a_wrong_step_is_caught(tokenizer, monkeypatch):
+    """The engine steps Qwen3.5's Gated DeltaNet with gated_delta.step (exact against transformers' generate:
+    tests/test_families.py); made wrong (its output scaled), the load check sends the model to its own forward,
+    still exact."""
+    import kvql
+    from kvql.engine.model import gated_delta
+
+    name = "qwen3_5"
+    hf = F.build(*F.FAMILIES[name], len(tokenizer), tokenizer.eos_token_id)
+    m = kvql.Model(hf, tokenizer, cache_budget=8 << 20)
+    try:
+        assert m.engine.runner.geometry.own is None and m.engine.runner.mixers.own_step
+    finally:
+        m.close()
+    step = gated_delta.step
+    monkeypatch.setattr(gated_delta, "step", lambda *a: None if (y := step(*a)) is None else y * 1.05)
+    m = kvql.Model(hf, tokenizer, cache_budget=8 << 20)
+    try:
+        assert "the ragged path's check failed" in m.engine.runner.geometry.own
+        ps = F.prompts(len(tokenizer), seed=2)
+        want = F.reference(*F.FAMILIES[name], tokenizer, ps, 8)
+        assert [c.token_ids for c in m.generate(ps, max_tokens=8)] == want
+    finally:
+        m.close()
