@@ -1,4 +1,4 @@
-"""kvql's one-token recurrent steps (kvql/engine/model/kernels/recurrent_step.py, gated_delta.py): the short
+"""kvql's one-token recurrent steps (kvql/engine/model/kernels/recurrent_step.py, mixer_steps.py): the short
 convolution and the gated delta rule equal transformers' own torch steps (outputs and the states they leave), a
 row's result does not depend on its batch mates, each state is updated where it lies; a Qwen3.5-shaped model steps
 with them on the engine, and a step made wrong is caught by the load check."""
@@ -83,22 +83,22 @@ def test_a_rows_step_does_not_depend_on_its_batch_mates():
         assert torch.equal(rs.short_conv_(x[r:r + 1], [conv_alone[r]], w, None, silu=True)[0], together[r])
 
 
-def test_qwen3_5_steps_with_kvqls_step_exactly_and_a_wrong_step_is_caught(tokenizer, monkeypatch):
-    """The engine steps Qwen3.5's Gated DeltaNet with gated_delta.step (exact against transformers' generate:
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
+def test_hybrids_step_with_kvqls_step_exactly_and_a_wrong_step_is_caught(tokenizer, monkeypatch, name):
+    """The engine steps Qwen3.5's Gated DeltaNet and LFM2's short convolutions with mixer_steps.step (exact against transformers' generate:
     tests/test_families.py); made wrong (its output scaled), the load check sends the model to its own forward,
     still exact."""
     import kvql
-    from kvql.engine.model import gated_delta
+    from kvql.engine.model import mixer_steps
 
-    name = "qwen3_5"
     hf = F.build(*F.FAMILIES[name], len(tokenizer), tokenizer.eos_token_id)
     m = kvql.Model(hf, tokenizer, cache_budget=8 << 20)
     try:
         assert m.engine.runner.geometry.own is None and m.engine.runner.mixers.own_step
     finally:
         m.close()
-    step = gated_delta.step
-    monkeypatch.setattr(gated_delta, "step", lambda *a: None if (y := step(*a)) is None else y * 1.05)
+    step = mixer_steps.step
+    monkeypatch.setattr(mixer_steps, "step", lambda *a: None if (y := step(*a)) is None else y * 1.05)
     m = kvql.Model(hf, tokenizer, cache_budget=8 << 20)
     try:
         assert "the ragged path's check failed" in m.engine.runner.geometry.own

@@ -33,7 +33,7 @@ import inspect
 
 import torch
 
-from . import admission, gated_delta
+from . import admission, mixer_steps
 from .own_forward import RecurrentState, _clone_layer
 from ..segment import Segment
 
@@ -184,8 +184,8 @@ class Step:
             active = [j for j in self.stepped if len(segments[j].token_ids) > t]
             layers = [self.states[j][i] for j in active]
             rows = torch.tensor([self.offsets[j] + t for j in active])
-            y = gated_delta.step(module, x.index_select(0, rows), layers) if i in self.mixers.own_step else None
-            if y is not None:  # kvql's step, each state in place (gated_delta.py)
+            y = mixer_steps.step(module, x.index_select(0, rows), layers) if i in self.mixers.own_step else None
+            if y is not None:  # kvql's step, each state in place (mixer_steps.py)
                 out.index_copy_(0, rows, y)
                 self._snap(active, t, i)
                 continue
@@ -240,8 +240,8 @@ class Mixers:
     def __init__(self, hf_model, kinds: tuple[str, ...], mixers: dict[int, torch.nn.Module]):
         self.model, self.kinds, self.modules = hf_model, kinds, mixers
         self.recurrent = sorted(mixers)
-        # the layers whose one-token steps kvql computes itself (gated_delta.py); the others by the model's code
-        self.own_step = frozenset(i for i, m in mixers.items() if gated_delta.supports(m))
+        # the layers whose one-token steps kvql computes itself (mixer_steps.py); the others by the model's code
+        self.own_step = frozenset(i for i, m in mixers.items() if mixer_steps.step_of(m) is not None)
         self.stepwise = False
         self.snapshots = None
         prepare(mixers)
