@@ -9,6 +9,9 @@ the engine runs it on (`ragged`: one forward per step for the whole batch; `own`
 request per forward), its wall time, the tax (its time over the attention model's), the prompt tokens served
 from the cache. Usage:
     .venv/bin/python benchmarks/every_model_batched.py [--tokens 16] [--repeats 2] [--dtype bfloat16] [--only NAME]
+        [--shots 1]
+(`--shots 8 --tokens 64`: a decode-heavy run over a ~2,300-token shared context, where attention's cost per token
+grows with the context and a recurrent layer's does not.)
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def main(args) -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     tokenizer = load_tokenizer("smollm2-135m")
-    shots = "".join(f"Q: What is the capital of {c}?\nA: {a}\n" for c, a in FACTS)
+    shots = "".join(f"Q: What is the capital of {c}?\nA: {a}\n" for c, a in FACTS) * args.shots
     prompts = [f"{shots}Q: What is the capital of {q}?\nA:" for q in QUESTIONS]
     print(f"{len(prompts)} questions, {len(tokenizer.encode(shots))} shared prompt tokens, {args.tokens} new tokens "
           f"each, greedy, {args.dtype}, {torch.get_num_threads()} threads")
@@ -98,5 +101,6 @@ if __name__ == "__main__":
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--shots", type=int, default=1, help="the few-shot block this many times (a longer shared context)")
     p.add_argument("--only", default=None, help="only the models whose name holds this (and the reference)")
     main(p.parse_args())
