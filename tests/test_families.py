@@ -101,7 +101,7 @@ def test_a_hybrid_whose_batched_states_differ_gives_way_to_its_own_forward(token
         return out
 
     monkeypatch.setattr(recurrent_mixers, "_stack_layers", scaled)
-    name = "lfm2"
+    name = "jamba"  # (Qwen3.5's and LFM2's one-token steps are kvql's own, unstacked: tests/test_recurrent_step.py)
     hf = F.build(*F.FAMILIES[name], len(tokenizer), tokenizer.eos_token_id)
     m = kvql.Model(hf, tokenizer, cache_budget=1 << 20)
     try:

@@ -89,7 +89,7 @@ def test_a_few_shot_prefix_is_served_through_a_snapshot_of_the_recurrent_state(t
     want = _reference(name, tokenizer, prompts, 6)
     _, m = _model(name, tokenizer)
     try:
-        assert m.engine.runner.geometry.recurrent and not m.engine.speculate
+        assert m.engine.runner.geometry.recurrent and m.engine.speculate  # drafts rewind states (test_speculation)
         got = [m.generate([p], max_tokens=6)[0] for p in prompts]
         assert [c.token_ids for c in got] == want
         assert [c.cached_tokens for c in got] == [0, 0, 30, 30, 30]

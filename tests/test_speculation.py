@@ -419,3 +419,34 @@ def test_query_decoders_with_several_samples_equal_speculation_off(make_model, d
     (on, drafted), (off, _) = values(True), values(False)
     assert on == off and on[0] == on[1]
     assert (drafted > 0) == (decoder == "argmax")  # beam asks one token per request; seeded samples are not drafted
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "jamba"])
+def test_hybrids_rewind_their_states_past_rejected_drafts(tokenizer, name):
+    """A model with recurrent layers on the ragged path keeps its state after each drafted token and goes back to
+    the one after the last accepted token: with drafts of two right tokens and a wrong one at every step (stepped
+    by kvql's steps or the model's own; batched and alone), greedy outputs equal transformers' generate."""
+    import families as F
+    import kvql
+
+    hf = F.build(*F.FAMILIES[name], len(tokenizer), tokenizer.eos_token_id)
+    m = kvql.Model(hf, tokenizer, cache_budget=8 << 20, background=False)
+    try:
+        assert m.engine.runner.mixers is not None and m.engine.speculate
+        prompts = looping_prompts(tokenizer, 3)
+        want = dict(zip(map(tuple, prompts), F.reference(*F.FAMILIES[name], tokenizer, prompts, 24)))
+
+        def propose(req, limit):  # the next two tokens of the reference, then one it does not have
+            from kvql.engine.decode.drafts import Draft
+
+            req.draft = req.draft or Draft()
+            n, ref = len(req.output_ids), want[tuple(req.prompt_ids)]
+            return (ref[n:n + 2] + [(ref[n + 2] + 1) % len(tokenizer)])[:limit] if n + 2 < len(ref) else []
+
+        m.engine.scheduler.drafter.propose = propose
+        for jobs in ([(p, {}) for p in prompts], [(prompts[1], {})]):
+            got, _, stats = run(m, jobs, True)
+            assert [c[0].token_ids for c in got] == [want[tuple(p)] for p, _ in jobs]
+            assert stats["accepted_tokens"] > 0 and stats["drafted_tokens"] > stats["accepted_tokens"]
+    finally:
+        m.close()

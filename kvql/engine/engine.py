@@ -150,8 +150,10 @@ class Engine(Persistence):
 
     @speculate.setter
     def speculate(self, on: bool) -> None:
-        # a recurrent state cannot be rolled back past a rejected draft: never on for such a model
-        self.scheduler.drafter = self._drafter if on and not self.runner.geometry.recurrent else None
+        # a recurrent state cannot be rolled back past a rejected draft: its mixers on the ragged path keep the
+        # states after each drafted token (recurrent_mixers.Step); the own forward does not: never on there
+        rewinds = not self.runner.geometry.recurrent or self.runner.mixers is not None
+        self.scheduler.drafter = self._drafter if on and rewinds else None
 
     @property
     def jump_forward(self) -> bool:

@@ -83,8 +83,11 @@ class Scheduler:
         self.memory.commit(req, 1)
 
     def discard(self, req: Request) -> None:
-        """Free the slots of the drafted tokens this step rejected (the request runs on)."""
+        """Free the slots of the drafted tokens this step rejected (the request runs on); a recurrent state goes
+        back to the one after its last accepted token."""
         self.memory.discard(req)
+        if self.carries:
+            req.carry.rewind(req.num_computed)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Start sample `child` on `parent`'s computed prompt (it decodes from the next step)."""
@@ -129,7 +132,8 @@ class Scheduler:
             if draft and self.memory.extend(req, 1 + len(draft)):
                 start = req.num_computed
                 batch.append((req, Segment([req.tokens[-1], *draft], start, req.kv_slots[:start],
-                                           req.kv_slots[start:], needs_logits=True, drafted=len(draft))))
+                                           req.kv_slots[start:], needs_logits=True, drafted=len(draft),
+                                           carry=req.carry if self.carries else None)))
                 budget = max(0, budget - 1 - len(draft))
                 i += 1
                 continue

@@ -15,13 +15,22 @@ class Carry:
     object: it has `clone()` and `nbytes`); `tokens` (the request's tokens when its segment was formed) and
     `salt` key the snapshots taken of it (cache/state_snapshots.py) after `marks` tokens: where a request with
     the same prefix may resume (its prompt but the last token; where the tree's K/V of its prefix end beyond
-    the deepest snapshot; where a request waiting for its prefix diverges from it)."""
+    the deepest snapshot; where a request waiting for its prefix diverges from it). `drafted`: the states after
+    the tokens of a drafted segment (speculative decoding), by length, kept until the draft is verified: `rewind`
+    goes back to the one after the last accepted token."""
 
     salt: object = None
     state: object = None
     length: int = 0
     tokens: list[int] | None = None
     marks: set[int] = field(default_factory=set)
+    drafted: dict[int, object] = field(default_factory=dict)
+
+    def rewind(self, length: int) -> None:
+        """The state after the request's first `length` tokens: the current one, or one kept in `drafted`."""
+        if length != self.length:
+            self.state, self.length = self.drafted[length], length
+        self.drafted = {}
 
 
 @dataclass

@@ -140,6 +140,9 @@ class Step:
         # a stepped segment's marks: tokens into it -> the layers' states there, copied as the forward goes
         self.snaps = {i: {m - segments[i].start: [None] * len(mixers.kinds) for m in self._marks(segments[i])}
                       for i in self.stepped}
+        # a drafted segment's states after each token but its last, kept (tokens into it -> the layers' states)
+        self.kept = {i: {b: [None] * len(mixers.kinds) for b in _drafted(s)} for i, s in enumerate(segments)
+                     if s.drafted}
         # the cache a stepped call reads its stacked layer from
         self.scratch = mixers.cache_with(None) if self.stepped else None
         self.alone: list[Alone] = []
@@ -147,16 +150,16 @@ class Step:
             s = segments[i]
             n = len(s.token_ids)
             marks = {m - s.start for m in self._marks(s)}
-            cuts = sorted(marks | (set(range(1, n)) if mixers.stepwise else set())) + [n]
+            cuts = sorted(marks | set(_drafted(s)) | (set(range(1, n)) if mixers.stepwise else set())) + [n]
             layers = s.carry.state.layers if s.carry.state is not None else None
             self.alone.append(Alone(i, mixers.cache_with(layers), self.offsets[i], tuple(cuts), frozenset(marks)))
 
     def _marks(self, s: Segment) -> list[int]:
-        """The marks strictly inside segment `s`, where its state is copied mid-segment."""
+        """The marks strictly inside segment `s` and before its draft, where its state is copied mid-segment."""
         if self.mixers.snapshots is None:
             return []
-        end = s.start + len(s.token_ids)
-        return [m for m in s.carry.marks if s.start < m < end]
+        end = s.start + len(s.token_ids) - s.drafted
+        return [m for m in s.carry.marks if s.start < m < end + (s.drafted > 0)]
 
     def mix(self, module, original, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """The mixer `module` (of layer `module.layer_idx`) over the step's flat row `hidden_states [1, T, H]`."""
@@ -173,6 +176,8 @@ class Step:
                 out[lo:hi] = original(module, x[lo:hi][None], cache=unit.cache, attention_mask=None, **kwargs)[0]
                 if b in unit.snap_at:
                     unit.snaps.setdefault(b, [None] * len(self.mixers.kinds))[i] = _clone_layer(unit.cache.layers[i])
+                if b in self.kept.get(unit.segment, ()):
+                    self.kept[unit.segment][b][i] = _clone_layer(unit.cache.layers[i])
                 a = b
         return out[None]
 
@@ -204,33 +209,44 @@ class Step:
         self.scratch.layers[i] = None
 
     def _snap(self, active: list[int], t: int, i: int) -> None:
-        """Layer `i`'s state copied for the stepped segments `active` with a mark after their token `t`."""
+        """Layer `i`'s state copied for the stepped segments `active` with a mark or a drafted token after their
+        token `t`."""
         for j in active:
             if t + 1 in self.snaps[j]:
                 self.snaps[j][t + 1][i] = _clone_layer(self.states[j][i])
+            if t + 1 in self.kept.get(j, ()):
+                self.kept[j][t + 1][i] = _clone_layer(self.states[j][i])
 
     def finish(self) -> None:
         """Each request's state after its segment (`Carry.state`, `.length`) and the snapshots at its marks."""
         mixers = self.mixers
         for j in self.stepped:
             self._put(self.segments[j], self.snaps[j])
-            self._carry(self.segments[j], RecurrentState(self.states[j]))
+            self._carry(j, RecurrentState(self.states[j]))
         for unit in self.alone:
             s = self.segments[unit.segment]
             self._put(s, unit.snaps)
-            self._carry(s, RecurrentState([unit.cache.layers[i] if i in mixers.recurrent else None
-                                           for i in range(len(mixers.kinds))]))
+            self._carry(unit.segment, RecurrentState([unit.cache.layers[i] if i in mixers.recurrent else None
+                                                      for i in range(len(mixers.kinds))]))
 
     def _put(self, s: Segment, snaps: dict[int, list]) -> None:
         for b, layers in snaps.items():
             self.mixers.snapshots.put(s.carry.salt, s.carry.tokens[:s.start + b], RecurrentState(layers))
 
-    def _carry(self, s: Segment, state: RecurrentState) -> None:
+    def _carry(self, j: int, state: RecurrentState) -> None:
+        """Segment `j`'s request's state after it (and those kept after its drafted tokens)."""
+        s = self.segments[j]
         carry, end = s.carry, s.start + len(s.token_ids)
         carry.state, carry.length = state, end
+        keep = self.kept.get(j, {})
+        carry.drafted = {s.start + b: RecurrentState(self._full(layers, state)) for b, layers in keep.items()}
         snapshots = self.mixers.snapshots
-        if snapshots is not None and end in carry.marks:
+        if snapshots is not None and end in carry.marks and not s.drafted:
             snapshots.put(carry.salt, carry.tokens[:end], state.clone())
+
+    def _full(self, kept: list, state: RecurrentState) -> list:
+        """Kept layers, and None for the non-recurrent ones, as `state` has them."""
+        return [kept[i] if i in self.mixers.recurrent else None for i in range(len(state.layers))]
 
 
 class Mixers:
@@ -266,6 +282,13 @@ class Mixers:
             for i in self.recurrent:
                 cache.layers[i] = layers[i]
         return cache
+
+
+def _drafted(s: Segment) -> range:
+    """Where a drafted segment's states are kept (tokens into it): after its first token and each drafted one but
+    the last, the lengths a verification may accept."""
+    n = len(s.token_ids)
+    return range(n - s.drafted, n)
 
 
 def _stack_layers(layers: list):
