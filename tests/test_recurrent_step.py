@@ -1,7 +1,8 @@
-"""kvql's one-token recurrent steps (kvql/engine/model/kernels/recurrent_step.py, mixer_steps.py): the short
-convolution and the gated delta rule equal transformers' own torch steps (outputs and the states they leave), a
-row's result does not depend on its batch mates, each state is updated where it lies; a Qwen3.5-shaped model steps
-with them on the engine, and a step made wrong is caught by the load check."""
+"""kvql's recurrent kernels over ragged batches (kvql/engine/model/kernels/recurrent_step.py, mixer_steps.py): the
+short convolution and the gated delta rule equal transformers' own torch steps (outputs and the states they leave),
+a segment's result depends neither on its batch mates nor on how its tokens were split into calls, each state is
+updated where it lies; Qwen3.5- and LFM2-shaped models run on them in the engine, and a computation made wrong is
+caught by the load check."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_short_conv_equals_transformers_update_and_leaves_the_same_states(dtype,
     want_states = [s.clone() for s in states]
     want = torch.cat([q35.causal_conv1d_update(x[r:r + 1, :, None], want_states[r], w, b, "silu")[..., 0]
                       for r in range(rows)])
-    got = rs.short_conv_(x, states, w, b, silu=True)
+    got = rs.short_conv_(x, rs.Segments.single(rows), states, w, b, silu=True)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     for s, t in zip(states, want_states):
         assert torch.equal(s, t)  # the shift is exact
@@ -57,7 +58,7 @@ def test_gated_delta_equals_transformers_recurrent_step_and_leaves_the_same_stat
         want_out.append(out[0, 0])
         want_states.append(state)
     ptrs = [s.data_ptr() for s in states]
-    got = rs.gated_delta_(q, k, v, decay, beta, states)
+    got = rs.gated_delta_(q, k, v, decay, beta, rs.Segments.single(rows), states)
     torch.testing.assert_close(got, torch.stack(want_out), atol=1e-5, rtol=1e-5)
     for s, t, p in zip(states, want_states, ptrs):
         torch.testing.assert_close(s, t, atol=1e-5, rtol=1e-5)
@@ -68,26 +69,28 @@ def test_a_rows_step_does_not_depend_on_its_batch_mates():
     g = torch.Generator().manual_seed(2)
     rows, hk, hv, dk, dv = 6, 2, 4, 16, 16
     args = [torch.randn(rows, hk, dk, generator=g), torch.randn(rows, hk, dk, generator=g),
-            torch.randn(rows, hv, dv, generator=g), -torch.rand(rows, hv, generator=g), torch.rand(rows, hv, generator=g)]
+            torch.randn(rows, hv, dv, generator=g), -torch.rand(rows, hv, generator=g),
+            torch.rand(rows, hv, generator=g)]
     states = [torch.randn(1, hv, dk, dv, generator=g) for _ in range(rows)]
     alone_states = [s.clone() for s in states]
-    together = rs.gated_delta_(*args, states)
+    together = rs.gated_delta_(*args, rs.Segments.single(rows), states)
     for r in range(rows):
-        alone = rs.gated_delta_(*[a[r:r + 1].contiguous() for a in args], [alone_states[r]])
+        alone = rs.gated_delta_(*[a[r:r + 1].contiguous() for a in args], rs.Segments.single(1), [alone_states[r]])
         assert torch.equal(alone[0], together[r]) and torch.equal(alone_states[r], states[r])
     x, w = torch.randn(rows, 32, generator=g).bfloat16(), torch.randn(32, 4, generator=g).bfloat16()
     conv = [torch.randn(1, 32, 4, generator=g).bfloat16() for _ in range(rows)]
     conv_alone = [s.clone() for s in conv]
-    together = rs.short_conv_(x, conv, w, None, silu=True)
+    together = rs.short_conv_(x, rs.Segments.single(rows), conv, w, None, silu=True)
     for r in range(rows):
-        assert torch.equal(rs.short_conv_(x[r:r + 1], [conv_alone[r]], w, None, silu=True)[0], together[r])
+        alone = rs.short_conv_(x[r:r + 1], rs.Segments.single(1), [conv_alone[r]], w, None, silu=True)
+        assert torch.equal(alone[0], together[r])
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
 def test_hybrids_step_with_kvqls_step_exactly_and_a_wrong_step_is_caught(tokenizer, monkeypatch, name):
-    """The engine steps Qwen3.5's Gated DeltaNet and LFM2's short convolutions with mixer_steps.step (exact against transformers' generate:
-    tests/test_families.py); made wrong (its output scaled), the load check sends the model to its own forward,
-    still exact."""
+    """The engine computes Qwen3.5's Gated DeltaNet and LFM2's short convolutions itself (mixer_steps.run; exact
+    against transformers' generate: tests/test_families.py); made wrong (its output scaled), the load check sends
+    the model to its own forward, still exact."""
     import kvql
     from kvql.engine.model import mixer_steps
 
@@ -97,8 +100,8 @@ def test_hybrids_step_with_kvqls_step_exactly_and_a_wrong_step_is_caught(tokeniz
         assert m.engine.runner.geometry.own is None and m.engine.runner.mixers.own_step
     finally:
         m.close()
-    step = mixer_steps.step
-    monkeypatch.setattr(mixer_steps, "step", lambda *a: None if (y := step(*a)) is None else y * 1.05)
+    run = mixer_steps.run
+    monkeypatch.setattr(mixer_steps, "run", lambda *a: None if (y := run(*a)) is None else y * 1.05)
     m = kvql.Model(hf, tokenizer, cache_budget=8 << 20)
     try:
         assert "the ragged path's check failed" in m.engine.runner.geometry.own
@@ -107,3 +110,27 @@ def test_hybrids_step_with_kvqls_step_exactly_and_a_wrong_step_is_caught(tokeniz
         assert [c.token_ids for c in m.generate(ps, max_tokens=8)] == want
     finally:
         m.close()
+
+
+def test_a_segments_tokens_give_the_same_whatever_the_calls_and_batch_mates():
+    """Ragged segments of several tokens: the outputs and states of a segment of 10 tokens computed in one call
+    beside others are bit for bit those of the same tokens alone, split 4 + 6 (the recurrent form has no chunks)."""
+    g = torch.Generator().manual_seed(3)
+    hk, hv, dk, dv, channels = 2, 4, 16, 16, 48
+    lengths = [10, 3, 7]
+    rows = sum(lengths)
+    q, k = torch.randn(rows, hk, dk, generator=g), torch.randn(rows, hk, dk, generator=g)
+    v, decay, beta = torch.randn(rows, hv, dv, generator=g), -torch.rand(rows, hv, generator=g), torch.rand(rows, hv, generator=g)
+    x, w = torch.randn(rows, channels, generator=g).bfloat16(), torch.randn(channels, 4, generator=g).bfloat16()
+    states = [torch.randn(1, hv, dk, dv, generator=g) for _ in lengths]
+    convs = [torch.randn(1, channels, 4, generator=g).bfloat16() for _ in lengths]
+    first = (states[0].clone(), convs[0].clone())
+    segs = rs.Segments([0, 10, 13], lengths)
+    together = rs.gated_delta_(q, k, v, decay, beta, segs, states), rs.short_conv_(x, segs, convs, w, None, True)
+    state, conv = first
+    for a, b in ((0, 4), (4, 10)):
+        part = rs.Segments([0], [b - a])
+        out = rs.gated_delta_(*(t[a:b].contiguous() for t in (q, k, v, decay, beta)), part, [state])
+        assert torch.equal(out, together[0][a:b])
+        assert torch.equal(rs.short_conv_(x[a:b], part, [conv], w, None, True), together[1][a:b])
+    assert torch.equal(state, states[0]) and torch.equal(conv, convs[0])

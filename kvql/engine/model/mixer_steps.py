@@ -1,15 +1,19 @@
-"""kvql's one-token steps of recurrent mixers, for every decoding request of a batch in one call, each on its own
-state in place: Qwen3.5's Gated DeltaNet and LFM2's short convolution.
+"""kvql's own computation of recurrent mixers over a forward's ragged batch: Qwen3.5's Gated DeltaNet and LFM2's
+short convolution, every segment of the batch (a decode step, a prompt's chunk, a draft) in one call per layer, each
+continuing its own state in place.
 
-The ragged path steps a hybrid's recurrent mixers by the model's own code, the states of a step's requests stacked
-into one tensor and split again (recurrent_mixers.Step). For a mixer of a form this file knows (`step_of`) the
-step runs here instead, with kvql's kernels (kernels/recurrent_step.py): the module's own projections over the
-rows, its short convolution (and delta rule) on each request's own conv (and recurrent) state where it lies (no
-stacking; each state read and written once), the module's own norm and output projection. The arithmetic around
-the kernels is the model's own (the same ops in the same dtypes as its torch path: for Gated DeltaNet l2-normed
-float32 q and k, q divided by the root of its width, `beta = sigmoid(b)`, `g = -exp(A_log) * softplus(a +
-dt_bias)`; for LFM2 `C * conv(B * x)`); the kernels' sums run in their own order, which the load check
-(model_runner.ModelRunner.verify) compares with the model's own steps, falling back to them where they differ.
+The ragged path runs a hybrid's recurrent mixers by the model's own code otherwise: a prompt chunk alone (the
+chunked algorithm, dozens of small ops), the one-token steps of several requests with their states stacked into one
+tensor and split again (recurrent_mixers.Step). For a mixer of a form this file knows (`form`), `run` computes it
+instead: the module's own projections once over all the rows, its short convolution (and delta rule) with kvql's
+kernels (kernels/recurrent_step.py), each segment token after token from its own state where it lies (a fresh
+state: zeros, as transformers starts one), then the module's own norm and output projection once over all the rows.
+The arithmetic around the kernels is the model's own (the same ops in the same dtypes as its torch path: for
+Gated DeltaNet l2-normed float32 q and k, q divided by the root of its width, `beta = sigmoid(b)`, `g = -exp(A_log)
+* softplus(a + dt_bias)`; for LFM2 `C * conv(B * x)`); the kernels run the recurrent form (the model's own
+generate-time step) where the model's prompt code runs its chunked form: the load check
+(model_runner.ModelRunner.verify) compares both ways with the model's own forward and steps, and falls back to the
+model's code where they differ.
 """
 
 from __future__ import annotations
@@ -22,95 +26,129 @@ from .kernels import recurrent_step
 _DELTA = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
 
 
-def step_of(module):
-    """The step this file computes `module` with (`step(module, x, layers)`), or None: a Gated DeltaNet mixer of
-    Qwen3.5's form, or a short convolution of LFM2's (where the kernels run here)."""
+def _original(module) -> type:
+    """`module`'s class before the ragged path swapped it (recurrent_mixers.py)."""
+    return getattr(type(module), "kvql_mixer_of", type(module))
+
+
+def form(module) -> str | None:
+    """"gated_delta" (a Gated DeltaNet mixer of Qwen3.5's form), "short_conv" (LFM2's short convolution), or None:
+    what `run` computes `module` as (where the kernels run here)."""
     if not recurrent_step.available():
         return None
     if (all(hasattr(module, p) for p in _DELTA) and getattr(module, "activation", None) in ("silu", None)
             and all(isinstance(getattr(module, a, None), int) for a in
                     ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim"))
             and isinstance(module.conv1d, torch.nn.Conv1d)):
-        return gated_delta
-    conv = getattr(module, "conv", None)
-    proj = getattr(module, "in_proj", None)
+        return "gated_delta"
+    conv, proj = getattr(module, "conv", None), getattr(module, "in_proj", None)
     if (isinstance(conv, torch.nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
             and isinstance(proj, torch.nn.Module) and getattr(proj, "out_features", None) == 3 * conv.in_channels
             and hasattr(module, "out_proj") and _original(module).__name__.startswith("Lfm2")):
-        return short_conv
+        return "short_conv"
     return None
+
+
+def _ready(module, kind: str, conv: torch.nn.Conv1d, layer, dtype: torch.dtype) -> bool:
+    """Whether `layer` (a transformers linear-attention cache layer, one request's) holds a state the kernels take,
+    or none yet (then it is started here, at zeros); False where it holds another kind."""
+    taps = conv.kernel_size[0]
+    if not layer.has_previous_state.get(0):
+        if layer.is_conv_states_initialized.get(0) or getattr(layer, "record_past", False):
+            return False
+        recurrent = None
+        if kind == "gated_delta":
+            recurrent = torch.zeros(1, module.num_v_heads, module.head_k_dim, module.head_v_dim)
+        layer.lazy_initialization(conv_states=torch.zeros(1, conv.in_channels, taps, dtype=dtype),
+                                  recurrent_states=recurrent, conv_kernel_size=taps)
+        layer.has_previous_state[0] = True
+        return True
+    state = layer.conv_states[0]
+    if getattr(layer, "record_past", False) or not (isinstance(state, torch.Tensor) and state.is_contiguous()
+                                                    and state.dtype == dtype and state.shape[-1] == taps):
+        return False
+    if kind == "gated_delta":
+        rec = layer.recurrent_states[0]
+        return isinstance(rec, torch.Tensor) and rec.is_contiguous() and rec.dtype == torch.float32
+    return True
+
+
+def run(module, kind: str, x: torch.Tensor, starts: list[int], lengths: list[int], layers: list,
+        cuts: list[set[int]], on_cut) -> torch.Tensor | None:
+    """`module`'s output (of `form` `kind`) for the rows `x [rows, hidden]`: segment s is rows `starts[s] ...`
+    (`lengths[s]` tokens)
+    continuing the state in `layers[s]` (a transformers linear-attention cache layer, one request's; not started:
+    from zeros), which is updated in place; after token `b` of segment s for each b in `cuts[s]` (0 < b < its
+    length), `on_cut(s, b)` (the caller copies the state there). None, touching nothing, where some layer holds a
+    state the kernels do not take (then the caller runs the model's own code)."""
+    conv = module.conv1d if kind == "gated_delta" else module.conv
+    if conv.weight.dtype != x.dtype or not all(_ready(module, kind, conv, layer, x.dtype) for layer in layers):
+        return None
+    weight, bias = conv.weight.squeeze(1), conv.bias
+    if kind == "gated_delta":
+        pre = (module.in_proj_qkv(x), module.in_proj_z(x), module.in_proj_b(x).sigmoid().float(),
+               -module.A_log.float().exp() * F.softplus(module.in_proj_a(x).float() + module.dt_bias))
+        core = torch.empty(x.shape[0], module.num_v_heads, module.head_v_dim)
+    else:
+        b, c, h = module.in_proj(x).chunk(3, dim=-1)
+        pre = ((b * h).contiguous(), c)
+        core = torch.empty_like(c)
+    for rows, segs, active, end in _pieces(starts, lengths, cuts):
+        sub = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+        states = [layers[s] for s in active]
+        if kind == "gated_delta":
+            out = _gated_delta(module, sub(pre[0]), sub(pre[2]), sub(pre[3]), segs, states, weight, bias)
+        else:
+            out = sub(pre[1]) * recurrent_step.short_conv_(sub(pre[0]), segs, [s.conv_states[0] for s in states],
+                                                           weight, bias, silu=False)
+        if rows is None:
+            core = out
+        else:
+            core.index_copy_(0, rows, out)
+        for s, n in zip(active, segs.n_tok.tolist()):
+            layer = layers[s]
+            layer.cumulative_length_linear = layer.cumulative_length_linear + n  # a new tensor: never shared
+            if end in cuts[s]:
+                on_cut(s, end)
+    if kind == "gated_delta":
+        dv = module.head_v_dim
+        core = module.norm(core.to(x.dtype).reshape(-1, dv), pre[1].reshape(-1, dv)).reshape(x.shape[0], -1)
+    return module.out_proj(core)
+
+
+def _gated_delta(module, mixed, beta, g, segs, layers, weight, bias) -> torch.Tensor:
+    rows = mixed.shape[0]
+    hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    mixed = recurrent_step.short_conv_(mixed, segs, [s.conv_states[0] for s in layers], weight, bias,
+                                       module.activation == "silu")
+    query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query = _l2norm(query.reshape(rows, hk, dk).float())
+    query = query / (dk ** 0.5)
+    key = _l2norm(key.reshape(rows, hk, dk).float())
+    value = value.reshape(rows, hv, dv).float().contiguous()
+    return recurrent_step.gated_delta_(query.contiguous(), key.contiguous(), value, g.contiguous(), beta.contiguous(),
+                                       segs, [s.recurrent_states[0] for s in layers])
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)  # transformers' (FLA's) l2norm
 
 
-def _original(module) -> type:
-    """`module`'s class before the ragged path swapped it (recurrent_mixers.py)."""
-    return getattr(type(module), "kvql_mixer_of", type(module))
-
-
-def _states(layers: list, recurrent: bool) -> tuple[list, list] | None:
-    """The conv (and recurrent) states of `layers` (transformers linear-attention cache layers, one request's
-    each), or None where some layer holds none the kernels take."""
-    if not all(layer.has_previous_state.get(0) and not getattr(layer, "record_past", False) for layer in layers):
-        return None
-    conv = [layer.conv_states[0] for layer in layers]
-    rec = [layer.recurrent_states[0] for layer in layers] if recurrent else []
-    if not all(isinstance(s, torch.Tensor) and s.is_contiguous() for s in conv + rec):
-        return None
-    return conv, rec
-
-
-def _counted(layers: list) -> None:
-    for layer in layers:  # the token count transformers' own step keeps (a new tensor: never shared)
-        layer.cumulative_length_linear = layer.cumulative_length_linear + 1
-
-
-def short_conv(module, x: torch.Tensor, layers: list) -> torch.Tensor | None:
-    """LFM2's short convolution (`step`)."""
-    states = _states(layers, recurrent=False)
-    if states is None or states[0][0].dtype != x.dtype or module.conv.weight.dtype != x.dtype:
-        return None
-    b, c, h = module.in_proj(x).chunk(3, dim=-1)
-    conv = recurrent_step.short_conv_((b * h).contiguous(), states[0], module.conv.weight.squeeze(1),
-                                      module.conv.bias, silu=False)
-    _counted(layers)
-    return module.out_proj(c * conv)
-
-
-def gated_delta(module, x: torch.Tensor, layers: list) -> torch.Tensor | None:
-    """Qwen3.5's Gated DeltaNet (`step`)."""
-    states = _states(layers, recurrent=True)
-    if states is None:
-        return None
-    conv, recurrent = states
-    rows, dtype = x.shape[0], x.dtype
-    hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
-    if conv[0].dtype != dtype or recurrent[0].dtype != torch.float32 or module.conv1d.weight.dtype != dtype:
-        return None
-    mixed = recurrent_step.short_conv_(module.in_proj_qkv(x), conv, module.conv1d.weight.squeeze(1),
-                                      module.conv1d.bias, module.activation == "silu")
-    z = module.in_proj_z(x)
-    b, a = module.in_proj_b(x), module.in_proj_a(x)
-    query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-    query = _l2norm(query.reshape(rows, hk, dk).float())
-    query = query / (dk ** 0.5)
-    key = _l2norm(key.reshape(rows, hk, dk).float())
-    beta = b.sigmoid().float()
-    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
-    core = recurrent_step.gated_delta_(query.contiguous(), key.contiguous(),
-                                       value.reshape(rows, hv, dv).float().contiguous(), g.float().contiguous(),
-                                       beta.contiguous(), recurrent)
-    _counted(layers)
-    out = module.norm(core.to(dtype).reshape(-1, dv), z.reshape(-1, dv)).reshape(rows, -1)
-    return module.out_proj(out)
-
-
-def step(module, x: torch.Tensor, layers: list) -> torch.Tensor | None:
-    """`module`'s output for the rows `x [rows, hidden]`, one token each, row r continuing the state in `layers[r]`
-    (a transformers linear-attention cache layer, one request's), which is updated in place; None where `module`
-    has no step here or some layer does not hold a state the kernels take (then the caller steps with the model's
-    own code)."""
-    of = step_of(module)
-    return None if of is None else of(module, x, layers)
+def _pieces(starts: list[int], lengths: list[int], cuts: list[set[int]]):
+    """The segments' tokens in pieces between the cut points: (the rows of `x` the piece takes, or None for all of
+    them; their `recurrent_step.Segments` over those rows; the segments it continues; the token it ends before)."""
+    last = max(lengths, default=0)
+    bounds = sorted({b for marks in cuts for b in marks if 0 < b < last} | {last})
+    if len(bounds) == 1:  # no cuts: every row, in place
+        yield None, recurrent_step.Segments(starts, lengths), list(range(len(lengths))), last
+        return
+    a = 0
+    for b in bounds:
+        active = [s for s, n in enumerate(lengths) if n > a]
+        spans = [(starts[s] + a, min(b, lengths[s]) - a) for s in active]
+        rows = torch.cat([torch.arange(r, r + n) for r, n in spans])
+        row0 = [0]
+        for _, n in spans[:-1]:
+            row0.append(row0[-1] + n)
+        yield rows, recurrent_step.Segments(row0, [n for _, n in spans]), active, b
+        a = b

@@ -165,10 +165,14 @@ class Step:
         """The mixer `module` (of layer `module.layer_idx`) over the step's flat row `hidden_states [1, T, H]`."""
         kwargs.pop("kvql_plan", None)
         x = hidden_states[0]
+        i = module.layer_idx
+        if i in self.mixers.own_step:
+            y = self._own(module, x, i)
+            if y is not None:
+                return y[None]
         out = torch.empty_like(x)
         if self.stepped:
             self._step(module, original, x, out, kwargs)
-        i = module.layer_idx
         for unit in self.alone:
             a = 0
             for b in unit.cuts:
@@ -181,6 +185,29 @@ class Step:
                 a = b
         return out[None]
 
+    def _own(self, module, x: torch.Tensor, i: int) -> torch.Tensor | None:
+        """Every segment through `module` (of layer `i`) by kvql's own computation (mixer_steps.py), each from its
+        state in place, copied at its marks and drafted tokens; None where it does not take some state."""
+        segments, stepped = self.segments, set(self.stepped)
+        units = {u.segment: u for u in self.alone}
+        layers = [self.states[j][i] if j in stepped else units[j].cache.layers[i] for j in range(len(segments))]
+        cuts = [set(self.snaps[j]) if j in stepped else set(units[j].snap_at) for j in range(len(segments))]
+        for j, kept in self.kept.items():
+            cuts[j] |= set(kept)
+
+        def copy(j: int, b: int) -> None:
+            if j in stepped:
+                self._snap([j], b - 1, i)
+                return
+            unit = units[j]
+            if b in unit.snap_at:
+                unit.snaps.setdefault(b, [None] * len(self.mixers.kinds))[i] = _clone_layer(layers[j])
+            if b in self.kept.get(j, ()):
+                self.kept[j][b][i] = _clone_layer(layers[j])
+
+        return mixer_steps.run(module, self.mixers.own_step[i], x, self.offsets, [len(s.token_ids) for s in segments],
+                               layers, cuts, copy)
+
     def _step(self, module, original, x: torch.Tensor, out: torch.Tensor, kwargs: dict) -> None:
         """The stepped segments through `module`: token t of each (the longest first) in one call, their states
         stacked; a single one's state (or states of differing structure, one by one) updated in place."""
@@ -188,12 +215,6 @@ class Step:
         for t in range(len(segments[self.stepped[0]].token_ids)):
             active = [j for j in self.stepped if len(segments[j].token_ids) > t]
             layers = [self.states[j][i] for j in active]
-            rows = torch.tensor([self.offsets[j] + t for j in active])
-            y = mixer_steps.step(module, x.index_select(0, rows), layers) if i in self.mixers.own_step else None
-            if y is not None:  # kvql's step, each state in place (mixer_steps.py)
-                out.index_copy_(0, rows, y)
-                self._snap(active, t, i)
-                continue
             stacked = _stack_layers(layers) if len(layers) > 1 else None
             groups = [(active, stacked)] if stacked is not None else [([j], layer) for j, layer in zip(active, layers)]
             for members, layer in groups:
@@ -256,8 +277,8 @@ class Mixers:
     def __init__(self, hf_model, kinds: tuple[str, ...], mixers: dict[int, torch.nn.Module]):
         self.model, self.kinds, self.modules = hf_model, kinds, mixers
         self.recurrent = sorted(mixers)
-        # the layers whose one-token steps kvql computes itself (mixer_steps.py); the others by the model's code
-        self.own_step = frozenset(i for i, m in mixers.items() if mixer_steps.step_of(m) is not None)
+        # the layers kvql computes itself (mixer_steps.py); the others by the model's code
+        self.own_step = {i: kind for i, m in mixers.items() if (kind := mixer_steps.form(m)) is not None}
         self.stepwise = False
         self.snapshots = None
         prepare(mixers)
