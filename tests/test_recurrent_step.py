@@ -120,7 +120,8 @@ def test_a_segments_tokens_give_the_same_whatever_the_calls_and_batch_mates():
     lengths = [10, 3, 7]
     rows = sum(lengths)
     q, k = torch.randn(rows, hk, dk, generator=g), torch.randn(rows, hk, dk, generator=g)
-    v, decay, beta = torch.randn(rows, hv, dv, generator=g), -torch.rand(rows, hv, generator=g), torch.rand(rows, hv, generator=g)
+    v, decay = torch.randn(rows, hv, dv, generator=g), -torch.rand(rows, hv, generator=g)
+    beta = torch.rand(rows, hv, generator=g)
     x, w = torch.randn(rows, channels, generator=g).bfloat16(), torch.randn(channels, 4, generator=g).bfloat16()
     states = [torch.randn(1, hv, dk, dv, generator=g) for _ in lengths]
     convs = [torch.randn(1, channels, 4, generator=g).bfloat16() for _ in lengths]
