@@ -10,7 +10,7 @@ request per forward), its wall time, the tax (its time over the attention model'
 from the cache. Usage:
     .venv/bin/python benchmarks/every_model_batched.py [--tokens 16] [--repeats 2] [--dtype bfloat16] [--only NAME]
         [--shots 1]
-(`--shots 8 --tokens 64`: a decode-heavy run over a ~2,300-token shared context, where attention's cost per token
+(`--shots 6 --tokens 64`: a decode-heavy run over a ~1,760-token shared context (Bloom's context is 2,048), where attention's cost per token
 grows with the context and a recurrent layer's does not.)
 """
 

@@ -33,6 +33,7 @@ void kvql_short_conv(int64_t n_seg, const int64_t *row0, const int64_t *n_tok, i
     int64_t e = is_bf16 ? 2 : 4, blocks = (channels + 63) / 64;
 #pragma omp parallel num_threads(threads)
     {
+        unsigned int csr = flush_subnormals(); /* (simd.h) */
 #pragma omp for schedule(static) collapse(2)
         for (int64_t s = 0; s < n_seg; s++)
             for (int64_t blk = 0; blk < blocks; blk++) {
@@ -76,6 +77,7 @@ void kvql_short_conv(int64_t n_seg, const int64_t *row0, const int64_t *n_tok, i
                     }
                 }
         }
+        restore_subnormals(csr);
     }
 }
 
@@ -88,36 +90,41 @@ void kvql_gated_delta(int64_t n_seg, const int64_t *row0, const int64_t *n_tok, 
                       int64_t dk, int64_t dv, const float *q, const float *k, const float *v, const float *g,
                       const float *beta, float *const *states, float *out, int threads) {
     int64_t group = v_heads / k_heads;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) collapse(2)
-    for (int64_t seg = 0; seg < n_seg; seg++)
-        for (int64_t h = 0; h < v_heads; h++) {
-            float *s = states[seg] + h * dk * dv;
-            float mem[dv], delta[dv];
-            for (int64_t i0 = 0; i0 < n_tok[seg]; i0++) {
-                int64_t r = row0[seg] + i0;
-                const float *qh = q + (r * k_heads + h / group) * dk, *kh = k + (r * k_heads + h / group) * dk;
-                const float *vh = v + (r * v_heads + h) * dv;
-                float *o = out + (r * v_heads + h) * dv;
-                float decay = expf(g[r * v_heads + h]), b = beta[r * v_heads + h];
-                for (int64_t j = 0; j < dv; j++) mem[j] = 0.0f, o[j] = 0.0f;
-                for (int64_t i = 0; i < dk; i++) {
-                    float ki = kh[i], *si = s + i * dv;
+#pragma omp parallel num_threads(threads)
+    {
+        unsigned int csr = flush_subnormals(); /* a state decayed towards zero (simd.h) */
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t seg = 0; seg < n_seg; seg++)
+            for (int64_t h = 0; h < v_heads; h++) {
+                float *s = states[seg] + h * dk * dv;
+                float mem[dv], delta[dv];
+                for (int64_t i0 = 0; i0 < n_tok[seg]; i0++) {
+                    int64_t r = row0[seg] + i0;
+                    const float *qh = q + (r * k_heads + h / group) * dk, *kh = k + (r * k_heads + h / group) * dk;
+                    const float *vh = v + (r * v_heads + h) * dv;
+                    float *o = out + (r * v_heads + h) * dv;
+                    float decay = expf(g[r * v_heads + h]), b = beta[r * v_heads + h];
+                    for (int64_t j = 0; j < dv; j++) mem[j] = 0.0f, o[j] = 0.0f;
+                    for (int64_t i = 0; i < dk; i++) {
+                        float ki = kh[i], *si = s + i * dv;
 #pragma omp simd
-                    for (int64_t j = 0; j < dv; j++) {
-                        si[j] = si[j] * decay;
-                        mem[j] += si[j] * ki;
+                        for (int64_t j = 0; j < dv; j++) {
+                            si[j] = si[j] * decay;
+                            mem[j] += si[j] * ki;
+                        }
                     }
-                }
 #pragma omp simd
-                for (int64_t j = 0; j < dv; j++) delta[j] = (vh[j] - mem[j]) * b;
-                for (int64_t i = 0; i < dk; i++) {
-                    float ki = kh[i], qi = qh[i], *si = s + i * dv;
+                    for (int64_t j = 0; j < dv; j++) delta[j] = (vh[j] - mem[j]) * b;
+                    for (int64_t i = 0; i < dk; i++) {
+                        float ki = kh[i], qi = qh[i], *si = s + i * dv;
 #pragma omp simd
-                    for (int64_t j = 0; j < dv; j++) {
-                        si[j] = si[j] + ki * delta[j];
-                        o[j] += si[j] * qi;
+                        for (int64_t j = 0; j < dv; j++) {
+                            si[j] = si[j] + ki * delta[j];
+                            o[j] += si[j] * qi;
+                        }
                     }
                 }
             }
-        }
+        restore_subnormals(csr);
+    }
 }
