@@ -199,25 +199,28 @@ static inline __attribute__((always_inline)) void attend_block(Scratch *w, int64
     }
 }
 
-/* attend_one's weighted sums of values for rows r0 .. r0 + R - 1 (R: 1 or 2, a constant): each value row
+/* attend_one's weighted sums of values for rows r0 .. r0 + R - 1 (R: 1, 2 or 4, a constant): each value row
    is loaded once for the R rows; per row the same two chains (even and odd key index) as attend_block's.
-   Over the head dimension in parts of P = 4 / R half vectors, each a pass over the keys: a part's
-   accumulators stay in registers, and each is its own chain whatever the parts. */
+   Over the head dimension in parts of P = VALUE_TILE / R half vectors, each a pass over the keys: a part's
+   2 R P accumulators stay in registers (16 of AVX-512's 32; 8 of AVX2's 16), and each is its own chain whatever
+   the parts. Many query heads per KV head (MLA's absorbed form: 12-128 over one latent of 288-576) take 4 rows a
+   pass: half the passes over the value rows of 2. */
+#define VALUE_TILE (NH == 1 ? 8 : 4)
 static inline __attribute__((always_inline)) void values_one(Scratch *w, const char *vh, const int64_t *sl,
                                                             int64_t row_bytes, int nv, int64_t n, int64_t kp,
                                                             int R, int r0, const float *inv, int is_bf16,
                                                             float *out) {
     int dv = nv * LANES;
-    const int P = 4 / R;
+    const int P = VALUE_TILE / R;
     for (int i0 = 0; i0 < nv * NH; i0 += P) {
         int np = i0 + P <= nv * NH ? P : nv * NH - i0;
-        vhalf even[2][4], odd[2][4];
+        vhalf even[4][8], odd[4][8];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < P; i++) even[r][i] = odd[r][i] = (vhalf){0};
         int64_t j = 0;
         for (; j + 1 < n; j += 2) {
             const char *v0 = vh + row_bytes * sl[j], *v1 = vh + row_bytes * sl[j + 1];
-            float p0[2], p1[2];
+            float p0[4], p1[4];
             for (int r = 0; r < R; r++) {
                 const float *s = w->s + (r0 + r) * kp;
                 p0[r] = s[j] * inv[r0 + r], p1[r] = s[j + 1] * inv[r0 + r];
@@ -292,6 +295,8 @@ static inline __attribute__((always_inline)) void attend_one(Scratch *w, const c
         inv[r] = softmax(w->s + r * kp, lo, n, sinks ? sinks[r] : -INFINITY);
     }
     int r = 0;
+    if (NH == 1)
+        for (; r + 3 < g; r += 4) values_one(w, vh, sl, row_bytes, nv, n, kp, 4, r, inv, is_bf16, out);
     for (; r + 1 < g; r += 2) values_one(w, vh, sl, row_bytes, nv, n, kp, 2, r, inv, is_bf16, out);
     if (r < g) values_one(w, vh, sl, row_bytes, nv, n, kp, 1, r, inv, is_bf16, out);
 }
