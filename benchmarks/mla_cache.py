@@ -2,8 +2,9 @@
 
 DeepSeek's multi-head latent attention caches, per token and layer, a compressed latent (`kv_lora_rank`) and the
 rotary part of the key (`qk_rope_head_dim`), and expands them to every head's keys and values after the cache
-(transformers 5.25 caches exactly that). kvql runs the model on its own forward (admission: `own`), its pool
-holding what the model caches: the latent. This prints
+(transformers 5.25 caches exactly that). kvql runs the model on the ragged path in MLA's absorbed form
+(kvql/engine/model/latent_attention.py), its pool holding the latent and the rotary key part once per token. This
+prints
 - KV bytes per token: the latent as the pool holds it (`KVPool.token_bytes`) vs the expanded K/V an attention
   over every head's keys and values would cache (heads x (qk_nope + qk_rope + v_head_dim) per layer);
 - single-stream decode tok/s of kvql (greedy, `ignore_eos`, N and 1 new tokens: (N - 1) / (t_N - t_1)) and of
@@ -72,7 +73,8 @@ def main() -> None:
     latent = m.engine.pool.token_bytes
     elem = torch.empty((), dtype=dtype).element_size()
     print(f"random DeepSeek-V3-shaped model: {params / 1e6:.0f}M parameters, {c.num_hidden_layers} layers, "
-          f"{a.dtype}, {a.threads} threads; kvql runs it on its own forward ({geometry.own})")
+          f"{a.dtype}, {a.threads} threads; kvql runs it on "
+          f"{'its own forward (' + geometry.own + ')' if geometry.own else 'the ragged path, absorbed'}")
     print(f"KV bytes per token: latent (kvql's pool) {latent:,} vs expanded K/V {expanded * elem:,} "
           f"({expanded * elem / latent:.1f}x)")
 
