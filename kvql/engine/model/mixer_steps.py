@@ -49,28 +49,34 @@ def form(module) -> str | None:
     return None
 
 
-def _ready(module, kind: str, conv: torch.nn.Conv1d, layer, dtype: torch.dtype) -> bool:
+def _takes(kind: str, conv: torch.nn.Conv1d, layer, dtype: torch.dtype) -> bool:
     """Whether `layer` (a transformers linear-attention cache layer, one request's) holds a state the kernels take,
-    or none yet (then it is started here, at zeros); False where it holds another kind."""
-    taps = conv.kernel_size[0]
+    or none yet (`_start` starts it)."""
+    if getattr(layer, "record_past", False):
+        return False
     if not layer.has_previous_state.get(0):
-        if layer.is_conv_states_initialized.get(0) or getattr(layer, "record_past", False):
-            return False
-        recurrent = None
-        if kind == "gated_delta":
-            recurrent = torch.zeros(1, module.num_v_heads, module.head_k_dim, module.head_v_dim)
-        layer.lazy_initialization(conv_states=torch.zeros(1, conv.in_channels, taps, dtype=dtype),
-                                  recurrent_states=recurrent, conv_kernel_size=taps)
-        layer.has_previous_state[0] = True
-        return True
+        return not layer.is_conv_states_initialized.get(0)
     state = layer.conv_states[0]
-    if getattr(layer, "record_past", False) or not (isinstance(state, torch.Tensor) and state.is_contiguous()
-                                                    and state.dtype == dtype and state.shape[-1] == taps):
+    if not (isinstance(state, torch.Tensor) and state.is_contiguous() and state.dtype == dtype
+            and state.shape[-1] == conv.kernel_size[0]):
         return False
     if kind == "gated_delta":
         rec = layer.recurrent_states[0]
         return isinstance(rec, torch.Tensor) and rec.is_contiguous() and rec.dtype == torch.float32
     return True
+
+
+def _start(module, kind: str, conv: torch.nn.Conv1d, layer, dtype: torch.dtype) -> None:
+    """A layer with no state yet gets one at zeros, as transformers starts one (its conv state zero-padded)."""
+    if layer.has_previous_state.get(0):
+        return
+    taps = conv.kernel_size[0]
+    recurrent = None
+    if kind == "gated_delta":
+        recurrent = torch.zeros(1, module.num_v_heads, module.head_k_dim, module.head_v_dim)
+    layer.lazy_initialization(conv_states=torch.zeros(1, conv.in_channels, taps, dtype=dtype),
+                              recurrent_states=recurrent, conv_kernel_size=taps)
+    layer.has_previous_state[0] = True
 
 
 def run(module, kind: str, x: torch.Tensor, starts: list[int], lengths: list[int], layers: list,
@@ -82,8 +88,10 @@ def run(module, kind: str, x: torch.Tensor, starts: list[int], lengths: list[int
     length), `on_cut(s, b)` (the caller copies the state there). None, touching nothing, where some layer holds a
     state the kernels do not take (then the caller runs the model's own code)."""
     conv = module.conv1d if kind == "gated_delta" else module.conv
-    if conv.weight.dtype != x.dtype or not all(_ready(module, kind, conv, layer, x.dtype) for layer in layers):
+    if conv.weight.dtype != x.dtype or not all(_takes(kind, conv, layer, x.dtype) for layer in layers):
         return None
+    for layer in layers:
+        _start(module, kind, conv, layer, x.dtype)
     weight, bias = conv.weight.squeeze(1), conv.bias
     if kind == "gated_delta":
         pre = (module.in_proj_qkv(x), module.in_proj_z(x), module.in_proj_b(x).sigmoid().float(),

@@ -22,6 +22,11 @@ stepped continuation runs the model's one-token update, as its `generate` decode
 chunked form: the load check compares both with the model's own steps (model_runner.ModelRunner.verify). A
 mixer's output has the shape of its input (an out-projection back to the hidden size).
 
+Mixers of a form kvql computes itself (Qwen3.5's Gated DeltaNet, LFM2's short convolution: mixer_steps.py) take every
+segment of the forward in one call instead, each from its request's state in place (`Mixers.own_step`). A drafted
+segment (speculative decoding) keeps its state after each drafted token (`Carry.drafted`), for the scheduler to go
+back to the one after the last accepted.
+
 Any other call of a swapped mixer (transformers' own `generate`, the reference forwards) runs the mixer's own
 forward unchanged; a probe's (admission.probe) runs it on a fresh transformers cache (`Fresh`).
 """
