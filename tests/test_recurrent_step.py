@@ -86,9 +86,9 @@ def test_a_rows_step_does_not_depend_on_its_batch_mates():
         assert torch.equal(alone[0], together[r])
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "lfm2"])
 def test_hybrids_step_with_kvqls_step_exactly_and_a_wrong_step_is_caught(tokenizer, monkeypatch, name):
-    """The engine computes Qwen3.5's Gated DeltaNet and LFM2's short convolutions itself (mixer_steps.run; exact
+    """The engine computes Qwen3.5's and Qwen3-Next's Gated DeltaNet and LFM2's short convolutions itself (mixer_steps.run; exact
     against transformers' generate: tests/test_families.py); made wrong (its output scaled), the load check sends
     the model to its own forward, still exact."""
     import kvql

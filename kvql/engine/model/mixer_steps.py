@@ -1,5 +1,5 @@
-"""kvql's own computation of recurrent mixers over a forward's ragged batch: Qwen3.5's Gated DeltaNet and LFM2's
-short convolution, every segment of the batch (a decode step, a prompt's chunk, a draft) in one call per layer, each
+"""kvql's own computation of recurrent mixers over a forward's ragged batch: Qwen3.5's and Qwen3-Next's Gated
+DeltaNet and LFM2's short convolution, every segment of the batch (a decode step, a prompt's chunk, a draft) in one call per layer, each
 continuing its own state in place.
 
 The ragged path runs a hybrid's recurrent mixers by the model's own code otherwise: a prompt chunk alone (the
@@ -23,7 +23,9 @@ import torch.nn.functional as F
 
 from .kernels import recurrent_step
 
-_DELTA = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
+_DELTA = ("conv1d", "A_log", "dt_bias", "norm", "out_proj")
+_SPLIT = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # Qwen3.5's projections
+_JOINT = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")  # Qwen3-Next's
 
 
 def _original(module) -> type:
@@ -32,14 +34,15 @@ def _original(module) -> type:
 
 
 def form(module) -> str | None:
-    """"gated_delta" (a Gated DeltaNet mixer of Qwen3.5's form), "short_conv" (LFM2's short convolution), or None:
+    """"gated_delta" (a Gated DeltaNet mixer of Qwen3.5's or Qwen3-Next's form), "short_conv" (LFM2's short convolution), or None:
     what `run` computes `module` as (where the kernels run here)."""
     if not recurrent_step.available():
         return None
     if (all(hasattr(module, p) for p in _DELTA) and getattr(module, "activation", None) in ("silu", None)
             and all(isinstance(getattr(module, a, None), int) for a in
                     ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim"))
-            and isinstance(module.conv1d, torch.nn.Conv1d)):
+            and isinstance(module.conv1d, torch.nn.Conv1d)
+            and (all(hasattr(module, p) for p in _SPLIT) or all(hasattr(module, p) for p in _JOINT))):
         return "gated_delta"
     conv, proj = getattr(module, "conv", None), getattr(module, "in_proj", None)
     if (isinstance(conv, torch.nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
@@ -94,8 +97,8 @@ def run(module, kind: str, x: torch.Tensor, starts: list[int], lengths: list[int
         _start(module, kind, conv, layer, x.dtype)
     weight, bias = conv.weight.squeeze(1), conv.bias
     if kind == "gated_delta":
-        pre = (module.in_proj_qkv(x), module.in_proj_z(x), module.in_proj_b(x).sigmoid().float(),
-               -module.A_log.float().exp() * F.softplus(module.in_proj_a(x).float() + module.dt_bias))
+        mixed, z, b, a = _projections(module, x)
+        pre = (mixed, z, b.sigmoid().float(), -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias))
         core = torch.empty(x.shape[0], module.num_v_heads, module.head_v_dim)
     else:
         b, c, h = module.in_proj(x).chunk(3, dim=-1)
@@ -122,6 +125,16 @@ def run(module, kind: str, x: torch.Tensor, starts: list[int], lengths: list[int
         dv = module.head_v_dim
         core = module.norm(core.to(x.dtype).reshape(-1, dv), pre[1].reshape(-1, dv)).reshape(x.shape[0], -1)
     return module.out_proj(core)
+
+
+def _projections(module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A Gated DeltaNet's input projections of the rows `x`: (q, k and v concatenated, z, b, a), by Qwen3.5's
+    separate layers or Qwen3-Next's joint ones (the module's own ordering of their outputs)."""
+    if hasattr(module, "in_proj_qkv"):
+        return module.in_proj_qkv(x), module.in_proj_z(x), module.in_proj_b(x), module.in_proj_a(x)
+    rows = x.shape[0]
+    q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x)[None], module.in_proj_ba(x)[None])
+    return torch.cat([t.reshape(rows, -1) for t in (q, k, v)], dim=-1), z[0], b[0], a[0]
 
 
 def _gated_delta(module, mixed, beta, g, segs, layers, weight, bias) -> torch.Tensor:
