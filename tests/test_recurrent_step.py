@@ -135,3 +135,55 @@ def test_a_segments_tokens_give_the_same_whatever_the_calls_and_batch_mates():
         assert torch.equal(out, together[0][a:b])
         assert torch.equal(rs.short_conv_(x[a:b], part, [conv], w, None, True), together[1][a:b])
     assert torch.equal(state, states[0]) and torch.equal(conv, convs[0])
+
+
+def test_ssd_equals_transformers_selective_state_update_and_leaves_the_same_states():
+    """Mamba2's scan step (ragged_scan.py's kernel) against transformers' torch step, in float32, groups shared by
+    heads, the D skip included."""
+    from transformers.models.mamba2 import modeling_mamba2 as m2
+
+    g = torch.Generator().manual_seed(4)
+    rows, heads, head_dim, groups, n = 3, 4, 8, 2, 16
+    x = torch.randn(rows, heads, head_dim, generator=g)
+    B, C = torch.randn(rows, groups, n, generator=g), torch.randn(rows, groups, n, generator=g)
+    dt = torch.nn.functional.softplus(torch.randn(rows, heads, generator=g))
+    A, D = -torch.rand(heads, generator=g) * 4, torch.randn(heads, generator=g)
+    states = [torch.randn(1, heads, head_dim, n, generator=g) for _ in range(rows)]
+    want_states = [s.clone() for s in states]
+    want = torch.cat([m2.mamba2_selective_state_update(
+        want_states[r], x[r:r + 1],
+        dt[r:r + 1, :, None].expand(1, heads, head_dim), A[:, None, None].expand(heads, head_dim, n), B[r:r + 1],
+        C[r:r + 1], D[:, None].expand(heads, head_dim)) for r in range(rows)])
+    got = rs.ssd_(x, B, C, dt, A, D, rs.Segments.single(rows), states)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for s, t in zip(states, want_states):
+        torch.testing.assert_close(s, t, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["granitemoehybrid", "falcon_h1"])
+def test_mamba2_mixers_run_on_kvqls_scan_and_a_wrong_scan_is_caught(tokenizer, monkeypatch, name):
+    """A Granite-4-style hybrid's (and Falcon-H1's, with its multipliers) Mamba2 mixers run their own forward over
+    the whole batch, the convolution and scan by kvql's kernels (ragged_scan.py; exactness: tests/test_families.py);
+    the scan made wrong, the load check sends the model to its own forward, still exact."""
+    import kvql
+    from kvql.engine.model import ragged_scan
+
+    hf = F.build(*F.FAMILIES[name], len(tokenizer), tokenizer.eos_token_id)
+    calls = []
+    ssd = rs.ssd_
+    monkeypatch.setattr(rs, "ssd_", lambda *a: calls.append(1) or ssd(*a))
+    m = kvql.Model(hf, tokenizer, cache_budget=8 << 20)
+    try:
+        assert m.engine.runner.geometry.own is None and m.engine.runner.mixers.scans and calls
+    finally:
+        m.close()
+    scan = ragged_scan._scan
+    monkeypatch.setattr(ragged_scan, "_scan", lambda *a, **k: scan(*a, **k) + 0.1)  # (a scale the norm after it undoes)
+    m = kvql.Model(hf, tokenizer, cache_budget=8 << 20)
+    try:
+        assert "the ragged path's check failed" in m.engine.runner.geometry.own
+        ps = F.prompts(len(tokenizer), seed=2)
+        want = F.reference(*F.FAMILIES[name], tokenizer, ps, 8)
+        assert [c.token_ids for c in m.generate(ps, max_tokens=8)] == want
+    finally:
+        m.close()

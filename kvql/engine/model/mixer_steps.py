@@ -52,33 +52,31 @@ def form(module) -> str | None:
     return None
 
 
-def _takes(kind: str, conv: torch.nn.Conv1d, layer, dtype: torch.dtype) -> bool:
-    """Whether `layer` (a transformers linear-attention cache layer, one request's) holds a state the kernels take,
-    or none yet (`_start` starts it)."""
+def takes(layer, taps: int, dtype: torch.dtype, recurrent: tuple | None) -> bool:
+    """Whether `layer` (a transformers linear-attention cache layer, one request's) holds a conv state of `taps` in
+    `dtype` (and a float32 recurrent state of shape `recurrent`) the kernels take, or none yet (`start` starts it)."""
     if getattr(layer, "record_past", False):
         return False
     if not layer.has_previous_state.get(0):
         return not layer.is_conv_states_initialized.get(0)
     state = layer.conv_states[0]
     if not (isinstance(state, torch.Tensor) and state.is_contiguous() and state.dtype == dtype
-            and state.shape[-1] == conv.kernel_size[0]):
+            and state.shape[-1] == taps):
         return False
-    if kind == "gated_delta":
+    if recurrent is not None:
         rec = layer.recurrent_states[0]
-        return isinstance(rec, torch.Tensor) and rec.is_contiguous() and rec.dtype == torch.float32
+        return (isinstance(rec, torch.Tensor) and rec.is_contiguous() and rec.dtype == torch.float32
+                and tuple(rec.shape) == recurrent)
     return True
 
 
-def _start(module, kind: str, conv: torch.nn.Conv1d, layer, dtype: torch.dtype) -> None:
+def start(layer, channels: int, taps: int, dtype: torch.dtype, recurrent: tuple | None) -> None:
     """A layer with no state yet gets one at zeros, as transformers starts one (its conv state zero-padded)."""
     if layer.has_previous_state.get(0):
         return
-    taps = conv.kernel_size[0]
-    recurrent = None
-    if kind == "gated_delta":
-        recurrent = torch.zeros(1, module.num_v_heads, module.head_k_dim, module.head_v_dim)
-    layer.lazy_initialization(conv_states=torch.zeros(1, conv.in_channels, taps, dtype=dtype),
-                              recurrent_states=recurrent, conv_kernel_size=taps)
+    layer.lazy_initialization(conv_states=torch.zeros(1, channels, taps, dtype=dtype),
+                              recurrent_states=None if recurrent is None else torch.zeros(recurrent),
+                              conv_kernel_size=taps)
     layer.has_previous_state[0] = True
 
 
@@ -91,10 +89,13 @@ def run(module, kind: str, x: torch.Tensor, starts: list[int], lengths: list[int
     length), `on_cut(s, b)` (the caller copies the state there). None, touching nothing, where some layer holds a
     state the kernels do not take (then the caller runs the model's own code)."""
     conv = module.conv1d if kind == "gated_delta" else module.conv
-    if conv.weight.dtype != x.dtype or not all(_takes(kind, conv, layer, x.dtype) for layer in layers):
+    taps, recurrent = conv.kernel_size[0], None
+    if kind == "gated_delta":
+        recurrent = (1, module.num_v_heads, module.head_k_dim, module.head_v_dim)
+    if conv.weight.dtype != x.dtype or not all(takes(layer, taps, x.dtype, recurrent) for layer in layers):
         return None
     for layer in layers:
-        _start(module, kind, conv, layer, x.dtype)
+        start(layer, conv.in_channels, taps, x.dtype, recurrent)
     weight, bias = conv.weight.squeeze(1), conv.bias
     if kind == "gated_delta":
         mixed, z, b, a = _projections(module, x)
@@ -104,7 +105,7 @@ def run(module, kind: str, x: torch.Tensor, starts: list[int], lengths: list[int
         b, c, h = module.in_proj(x).chunk(3, dim=-1)
         pre = ((b * h).contiguous(), c)
         core = torch.empty_like(c)
-    for rows, segs, active, end in _pieces(starts, lengths, cuts):
+    for rows, segs, active, end in pieces(starts, lengths, cuts):
         sub = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
         states = [layers[s] for s in active]
         if kind == "gated_delta":
@@ -155,7 +156,7 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)  # transformers' (FLA's) l2norm
 
 
-def _pieces(starts: list[int], lengths: list[int], cuts: list[set[int]]):
+def pieces(starts: list[int], lengths: list[int], cuts: list[set[int]]):
     """The segments' tokens in pieces between the cut points: (the rows of `x` the piece takes, or None for all of
     them; their `recurrent_step.Segments` over those rows; the segments it continues; the token it ends before)."""
     last = max(lengths, default=0)

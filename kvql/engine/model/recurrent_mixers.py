@@ -38,7 +38,7 @@ import inspect
 
 import torch
 
-from . import admission, mixer_steps
+from . import admission, mixer_steps, ragged_scan
 from .own_forward import RecurrentState, _clone_layer
 from ..segment import Segment
 
@@ -175,6 +175,10 @@ class Step:
             y = self._own(module, x, i)
             if y is not None:
                 return y[None]
+        if i in self.mixers.scans:
+            y = self._scan(module, original, x, i, kwargs)
+            if y is not None:
+                return y
         out = torch.empty_like(x)
         if self.stepped:
             self._step(module, original, x, out, kwargs)
@@ -190,9 +194,10 @@ class Step:
                 a = b
         return out[None]
 
-    def _own(self, module, x: torch.Tensor, i: int) -> torch.Tensor | None:
-        """Every segment through `module` (of layer `i`) by kvql's own computation (mixer_steps.py), each from its
-        state in place, copied at its marks and drafted tokens; None where it does not take some state."""
+    def _targets(self, i: int):
+        """Layer `i` of every segment's state (a stepped one's as the forward goes, an alone one's in its cache),
+        the tokens after which each is copied (its marks, its drafted tokens), and `copy(j, b, layer)`, which puts
+        the copy `layer` of segment j's state after its token b where it goes (a snapshot, a kept draft state)."""
         segments, stepped = self.segments, set(self.stepped)
         units = {u.segment: u for u in self.alone}
         layers = [self.states[j][i] if j in stepped else units[j].cache.layers[i] for j in range(len(segments))]
@@ -200,18 +205,38 @@ class Step:
         for j, kept in self.kept.items():
             cuts[j] |= set(kept)
 
-        def copy(j: int, b: int) -> None:
-            if j in stepped:
-                self._snap([j], b - 1, i)
-                return
-            unit = units[j]
-            if b in unit.snap_at:
-                unit.snaps.setdefault(b, [None] * len(self.mixers.kinds))[i] = _clone_layer(layers[j])
+        def copy(j: int, b: int, layer) -> None:
+            marks = self.snaps[j] if j in stepped else units[j].snaps
+            if b in (self.snaps[j] if j in stepped else units[j].snap_at):
+                marks.setdefault(b, [None] * len(self.mixers.kinds))[i] = layer
             if b in self.kept.get(j, ()):
-                self.kept[j][b][i] = _clone_layer(layers[j])
+                self.kept[j][b][i] = _clone_layer(layer)
 
-        return mixer_steps.run(module, self.mixers.own_step[i], x, self.offsets, [len(s.token_ids) for s in segments],
-                               layers, cuts, copy)
+        return layers, cuts, copy
+
+    def _own(self, module, x: torch.Tensor, i: int) -> torch.Tensor | None:
+        """Every segment through `module` (of layer `i`) by kvql's own computation (mixer_steps.py), each from its
+        state in place, copied at its marks and drafted tokens; None where it does not take some state."""
+        layers, cuts, copy = self._targets(i)
+        lengths = [len(s.token_ids) for s in self.segments]
+        return mixer_steps.run(module, self.mixers.own_step[i], x, self.offsets, lengths, layers, cuts,
+                               lambda j, b: copy(j, b, _clone_layer(layers[j])))
+
+    def _scan(self, module, original, x: torch.Tensor, i: int, kwargs: dict) -> torch.Tensor | None:
+        """Every segment through the Mamba2 mixer `module` (of layer `i`) in one call of its own forward, its
+        convolution and scan by kvql's kernels (ragged_scan.py); None where they do not take some state."""
+        layers, cuts, copy = self._targets(i)
+        states = ragged_scan.RaggedStates(module, layers, self.offsets, [len(s.token_ids) for s in self.segments],
+                                          cuts)
+        try:
+            y = original(module, x[None], cache=states, attention_mask=None, **kwargs)
+        except ragged_scan.Unsupported:
+            return None
+        for (j, b), (conv, recurrent) in states.saved.items():
+            layer = _clone_layer(layers[j])
+            layer.conv_states[0], layer.recurrent_states[0] = conv, recurrent
+            copy(j, b, layer)
+        return y
 
     def _step(self, module, original, x: torch.Tensor, out: torch.Tensor, kwargs: dict) -> None:
         """The stepped segments through `module`: token t of each (the longest first) in one call, their states
@@ -284,6 +309,10 @@ class Mixers:
         self.recurrent = sorted(mixers)
         # the layers kvql computes itself (mixer_steps.py); the others by the model's code
         self.own_step = {i: kind for i, m in mixers.items() if (kind := mixer_steps.form(m)) is not None}
+        # Mamba2 mixers: their own forward over the whole batch, the state work by kvql's kernels (ragged_scan.py)
+        self.scans = frozenset(i for i, m in mixers.items() if i not in self.own_step and ragged_scan.supports(m))
+        for i in self.scans:
+            ragged_scan.install(mixers[i])
         self.stepwise = False
         self.snapshots = None
         prepare(mixers)

@@ -128,3 +128,40 @@ void kvql_gated_delta(int64_t n_seg, const int64_t *row0, const int64_t *n_tok, 
         restore_subnormals(csr);
     }
 }
+
+/* Mamba2's selective state space step (SSD, recurrent form), float32: for segment s and head h (group h / (heads /
+   groups)), S = states[s][h] ([head_dim, state]), per token (rows row0[s] ...) with its x (the head's head_dim
+   values), B and C (its group's), dt (after its bias and softplus):
+       S = S * exp(dt A[h]) + (dt B) x^T;  y = S C + D[h] x.
+   Each (head dim, state) entry its own chain in token order; y's sum over the state in order. */
+void kvql_ssd(int64_t n_seg, const int64_t *row0, const int64_t *n_tok, int64_t heads, int64_t head_dim,
+              int64_t groups, int64_t state, const float *x, const float *B, const float *C, const float *dt,
+              const float *A, const float *D, float *const *states, float *out, int threads) {
+    int64_t per_group = heads / groups;
+#pragma omp parallel num_threads(threads)
+    {
+        unsigned int csr = flush_subnormals(); /* a state decayed towards zero (simd.h) */
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t seg = 0; seg < n_seg; seg++)
+            for (int64_t h = 0; h < heads; h++) {
+                float *s = states[seg] + h * head_dim * state;
+                float db[state];
+                for (int64_t i0 = 0; i0 < n_tok[seg]; i0++) {
+                    int64_t r = row0[seg] + i0, g = h / per_group;
+                    float d = dt[r * heads + h], da = expf(d * A[h]);
+                    const float *b = B + (r * groups + g) * state, *c = C + (r * groups + g) * state;
+                    const float *xh = x + (r * heads + h) * head_dim;
+                    float *o = out + (r * heads + h) * head_dim;
+                    for (int64_t n = 0; n < state; n++) db[n] = d * b[n];
+                    for (int64_t p = 0; p < head_dim; p++) {
+                        float xp = xh[p], *sp = s + p * state, y = 0.0f;
+#pragma omp simd
+                        for (int64_t n = 0; n < state; n++) sp[n] = sp[n] * da + db[n] * xp;
+                        for (int64_t n = 0; n < state; n++) y += sp[n] * c[n];
+                        o[p] = D ? y + D[h] * xp : y;
+                    }
+                }
+            }
+        restore_subnormals(csr);
+    }
+}

@@ -17,6 +17,9 @@ contiguous, not shared between segments):
 - `gated_delta_(q [rows, k_heads, dk], k [rows, k_heads, dk], v [rows, v_heads, dv], g [rows, v_heads], beta [rows,
   v_heads], row0, n_tok, states [1, v_heads, dk, dv] each)` -> `[rows, v_heads, dv]`, all float32: the gated delta
   rule per token (the C file's doc), each value head reading the key head `h // (v_heads // k_heads)`.
+- `ssd_(x [rows, heads, head_dim], B [rows, groups, state], C [rows, groups, state], dt [rows, heads], A [heads], D
+  [heads] or None, row0, n_tok, states [1, heads, head_dim, state] each)` -> `[rows, heads, head_dim]`, all float32:
+  Mamba2's selective state space step per token (the C file's doc; `dt` after its bias and softplus).
 Each segment alone, in a fixed order: batch-invariant. Equal to transformers' torch code to float32 rounding, not
 bit for bit (another order of the same sums; its chunked form for prompts): the load check
 (model_runner.ModelRunner.verify) compares the model so computed with its own forward and steps.
@@ -38,6 +41,8 @@ SIGNATURES = {
                                build.PTR, build.PTR, build.PTR, build.I64, build.I32, build.I32, build.I32]),
     "kvql_gated_delta": (None, [build.I64, build.PTR, build.PTR, build.I64, build.I64, build.I64, build.I64, build.PTR,
                                 build.PTR, build.PTR, build.PTR, build.PTR, build.PTR, build.PTR, build.I32]),
+    "kvql_ssd": (None, [build.I64, build.PTR, build.PTR, build.I64, build.I64, build.I64, build.I64, build.PTR, build.PTR,
+                        build.PTR, build.PTR, build.PTR, build.PTR, build.PTR, build.PTR, build.I32]),
 }
 LIBRARY = build.Library("recurrent_step", "KVQL_RECURRENT_STEP", "running the model's own code instead",
                         SIGNATURES, flags=["-ffp-contract=off"])
@@ -97,4 +102,21 @@ def gated_delta_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     LIBRARY.get().kvql_gated_delta(segs.count, segs.row0.data_ptr(), segs.n_tok.data_ptr(), v_heads, k_heads, dk,
                                    dv, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
                                    ptrs.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def ssd_(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D: torch.Tensor | None,
+         segs: Segments, states: list[torch.Tensor]) -> torch.Tensor:
+    rows, heads, head_dim = x.shape
+    groups, state = B.shape[1:]
+    assert C.shape == B.shape and B.shape[0] == rows and dt.shape == (rows, heads) and A.shape == (heads,)
+    assert heads % groups == 0 and len(states) == segs.count and segs.rows <= rows
+    for t in (x, B, C, dt, A) + (() if D is None else (D,)):
+        assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+    ptrs = _pointers(states, torch.float32, (1, heads, head_dim, state))
+    out = torch.empty(rows, heads, head_dim)
+    LIBRARY.get().kvql_ssd(segs.count, segs.row0.data_ptr(), segs.n_tok.data_ptr(), heads, head_dim, groups, state,
+                           x.data_ptr(), B.data_ptr(), C.data_ptr(), dt.data_ptr(), A.data_ptr(),
+                           None if D is None else D.data_ptr(), ptrs.data_ptr(), out.data_ptr(),
+                           torch.get_num_threads())
     return out
