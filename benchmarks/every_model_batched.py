@@ -2,7 +2,8 @@
 
 Random models of ~105-130M parameters built in code (no download), with SmolLM2's tokenizer, all of hidden size
 768 and 12 layers: a Qwen3-shaped attention model (the reference), Qwen3.5-shaped (Gated DeltaNet on 3 of every 4
-layers), LFM2-shaped (short convolutions on 2 of every 3), DeepSeek-V3-shaped (MLA: a cached latent) and
+layers), LFM2-shaped (short convolutions on 2 of every 3), Granite-4-shaped (Mamba2 on 3 of every 4),
+DeepSeek-V3-shaped (MLA: a cached latent) and
 Bloom-shaped (ALiBi). The workload: 24 few-shot questions (~290 shared prompt tokens) submitted at once, --tokens
 new tokens each, greedy, on a cleared cache, --repeats times (the best time is shown). Printed per model: the path
 the engine runs it on (`ragged`: one forward per step for the whole batch; `own`: the model's own forward, one
@@ -38,6 +39,10 @@ MODELS = {
     "LFM2-shaped (short convolutions)": ("lfm2", {
         **BASE, "block_ff_dim": 2048, "block_auto_adjust_ff_dim": False,
         "layer_types": ["conv", "conv", "full_attention"]}),
+    "Granite-4-shaped (Mamba2)": ("granitemoehybrid", {
+        **BASE, "shared_intermediate_size": 2048, "num_local_experts": 0, "mamba_n_heads": 24, "mamba_d_head": 64,
+        "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_chunk_size": 256,
+        "layer_types": ["mamba"] * 3 + ["attention"]}),
     "DeepSeek-V3-shaped (MLA)": ("deepseek_v3", {
         **BASE, "num_key_value_heads": 12, "head_dim": 32, "kv_lora_rank": 256, "q_lora_rank": 384,
         "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "first_k_dense_replace": 12, "n_routed_experts": 4,

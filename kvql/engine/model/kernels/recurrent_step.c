@@ -133,7 +133,8 @@ void kvql_gated_delta(int64_t n_seg, const int64_t *row0, const int64_t *n_tok, 
    groups)), S = states[s][h] ([head_dim, state]), per token (rows row0[s] ...) with its x (the head's head_dim
    values), B and C (its group's), dt (after its bias and softplus):
        S = S * exp(dt A[h]) + (dt B) x^T;  y = S C + D[h] x.
-   Each (head dim, state) entry its own chain in token order; y's sum over the state in order. */
+   Each (head dim, state) entry its own chain in token order; y's sum over the state in 16 lane partial sums, then
+   one fixed tree for 16 rows at a time (lane_sums). */
 void kvql_ssd(int64_t n_seg, const int64_t *row0, const int64_t *n_tok, int64_t heads, int64_t head_dim,
               int64_t groups, int64_t state, const float *x, const float *B, const float *C, const float *dt,
               const float *A, const float *D, float *const *states, float *out, int threads) {
@@ -153,12 +154,28 @@ void kvql_ssd(int64_t n_seg, const int64_t *row0, const int64_t *n_tok, int64_t 
                     const float *xh = x + (r * heads + h) * head_dim;
                     float *o = out + (r * heads + h) * head_dim;
                     for (int64_t n = 0; n < state; n++) db[n] = d * b[n];
-                    for (int64_t p = 0; p < head_dim; p++) {
-                        float xp = xh[p], *sp = s + p * state, y = 0.0f;
-#pragma omp simd
-                        for (int64_t n = 0; n < state; n++) sp[n] = sp[n] * da + db[n] * xp;
-                        for (int64_t n = 0; n < state; n++) y += sp[n] * c[n];
-                        o[p] = D ? y + D[h] * xp : y;
+                    for (int64_t p0 = 0; p0 < head_dim; p0 += LANES) { /* 16 rows of S, their y by one tree */
+                        int64_t pn = head_dim - p0 < LANES ? head_dim - p0 : LANES;
+                        v16 acc[LANES];
+                        for (int64_t q = 0; q < LANES; q++) acc[q] = (v16){0};
+                        for (int64_t q = 0; q < pn; q++) {
+                            float xp = xh[p0 + q], *sp = s + (p0 + q) * state, tail = 0.0f;
+                            v16 a = (v16){0};
+                            int64_t n = 0;
+                            for (; n + LANES <= state; n += LANES) {
+                                v16 sv = *(v16u *)(sp + n) * splat(da) + *(const v16u *)(db + n) * splat(xp);
+                                *(v16u *)(sp + n) = sv;
+                                a += sv * *(const v16u *)(c + n);
+                            }
+                            for (; n < state; n++) {
+                                sp[n] = sp[n] * da + db[n] * xp;
+                                tail += sp[n] * c[n];
+                            }
+                            a[0] += tail;
+                            acc[q] = a;
+                        }
+                        v16 ys = lane_sums(acc);
+                        for (int64_t q = 0; q < pn; q++) o[p0 + q] = D ? ys[q] + D[h] * xh[p0 + q] : ys[q];
                     }
                 }
             }
