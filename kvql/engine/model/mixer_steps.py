@@ -83,11 +83,10 @@ def start(layer, channels: int, taps: int, dtype: torch.dtype, recurrent: tuple 
 def run(module, kind: str, x: torch.Tensor, starts: list[int], lengths: list[int], layers: list,
         cuts: list[set[int]], on_cut) -> torch.Tensor | None:
     """`module`'s output (of `form` `kind`) for the rows `x [rows, hidden]`: segment s is rows `starts[s] ...`
-    (`lengths[s]` tokens)
-    continuing the state in `layers[s]` (a transformers linear-attention cache layer, one request's; not started:
-    from zeros), which is updated in place; after token `b` of segment s for each b in `cuts[s]` (0 < b < its
-    length), `on_cut(s, b)` (the caller copies the state there). None, touching nothing, where some layer holds a
-    state the kernels do not take (then the caller runs the model's own code)."""
+    (`lengths[s]` tokens) continuing the state in `layers[s]` (a transformers linear-attention cache layer, one
+    request's; not started: from zeros), which is updated in place; after token `b` of segment s for each b in
+    `cuts[s]` (0 < b < its length), `on_cut(s, b)` (the caller copies the state there). None, touching nothing,
+    where some layer holds a state the kernels do not take (then the caller runs the model's own code)."""
     conv = module.conv1d if kind == "gated_delta" else module.conv
     taps, recurrent = conv.kernel_size[0], None
     if kind == "gated_delta":
