@@ -263,8 +263,10 @@ def test_kernels_build_into_kvql_cache_dir_and_export_their_limits(monkeypatch, 
     build.load("fused_ops", ["-ffp-contract=off"])
     assert len(list((tmp_path / "kernels").glob("fused_ops-*.so"))) == 1
     assert paged_attention.available()
-    assert paged_attention.LIBRARY.limits == {"kvql_max_group": 16, "kvql_max_dim": 256}  # read from the library
+    assert paged_attention.LIBRARY.limits == {"kvql_max_group": 16, "kvql_max_dim": 576}  # read from the library
     assert not paged_attention.supports("cpu", torch.float32, 34, 2, 64)  # 17 query heads per KV head
+    assert paged_attention.supports("cpu", torch.float32, 34, 1, 576)  # MQA: split by heads (MLA, absorbed)
+    assert not paged_attention.supports("cpu", torch.float32, 4, 1, 577)
 
 
 def test_a_replaced_norm_weight_is_followed(tokenizer):
