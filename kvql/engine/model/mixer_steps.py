@@ -1,6 +1,6 @@
 """kvql's own computation of recurrent mixers over a forward's ragged batch: Qwen3.5's and Qwen3-Next's Gated
-DeltaNet and LFM2's short convolution, every segment of the batch (a decode step, a prompt's chunk, a draft) in one call per layer, each
-continuing its own state in place.
+DeltaNet and LFM2's short convolution, every segment of the batch (a decode step, a prompt's chunk, a draft) in one
+call per layer, each continuing its own state in place.
 
 The ragged path runs a hybrid's recurrent mixers by the model's own code otherwise: a prompt chunk alone (the
 chunked algorithm, dozens of small ops), the one-token steps of several requests with their states stacked into one
@@ -34,8 +34,8 @@ def _original(module) -> type:
 
 
 def form(module) -> str | None:
-    """"gated_delta" (a Gated DeltaNet mixer of Qwen3.5's or Qwen3-Next's form), "short_conv" (LFM2's short convolution), or None:
-    what `run` computes `module` as (where the kernels run here)."""
+    """"gated_delta" (a Gated DeltaNet mixer of Qwen3.5's or Qwen3-Next's form), "short_conv" (LFM2's short
+    convolution), or None: what `run` computes `module` as (where the kernels run here)."""
     if not recurrent_step.available():
         return None
     if (all(hasattr(module, p) for p in _DELTA) and getattr(module, "activation", None) in ("silu", None)
@@ -98,32 +98,19 @@ def run(module, kind: str, x: torch.Tensor, starts: list[int], lengths: list[int
     weight, bias = conv.weight.squeeze(1), conv.bias
     if kind == "gated_delta":
         mixed, z, b, a = _projections(module, x)
-        pre = (mixed, z, b.sigmoid().float(), -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias))
-        core = torch.empty(x.shape[0], module.num_v_heads, module.head_v_dim)
+        g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+        core = by_pieces(starts, lengths, cuts, layers, (mixed, b.sigmoid().float(), g),
+                         lambda m, be, gg, segs, active: _gated_delta(module, m, be, gg, segs,
+                                                                      [layers[s] for s in active], weight, bias),
+                         on_cut)
+        dv = module.head_v_dim
+        core = module.norm(core.to(x.dtype).reshape(-1, dv), z.reshape(-1, dv)).reshape(x.shape[0], -1)
     else:
         b, c, h = module.in_proj(x).chunk(3, dim=-1)
-        pre = ((b * h).contiguous(), c)
-        core = torch.empty_like(c)
-    for rows, segs, active, end in pieces(starts, lengths, cuts):
-        sub = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-        states = [layers[s] for s in active]
-        if kind == "gated_delta":
-            out = _gated_delta(module, sub(pre[0]), sub(pre[2]), sub(pre[3]), segs, states, weight, bias)
-        else:
-            out = sub(pre[1]) * recurrent_step.short_conv_(sub(pre[0]), segs, [s.conv_states[0] for s in states],
-                                                           weight, bias, silu=False)
-        if rows is None:
-            core = out
-        else:
-            core.index_copy_(0, rows, out)
-        for s, n in zip(active, segs.n_tok.tolist()):
-            layer = layers[s]
-            layer.cumulative_length_linear = layer.cumulative_length_linear + n  # a new tensor: never shared
-            if end in cuts[s]:
-                on_cut(s, end)
-    if kind == "gated_delta":
-        dv = module.head_v_dim
-        core = module.norm(core.to(x.dtype).reshape(-1, dv), pre[1].reshape(-1, dv)).reshape(x.shape[0], -1)
+        core = by_pieces(starts, lengths, cuts, layers, ((b * h).contiguous(), c),
+                         lambda bh, cc, segs, active: cc * recurrent_step.short_conv_(
+                             bh, segs, [layers[s].conv_states[0] for s in active], weight, bias, silu=False),
+                         on_cut)
     return module.out_proj(core)
 
 
@@ -155,7 +142,32 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)  # transformers' (FLA's) l2norm
 
 
-def pieces(starts: list[int], lengths: list[int], cuts: list[set[int]]):
+def by_pieces(starts: list[int], lengths: list[int], cuts: list[set[int]], layers: list | None, inputs: tuple,
+              kernel, cut) -> torch.Tensor:
+    """The segments' tokens through `kernel(*inputs' rows, segs, active)` (a kernel over `recurrent_step.Segments`
+    `segs` of those rows, continuing the states of the segments `active`), piece by piece between the cut points;
+    `layers` (segment s's cache layer `layers[s]`; None: counted elsewhere): each one's token count kept as
+    transformers' own code keeps it (a new tensor: a count is never shared between requests); after the piece that
+    ends before token b of segment s, for each b in `cuts[s]`, `cut(s, b)` (the caller copies the state there).
+    Returns the kernel's outputs for every row of `inputs`, in their order."""
+    out = None
+    for rows, segs, active, end in _pieces(starts, lengths, cuts):
+        y = kernel(*(t if rows is None else t.index_select(0, rows) for t in inputs), segs, active)
+        if rows is None:
+            out = y
+        else:
+            if out is None:
+                out = y.new_empty((inputs[0].shape[0], *y.shape[1:]))
+            out.index_copy_(0, rows, y)
+        for s, n in zip(active, segs.n_tok.tolist()):
+            if layers is not None:
+                layers[s].cumulative_length_linear = layers[s].cumulative_length_linear + n
+            if end in cuts[s]:
+                cut(s, end)
+    return out
+
+
+def _pieces(starts: list[int], lengths: list[int], cuts: list[set[int]]):
     """The segments' tokens in pieces between the cut points: (the rows of `x` the piece takes, or None for all of
     them; their `recurrent_step.Segments` over those rows; the segments it continues; the token it ends before)."""
     last = max(lengths, default=0)

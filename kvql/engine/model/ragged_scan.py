@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import recurrent_step
-from .mixer_steps import pieces, start, takes
+from .mixer_steps import by_pieces, start, takes
 
 _WRAPPED = ("causal_conv1d_forward", "mamba2_scan_forward")
 
@@ -81,6 +81,10 @@ class RaggedStates:
         self.recurrent_shape = (1, mixer.num_heads, mixer.head_dim, mixer.ssm_state_size)
         self.saved: dict[tuple[int, int], list] = {}
 
+    def save(self, s: int, b: int, which: int, state: torch.Tensor) -> None:
+        """A copy of segment s's conv (`which` 0) or recurrent (1) state after its token b."""
+        self.saved.setdefault((s, b), [None, None])[which] = state.clone()
+
 
 def _conv(conv1d, hidden_states, cache: RaggedStates, layer_idx, activation=None, state_idx=0, **kwargs):
     """`causal_conv1d_forward` over the segments: `hidden_states [1, channels, rows]`. Checks (and starts) every
@@ -93,20 +97,11 @@ def _conv(conv1d, hidden_states, cache: RaggedStates, layer_idx, activation=None
         raise Unsupported
     for layer in cache.layers:
         start(layer, channels, taps, x.dtype, mixer_shape)
-    out = torch.empty_like(x)
-    for rows, segs, active, end in pieces(cache.starts, cache.lengths, cache.cuts):
-        states = [cache.layers[s].conv_states[0] for s in active]
-        y = recurrent_step.short_conv_(x if rows is None else x.index_select(0, rows), segs, states,
-                                       conv1d.weight.squeeze(1), conv1d.bias, silu=activation == "silu")
-        if rows is None:
-            out = y
-        else:
-            out.index_copy_(0, rows, y)
-        for s, state in zip(active, states):
-            if end in cache.cuts[s]:
-                cache.saved.setdefault((s, end), [None, None])[0] = state.clone()
-    for layer, n in zip(cache.layers, cache.lengths):
-        layer.cumulative_length_linear = layer.cumulative_length_linear + n  # a new tensor: never shared
+    out = by_pieces(cache.starts, cache.lengths, cache.cuts, cache.layers, (x,),
+                    lambda rows, segs, active: recurrent_step.short_conv_(
+                        rows, segs, [cache.layers[s].conv_states[0] for s in active], conv1d.weight.squeeze(1),
+                        conv1d.bias, silu=activation == "silu"),
+                    lambda s, b: cache.save(s, b, 0, cache.layers[s].conv_states[0]))
     return out.transpose(0, 1)[None]
 
 
@@ -124,16 +119,8 @@ def _scan(mixer, hidden_states, B, C, dt, cache: RaggedStates, **kwargs):
     dt = dt.float().contiguous()
     a = (-torch.exp(mixer.A_log.float())).contiguous()
     d = mixer.D.float().contiguous()
-    out = torch.empty(rows, heads, head_dim)
-    for rows_p, segs, active, end in pieces(cache.starts, cache.lengths, cache.cuts):
-        sub = (lambda t: t) if rows_p is None else (lambda t: t.index_select(0, rows_p))
-        states = [cache.layers[s].recurrent_states[0] for s in active]
-        y = recurrent_step.ssd_(sub(x), sub(b), sub(c), sub(dt), a, d, segs, states)
-        if rows_p is None:
-            out = y
-        else:
-            out.index_copy_(0, rows_p, y)
-        for s, state in zip(active, states):
-            if end in cache.cuts[s]:
-                cache.saved.setdefault((s, end), [None, None])[1] = state.clone()
+    out = by_pieces(cache.starts, cache.lengths, cache.cuts, None, (x, b, c, dt),  # (counted by the conv)
+                    lambda xs, bs, cs, dts, segs, active: recurrent_step.ssd_(
+                        xs, bs, cs, dts, a, d, segs, [cache.layers[s].recurrent_states[0] for s in active]),
+                    lambda s, t: cache.save(s, t, 1, cache.layers[s].recurrent_states[0]))
     return out.reshape(1, rows, heads * head_dim).to(hidden_states.dtype)
