@@ -197,6 +197,22 @@ def check_exact(name: str, tokenizer, max_tokens: int = 8) -> dict:
     return out
 
 
+def fallback(name: str, tokenizer, long: bool = False, cache_budget: int = 1 << 20, max_tokens: int = 8):
+    """The family's tiny model on an engine whose ragged path the caller has made wrong: (why admission runs it on its
+    own forward, the greedy tokens the engine gave, the reference's)."""
+    import kvql
+
+    model_type, overrides = FAMILIES[name]
+    hf = build(model_type, overrides, len(tokenizer), tokenizer.eos_token_id)
+    m = kvql.Model(hf, tokenizer, cache_budget=cache_budget)
+    try:
+        ps = prompts(len(tokenizer), seed=2, long=long)
+        got = [c.token_ids for c in m.generate(ps, max_tokens=max_tokens)]
+        return m.engine.runner.geometry.own, got, reference(model_type, overrides, tokenizer, ps, max_tokens)
+    finally:
+        m.close()
+
+
 def check_bf16_invariant(name: str, tokenizer, max_tokens: int = 10) -> list[int]:
     """bf16, near-flat logits (small init: a last-bit difference flips greedy tokens often): the indices of
     prompts whose greedy tokens batched (sharing prefixes) differ from the same prompt alone on an empty cache."""

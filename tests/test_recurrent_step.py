@@ -102,14 +102,8 @@ def test_hybrids_step_with_kvqls_step_exactly_and_a_wrong_step_is_caught(tokeniz
         m.close()
     run = mixer_steps.run
     monkeypatch.setattr(mixer_steps, "run", lambda *a: None if (y := run(*a)) is None else y * 1.05)
-    m = kvql.Model(hf, tokenizer, cache_budget=8 << 20)
-    try:
-        assert "the ragged path's check failed" in m.engine.runner.geometry.own
-        ps = F.prompts(len(tokenizer), seed=2)
-        want = F.reference(*F.FAMILIES[name], tokenizer, ps, 8)
-        assert [c.token_ids for c in m.generate(ps, max_tokens=8)] == want
-    finally:
-        m.close()
+    own, got, want = F.fallback(name, tokenizer, cache_budget=8 << 20)
+    assert "the ragged path's check failed" in own and got == want
 
 
 def test_a_segments_tokens_give_the_same_whatever_the_calls_and_batch_mates():
@@ -179,11 +173,5 @@ def test_mamba2_mixers_run_on_kvqls_scan_and_a_wrong_scan_is_caught(tokenizer, m
         m.close()
     scan = ragged_scan._scan
     monkeypatch.setattr(ragged_scan, "_scan", lambda *a, **k: scan(*a, **k) + 0.1)  # (a scale the norm after it undoes)
-    m = kvql.Model(hf, tokenizer, cache_budget=8 << 20)
-    try:
-        assert "the ragged path's check failed" in m.engine.runner.geometry.own
-        ps = F.prompts(len(tokenizer), seed=2)
-        want = F.reference(*F.FAMILIES[name], tokenizer, ps, 8)
-        assert [c.token_ids for c in m.generate(ps, max_tokens=8)] == want
-    finally:
-        m.close()
+    own, got, want = F.fallback(name, tokenizer, cache_budget=8 << 20)
+    assert "the ragged path's check failed" in own and got == want
