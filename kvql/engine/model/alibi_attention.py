@@ -26,7 +26,9 @@ import functools
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-_SWAPPED: dict[type, type] = {}
+from . import class_swap
+
+MARK = "kvql_alibi_of"  # (class_swap.py)
 
 
 def _forwards() -> dict[type, object]:
@@ -41,10 +43,10 @@ def prepare(hf_model) -> bool:
     """Swap every ALiBi attention module of `hf_model` (module doc); whether it has any."""
     forwards = _forwards()
     found = [m for m in hf_model.modules() if (type(m) in forwards and not _tensor_parallel(m))
-             or getattr(type(m), "kvql_alibi_of", None)]
+             or class_swap.original(m, MARK)]
     for module in found:
         if type(module) in forwards:
-            module.__class__ = _swapped(type(module), forwards[type(module)])
+            class_swap.swap(module, MARK, "Ragged", {"forward": forwards[type(module)]})
     return bool(found)
 
 
@@ -55,21 +57,12 @@ def _tensor_parallel(module) -> bool:
 
 
 def restore(hf_model) -> None:
-    for module in hf_model.modules():
-        original = getattr(type(module), "kvql_alibi_of", None)
-        if original is not None:
-            module.__class__ = original
+    class_swap.restore(hf_model.modules(), MARK)
 
 
 def takes_no_mask(hf_model) -> bool:
     """Whether `hf_model` runs swapped ALiBi modules: its forward then gets no attention mask (module doc)."""
-    return any(getattr(type(m), "kvql_alibi_of", None) for m in hf_model.modules())
-
-
-def _swapped(cls: type, forward) -> type:
-    if cls not in _SWAPPED:
-        _SWAPPED[cls] = type(f"Ragged{cls.__name__}", (cls,), {"forward": forward, "kvql_alibi_of": cls})
-    return _SWAPPED[cls]
+    return any(class_swap.original(m, MARK) for m in hf_model.modules())
 
 
 @functools.cache

@@ -33,7 +33,9 @@ import weakref
 
 import torch
 
-_SWAPPED: dict[type, type] = {}
+from . import class_swap
+
+MARK = "kvql_latent_of"  # (class_swap.py)
 _DEQUANTIZED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -49,27 +51,20 @@ def prepare(hf_model) -> frozenset[int]:
     """Swap every MLA module of `hf_model` (module doc); the `layer_idx` of each (empty: the model has none)."""
     layers = set()
     for module in hf_model.modules():
-        if getattr(type(module), "kvql_latent_of", None) is None and _is_mla(module):
-            cls = type(module)
-            if cls not in _SWAPPED:
-                _SWAPPED[cls] = type(f"Absorbed{cls.__name__}", (cls,), {"expand_kv": _expand_kv,
-                                                                          "kvql_latent_of": cls})
-            module.__class__ = _SWAPPED[cls]
-        if getattr(type(module), "kvql_latent_of", None) is not None:
+        if not is_latent(module) and _is_mla(module):
+            class_swap.swap(module, MARK, "Absorbed", {"expand_kv": _expand_kv})
+        if is_latent(module):
             layers.add(module.layer_idx)
     return frozenset(layers)
 
 
 def restore(hf_model) -> None:
-    for module in hf_model.modules():
-        original = getattr(type(module), "kvql_latent_of", None)
-        if original is not None:
-            module.__class__ = original
+    class_swap.restore(hf_model.modules(), MARK)
 
 
 def is_latent(module) -> bool:
     """Whether `module` is a swapped MLA module (its attention runs in the absorbed form)."""
-    return getattr(type(module), "kvql_latent_of", None) is not None
+    return class_swap.original(module, MARK) is not None
 
 
 def _expand_kv(self, kv_nope, k_rot):

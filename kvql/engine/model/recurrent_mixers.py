@@ -38,12 +38,11 @@ import inspect
 
 import torch
 
-from . import admission, mixer_steps, ragged_scan
+from . import admission, class_swap, mixer_steps, ragged_scan
 from .own_forward import RecurrentState, _clone_layer
 from ..segment import Segment
 
 STEP_MAX = 16  # a continuation of at most this many tokens from a state is stepped with the others (`Step`)
-_SWAPPED: dict[type, type] = {}
 
 
 def find(hf_model, kinds: tuple[str, ...]) -> dict[int, torch.nn.Module] | None:
@@ -76,22 +75,11 @@ def _takes_cache(cls) -> bool:
 def prepare(mixers: dict[int, torch.nn.Module]) -> None:
     """Swap each mixer's class for its ragged subclass (module doc); idempotent."""
     for module in mixers.values():
-        cls = type(module)
-        if getattr(cls, "kvql_mixer_of", None) is None:
-            module.__class__ = _swapped(cls)
+        class_swap.swap(module, "kvql_mixer_of", "Ragged", {"forward": _forward})
 
 
 def restore(mixers: dict[int, torch.nn.Module]) -> None:
-    for module in mixers.values():
-        original = getattr(type(module), "kvql_mixer_of", None)
-        if original is not None:
-            module.__class__ = original
-
-
-def _swapped(cls: type) -> type:
-    if cls not in _SWAPPED:
-        _SWAPPED[cls] = type(f"Ragged{cls.__name__}", (cls,), {"forward": _forward, "kvql_mixer_of": cls})
-    return _SWAPPED[cls]
+    class_swap.restore(mixers.values(), "kvql_mixer_of")
 
 
 def _forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
