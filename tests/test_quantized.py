@@ -22,7 +22,7 @@ from kvql.engine.model.kernels import qgemm
 from kvql.engine.model.model_runner import ModelRunner, Segment, read_geometry
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
-FORMATS = [(8, 32), (8, 16), (4, 32)]
+FORMATS = [(8, 32), (8, 16), (4, 32), (4, 16), (5, 32)]
 
 
 def _weight(bits: int, group: int, n: int, k: int, seed: int = 0):
@@ -30,21 +30,28 @@ def _weight(bits: int, group: int, n: int, k: int, seed: int = 0):
     if bits == 8:
         q, mins = torch.randint(-128, 128, (n, k), generator=g), None
     else:
-        q, mins = torch.randint(0, 16, (n, k), generator=g), (torch.randn(n, k // group, generator=g) * 0.01).half()
+        q = torch.randint(0, 2**bits, (n, k), generator=g)
+        q[0, 0] = 2**bits - 1  # the widest value: packed in `bits` bits, not fewer
+        mins = (torch.randn(n, k // group, generator=g) * 0.01).half()
     scale = (torch.rand(n, k // group, generator=g) * 0.01).half()
     return q, scale, mins
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bits,group", FORMATS)
-def test_kernel_is_its_plain_chain_and_batch_invariant(bits, group, dtype):
+def test_every_kernel_is_its_plain_chain_and_batch_invariant(bits, group, dtype):
+    """Each kernel this machine runs (AVX512-VNNI, AVX2, both on an AVX-512 machine) equals the plain C chain."""
     n, k = 80, 96  # 5 blocks of 16 outputs (4 + 1 for one row, 2 + 2 + 1 for several), 3 groups of 32
     w = qgemm.QWeight.pack(*_weight(bits, group, n, k))
+    assert w.bits == bits
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(1)).to(dtype)
-    for rows in (1, 2, 3, 4, 5, 9):
-        got = qgemm.qgemm(x[:rows], w)
-        assert got.dtype == dtype and torch.equal(got, qgemm.qgemm(x[:rows], w, reference=True))
-        assert all(torch.equal(got[i], qgemm.qgemm(x[i:i + 1], w)[0]) for i in range(rows))
+    kernels = qgemm.variants()
+    assert qgemm.kernel() in kernels
+    for library in kernels.values():
+        for rows in (1, 2, 3, 4, 5, 9):
+            got = qgemm.qgemm(x[:rows], w, library=library)
+            assert got.dtype == dtype and torch.equal(got, qgemm.qgemm(x[:rows], w, reference=True))
+            assert all(torch.equal(got[i], qgemm.qgemm(x[i:i + 1], w, library=library)[0]) for i in range(rows))
     want = x.float() @ w.dequantized().T
     assert float((qgemm.qgemm(x, w).float() - want).abs().max() / want.abs().max()) < (1e-3 if dtype == torch.float32
                                                                                        else 1e-2)
@@ -73,13 +80,15 @@ def test_pack_keeps_every_value_and_scale(bits, group):
     assert qgemm.QWeight.pack(q, odd, mins).scale.dtype == torch.float32
     two = qgemm.QWeight.cat([w, qgemm.QWeight.pack(*_weight(bits, group, 16, 64, seed=2))])
     assert two.n == 48 and torch.equal(two.dequantized()[:32], w.dequantized())
-    with pytest.raises(ValueError, match="outside"):
-        qgemm.QWeight.pack(q + (200 if bits == 8 else 16), scale, mins)
+    with pytest.raises(ValueError, match="outside|5-bit weight .* in groups of 16"):  # 4-bit groups of 16: no 5-bit
+        qgemm.QWeight.pack(q + (200 if bits == 8 else 32), scale, mins)
 
 
 # bytes per block and where its float16 fields are (random bytes there could be NaN or infinite)
-BLOCKS = {"Q8_0": (34, [0]), "Q5_0": (22, [0]), "Q4_0": (18, [0]), "Q4_1": (20, [0, 2]), "Q4_K": (144, [0, 2]),
-          "Q6_K": (210, [208])}
+BLOCKS = {"Q8_0": (34, [0]), "Q5_0": (22, [0]), "Q5_1": (24, [0, 2]), "Q4_0": (18, [0]), "Q4_1": (20, [0, 2]),
+          "Q5_K": (176, [0, 2]), "Q4_K": (144, [0, 2]), "Q6_K": (210, [208]), "Q3_K": (110, [108]),
+          "Q2_K": (84, [80, 82]), "IQ4_NL": (18, [0]), "IQ4_XS": (136, [0])}
+BITS = {"Q8_0": 8, "Q6_K": 8, "IQ4_NL": 8, "IQ4_XS": 8, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5}  # the others: 4
 
 
 @pytest.mark.parametrize("kind", gguf_blocks.TYPES)
@@ -89,7 +98,7 @@ def test_gguf_blocks_decode_to_what_the_gguf_package_dequantizes(kind):
 
     n, k = 32, 512
     size, halves = BLOCKS[kind]
-    per_block = 256 if kind.endswith("_K") else 32
+    per_block = 256 if kind in gguf_blocks.SUPER else 32
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, (n, k // per_block, size), dtype=np.uint8)
     for at in halves:
@@ -99,7 +108,8 @@ def test_gguf_blocks_decode_to_what_the_gguf_package_dequantizes(kind):
     q, scale, mins = gguf_blocks.decode(kind, raw, k)
     w = qgemm.QWeight.pack(q, scale, mins)  # every type fits a qgemm format, losing nothing
     assert torch.equal(w.dequantized(), torch.from_numpy(want))
-    assert gguf_blocks.decode("Q5_1", raw, k) is None
+    assert w.bits == BITS.get(kind, 4)
+    assert gguf_blocks.decode("TQ1_0", raw, k) is None
 
 
 def _model(family: str, tokenizer, weights: str, dtype=torch.float32, **kw):

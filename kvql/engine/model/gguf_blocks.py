@@ -1,16 +1,22 @@
 """GGUF's quantized blocks as `qgemm`'s integers and per-group scales, without rounding anything.
 
 `decode(type_name, raw, k)`: `raw` a tensor's bytes as the file holds them (`[n, bytes per row]` uint8, one row per
-output), `k` its inputs; returns `(q [n, k], scale [n, k / group], min [n, k / group] or None)` (torch: int32,
-float32, float32) with `scale * q + min` equal to the weight llama.cpp's dequantization gives, bit for bit in
-float32 (tests/test_quantized.py checks it against the `gguf` package's), or None for a type it does not take:
-- Q8_0: 32 int8 and a float16 d; w = d q (8-bit, groups of 32).
-- Q5_0: 32 5-bit q and d; w = d (q - 16): 8-bit values q - 16, groups of 32.
-- Q4_0: 32 4-bit q and d; w = d (q - 8): 4-bit, min -8 d.   Q4_1: w = d q + m: 4-bit, min m.
-- Q4_K: 256 per super-block: float16 d and dmin, 8 sub-blocks of 32 with 6-bit scale sc and min mn;
-  w = d sc q - dmin mn: 4-bit, scale d sc, min -dmin mn (each product exact in float32).
+output), `k` its inputs; returns `(q [n, k], scale [n, k / group], min [n, k / group] or None)` (torch: q int8 or
+uint8, scale and min float32) with `scale * q + min` equal to the weight llama.cpp's dequantization gives, bit for
+bit in float32 (tests/test_quantized.py checks it against the `gguf` package's), or None for a type it does not
+take. Each type on the fewest of qgemm's bits that hold it (8; 5 or 4 with a minimum):
+- Q8_0: 32 int8 and a float16 d; w = d q: 8-bit, groups of 32.
+- Q5_0: 32 5-bit q and d; w = d (q - 16): 5-bit, min -16 d.   Q5_1: w = d q + m: 5-bit, min m.
+- Q4_0: 32 4-bit q and d; w = d (q - 8): 4-bit, min -8 d.     Q4_1: w = d q + m: 4-bit, min m.
+- Q5_K / Q4_K: 256 per super-block: float16 d and dmin, 8 sub-blocks of 32 with 6-bit scale sc and min mn;
+  w = d sc q - dmin mn: 5- / 4-bit, scale d sc, min -dmin mn (each product exact in float32).
 - Q6_K: 256 per super-block: 16 sub-blocks of 16 with an int8 scale, float16 d; w = d sc (q - 32): 8-bit values
-  q - 32, groups of 16, scale d sc.
+  q - 32, groups of 16.
+- Q3_K: 16 sub-blocks of 16, 6-bit scales sc, 3-bit q3 in [-4, 3]; w = d (sc - 32) q3: 4-bit values q3 + 4,
+  groups of 16, min -4 d (sc - 32) (4 bits where the file has 3.4).
+- Q2_K: 16 sub-blocks of 16, 4-bit scale and min each; w = d sc q - dmin mn: 4-bit (the file: 2.6), groups of 16.
+- IQ4_NL / IQ4_XS: 4-bit codes into llama.cpp's 16 non-linear int8 values, per 32 a float16 d (IQ4_XS: d times a
+  6-bit sub-block scale minus 32); w = d table[code]: 8-bit values table[code] (the file: 4.5).
 """
 
 from __future__ import annotations
@@ -18,7 +24,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q5_K", "Q4_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+"""llama.cpp's `kvalues_iq4nl`: the values IQ4_NL's and IQ4_XS's codes stand for."""
+SUPER = ("Q5_K", "Q4_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")
+"""Types in 256-value super-blocks (the others: blocks of 32)."""
 
 
 def _half(raw: np.ndarray) -> np.ndarray:
@@ -27,51 +37,98 @@ def _half(raw: np.ndarray) -> np.ndarray:
 
 
 def _nibbles16(qs: np.ndarray) -> np.ndarray:
-    """16 bytes -> 32 values: low nibbles are values 0..15, high nibbles 16..31 (Q4_0, Q4_1, Q5_0)."""
-    return np.concatenate([qs & 15, qs >> 4], -1).astype(np.int32)
+    """16 bytes -> 32 values: low nibbles are values 0..15, high nibbles 16..31 (Q4_0, Q4_1, Q5_x, IQ4)."""
+    return np.concatenate([qs & 15, qs >> 4], -1)
+
+
+def _bits(words: np.ndarray, count: int) -> np.ndarray:
+    """Bits 0 .. count - 1 of little-endian uint32 words (last axis 4 bytes) as 0 / 1 uint8, bit i at index i."""
+    w = np.ascontiguousarray(words).view(np.uint32)[..., 0]
+    return ((w[..., None] >> np.arange(count, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins (llama.cpp's get_scale_min_k4)."""
+    sc = sc.astype(np.int32)
+    scale = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)], -1)
+    mins = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], -1)
+    return scale, mins
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K's 64 bytes of 2-bit values -> 256, in the order llama.cpp dequantizes them: per half of 128,
+    shift 0, 2, 4, 6, each over bytes 0..15 then 16..31 of the half's 32."""
+    halves = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)
+    return ((halves >> shifts) & 3).reshape(*qs.shape[:-1], 256)
 
 
 def decode(type_name: str, raw: np.ndarray, k: int):
     if type_name not in TYPES:
         return None
     n = raw.shape[0]
-    if type_name.endswith("_K"):
-        b = raw.reshape(n, k // 256, -1)
-    else:
-        b = raw.reshape(n, k // 32, -1)
+    b = raw.reshape(n, k // (256 if type_name in SUPER else 32), -1)
+    mins = None
     if type_name == "Q8_0":
-        d, q = _half(b[..., 0:2]), b[..., 2:34].copy().view(np.int8).astype(np.int32)
-        scale, mins = d, None
-    elif type_name == "Q5_0":
-        d, qh, qs = _half(b[..., 0:2]), b[..., 2:6].copy().view(np.uint32)[..., 0], b[..., 6:22]
-        high = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1
-        q = _nibbles16(qs) + (high.astype(np.int32) << 4) - 16
-        scale, mins = d, None
+        q, scale = b[..., 2:34].copy().view(np.int8), _half(b[..., 0:2])
+    elif type_name in ("Q5_0", "Q5_1"):
+        d, start = _half(b[..., 0:2]), 2 if type_name == "Q5_0" else 4
+        q = _nibbles16(b[..., start + 4:start + 20]) | (_bits(b[..., start:start + 4], 32) << 4)
+        scale, mins = d, (-16 * d if type_name == "Q5_0" else _half(b[..., 2:4]))
     elif type_name == "Q4_0":
         d = _half(b[..., 0:2])
         q, scale, mins = _nibbles16(b[..., 2:18]), d, -8 * d
     elif type_name == "Q4_1":
         q, scale, mins = _nibbles16(b[..., 4:20]), _half(b[..., 0:2]), _half(b[..., 2:4])
-    elif type_name == "Q4_K":
-        d, dmin, sc, qs = _half(b[..., 0:2]), _half(b[..., 2:4]), b[..., 4:16].astype(np.int32), b[..., 16:144]
-        lo = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)], -1)
-        mn = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], -1)
+    elif type_name in ("Q4_K", "Q5_K"):
+        d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])
+        qs = b[..., 16:144] if type_name == "Q4_K" else b[..., 48:176]
         chunks = qs.reshape(n, k // 256, 4, 32)  # 64 values each: 32 low nibbles, then 32 high
-        q = np.stack([chunks & 15, chunks >> 4], 3).reshape(n, k // 256, 8, 32).astype(np.int32)
-        scale = d[..., None] * lo.astype(np.float32)
+        q = np.stack([chunks & 15, chunks >> 4], 3)  # [n, blocks, 4, 2, 32]
+        if type_name == "Q5_K":  # value l of chunk c's low / high half: bit 2 c / 2 c + 1 of qh[l]
+            high = (b[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [n, blocks, 32, 8]
+            q = q | (high.transpose(0, 1, 3, 2).reshape(n, k // 256, 4, 2, 32) << 4)
+        scale = d[..., None] * sc.astype(np.float32)
         mins = -(dmin[..., None] * mn.astype(np.float32))
-    else:  # Q6_K
-        ql, qh = b[..., 0:128].astype(np.int32), b[..., 128:192].astype(np.int32)
+    elif type_name == "Q6_K":
+        ql, qh = b[..., 0:128], b[..., 128:192]
         sc, d = b[..., 192:208].copy().view(np.int8).astype(np.float32), _half(b[..., 208:210])
         halves = []
         for h in range(2):  # 128 values per half: ql 64 bytes, qh 32
             l, hb = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
             halves += [(l[..., :32] & 15) | ((hb & 3) << 4), (l[..., 32:] & 15) | (((hb >> 2) & 3) << 4),
                        (l[..., :32] >> 4) | (((hb >> 4) & 3) << 4), (l[..., 32:] >> 4) | (((hb >> 6) & 3) << 4)]
-        q = np.concatenate(halves, -1) - 32
-        scale, mins = d[..., None] * sc, None
-    q = torch.from_numpy(np.ascontiguousarray(q.reshape(n, k)))
-    groups = k // (16 if type_name == "Q6_K" else 32)
-    scale = torch.from_numpy(np.ascontiguousarray(scale.reshape(n, groups), dtype=np.float32))
-    mins = None if mins is None else torch.from_numpy(np.ascontiguousarray(mins.reshape(n, groups), dtype=np.float32))
-    return q, scale, mins
+        q = (np.concatenate(halves, -1).astype(np.int16) - 32).astype(np.int8)
+        scale = d[..., None] * sc
+    elif type_name == "Q3_K":
+        hmask, qs, s, d = b[..., 0:32], b[..., 32:96], b[..., 96:108].astype(np.int32), _half(b[..., 108:110])
+        j = np.arange(16)
+        low = np.where(j < 8, s[..., j % 8] & 15, s[..., j % 8] >> 4)
+        sc = low | (((s[..., 8 + j % 4] >> (2 * (j // 4))) & 3) << 4)
+        # hmask bit 4 h + shift of byte l (of 32) goes with the value at half h, shift, byte l
+        high = ((hmask[..., None, None, :] >> (4 * np.arange(2).reshape(2, 1, 1) + np.arange(4).reshape(1, 4, 1)))
+                & 1).reshape(n, k // 256, 256)
+        q = _crumbs(qs) + 4 * high  # q3 + 4: in [0, 7]
+        scale = d[..., None] * (sc - 32).astype(np.float32)
+        mins = -4 * scale
+    elif type_name == "Q2_K":
+        s, qs, d, dmin = b[..., 0:16], b[..., 16:80], _half(b[..., 80:82]), _half(b[..., 82:84])
+        q = _crumbs(qs)
+        scale = d[..., None] * (s & 15).astype(np.float32)
+        mins = -(dmin[..., None] * (s >> 4).astype(np.float32))
+    elif type_name == "IQ4_NL":
+        q, scale = IQ4_VALUES[_nibbles16(b[..., 2:18])], _half(b[..., 0:2])
+    else:  # IQ4_XS
+        d, high, low = _half(b[..., 0:2]), b[..., 2:4].copy().view(np.uint16)[..., 0], b[..., 4:8]
+        sub = np.arange(8)
+        ls = ((low[..., sub // 2] >> (4 * (sub % 2))) & 15) | (((high[..., None] >> (2 * sub)) & 3) << 4)
+        q = IQ4_VALUES[_nibbles16(b[..., 8:136].reshape(n, k // 256, 8, 16))]
+        scale = d[..., None] * (ls.astype(np.int32) - 32).astype(np.float32)
+    groups = k // (16 if type_name in ("Q6_K", "Q3_K", "Q2_K") else 32)
+
+    def tensor(a, dtype):
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype).reshape(n, -1))
+
+    q = tensor(q, np.int8 if q.dtype == np.int8 else np.uint8)
+    return q, tensor(scale, np.float32), None if mins is None else tensor(mins, np.float32)

@@ -173,8 +173,9 @@ class Report:
         tied = " (the embedding looks up the head's rows)" if self.tied else ""
         text = (f"weights {self.weights}: {sum(self.kinds.values())} linear layers quantized ({kinds}), "
                 f"{self.quantized_bytes / 2**20:.0f} MiB{tied}; other parameters {self.float_bytes / 2**20:.0f} MiB")
+        text += f"; kernel {qgemm.kernel()}"
         if not qgemm.fast():
-            text += "; the plain C kernel (this CPU has no AVX512-VNNI: several times slower)"
+            text += " (this CPU has neither AVX512-VNNI nor AVX2 + FMA + F16C: several times slower)"
         for why, names in sorted(self.left.items()):
             text += f"; {len(names)} left dequantized ({why}: {names[0]}{', ...' if len(names) > 1 else ''})"
         return text

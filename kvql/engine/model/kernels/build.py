@@ -30,7 +30,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 BASE_FLAGS = ["-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -52,7 +52,7 @@ def load(name: str, flags: list[str] | None = None) -> ctypes.CDLL:
     flags = BASE_FLAGS + list(flags or [])
     source = HERE / f"{name}.c"
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
-    key = hashlib.sha256(text + " ".join([cc, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join([cc, *flags, cpu_flags()]).encode()).hexdigest()[:16]
     cache = cache_dir()
     path = cache / f"{name}-{key}.so"
     stamp = path.with_suffix(".sha256")

@@ -1,25 +1,31 @@
 /* Linear layers on quantized weights (contract in qgemm.py): out[m, n] = sum_k x[m, k] * w[n, k], w given as
-   small integers q with a scale (and, 4-bit, a minimum) per group of G inputs: w = scale * q (+ min).
+   small integers q with a scale (and, 4- and 5-bit, a minimum) per group of G inputs: w = scale * q (+ min).
 
    x, per row and group g of 32 inputs, as int16: a = max |x|, sx = a / 32767, xq = round(x * (32767 / a)) (to
-   nearest even), xsum = the inputs' sum in order. Why int16 and not llama.cpp's int8: a step of x's grid is 1/32767
-   of the group's largest input, so two rows that differ by float rounding (two attention kernels' outputs) give
-   outputs that differ by about as little (int8's steps of 1/127 made them differ by a few percent: the engine's
-   check of a model against its own forward refused it); integer dot products (vpdpwssd) keep it fast.
+   nearest even); xsum = the inputs' sum in order, per 32 inputs and per 16 (a group's own). Why int16 and not
+   llama.cpp's int8: a step of x's grid is 1/32767 of the group's largest input, so two rows that differ by float
+   rounding (two attention kernels' outputs) give outputs that differ by about as little (int8's steps of 1/127
+   made them differ by a few percent: the engine's check of a model against its own forward refused it); integer
+   dot products (vpdpwssd, vpmaddwd) keep it fast.
 
    Weights, 16 outputs side by side (a "block"):
    - 8-bit: q int8 [n / 16][k / 2][16][2] (two inputs of an output side by side: what vpdpwssd multiplies);
-     groups of G = 16 or 32.
-   - 4-bit: q uint8 [n / 16][k / 4][16][2], byte i of an output's pair in quad j holding input 4 j + i in its low
-     nibble and 4 j + 2 + i in its high one; groups of 32.
+     groups of G = 16 or 32; no minimum.
+   - 4-bit: q uint8 [n / 16][k / 4][16][2] (a "quad" j: 32 bytes), byte i of an output's pair in quad j holding
+     input 4 j + i in its low nibble and 4 j + 2 + i in its high one; groups of 16 or 32, with a minimum.
+   - 5-bit: the 4-bit quad's 32 bytes, then two uint32 of fifth bits (40 bytes a quad): bit 2 o + i of the first
+     is output o's input 4 j + i's, of the second its input 4 j + 2 + i's (the lanes the nibbles widen to);
+     groups of 32, with a minimum.
    scale (and min) [n / 16][k / G][16]: float16 or float32.
 
    Per output, one chain over the groups in order, from zero:
        acc = fma((float) isum_g, scale_g * sx_g, acc)     isum_g: the group's exact integer dot product of q and xq
-       acc = fma(min_g, xsum_g, acc)                      (4-bit)
-   and the output is acc (bfloat16: rounded once, to nearest even). The vector kernel (AVX512-VNNI) and the plain C
-   one (`kvql_qgemm_ref`, everywhere) compute that same chain, so they agree bit for bit, and a row's result never
-   depends on the rows beside it, the threads, or how many rows the call has: batch-invariant by construction. */
+       acc = fma(min_g, xsum_g, acc)                      (4- and 5-bit)
+   and the output is acc (bfloat16: rounded once, to nearest even). The vector kernels (AVX512-VNNI; AVX2 + FMA +
+   F16C) and the plain C one (`kvql_qgemm_ref`, everywhere) compute that same chain, so they agree bit for bit,
+   and a row's result never depends on the rows beside it, the threads, or how many rows the call has:
+   batch-invariant by construction. Which vector kernel a library has is fixed where it is built (-march=native:
+   the machine it runs on); `kvql_qgemm_isa` says which. */
 
 #include <math.h>
 #include <stdint.h>
@@ -28,11 +34,13 @@
 
 #include "simd.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
 #define QGEMM_AVX512 1
-const int kvql_qgemm_fast = 1;
+const int kvql_qgemm_isa = 2;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QGEMM_AVX2 1
+const int kvql_qgemm_isa = 1;
 #else
-const int kvql_qgemm_fast = 0;
+const int kvql_qgemm_isa = 0;
 #endif
 
 #define XMAX 32767.0f
@@ -56,26 +64,30 @@ static inline float h2f(uint16_t h) {
     return f;
 }
 
-/* Row x (float32 or bfloat16, k inputs) quantized: xq[k], sx[k / 32], xsum[k / 32] (module doc). */
-static void quantize_row(const void *x, int is_bf16, int64_t k, int16_t *xq, float *sx, float *xsum) {
+/* Row x (float32 or bfloat16, k inputs) quantized: xq[k], sx[k / 32], xs32[k / 32], xs16[k / 16] (module doc). */
+static void quantize_row(const void *x, int is_bf16, int64_t k, int16_t *xq, float *sx, float *xs32, float *xs16) {
     for (int64_t g = 0; g < k / 32; g++) {
-        float v[32], a = 0.0f, s = 0.0f;
+        float v[32], a = 0.0f, s = 0.0f, h[2] = {0.0f, 0.0f};
         for (int i = 0; i < 32; i++) {
             v[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[32 * g + i]) : ((const float *)x)[32 * g + i];
             a = fmaxf(a, fabsf(v[i]));
             s += v[i];
+            h[i / 16] += v[i];
         }
         float inv = a > 0.0f ? XMAX / a : 0.0f;
         for (int i = 0; i < 32; i++) xq[32 * g + i] = (int16_t)nearbyintf(v[i] * inv);
-        sx[g] = a / XMAX, xsum[g] = s;
+        sx[g] = a / XMAX, xs32[g] = s, xs16[2 * g] = h[0], xs16[2 * g + 1] = h[1];
     }
 }
 
 typedef struct {
-    const void *q, *scale, *min; /* min: 4-bit only */
+    const void *q, *scale, *min; /* min: 4- and 5-bit */
     int64_t n, k;
     int bits, group, scale_f32;
 } qweight;
+
+/* bytes of a quad (4 inputs of 16 outputs) in the 4- and 5-bit layouts */
+static inline int64_t quad_bytes(int bits) { return bits == 5 ? 40 : 32; }
 
 static inline float scale_at(const void *p, int64_t i, int is_f32) {
     return is_f32 ? ((const float *)p)[i] : h2f(((const uint16_t *)p)[i]);
@@ -83,12 +95,19 @@ static inline float scale_at(const void *p, int64_t i, int is_f32) {
 
 static inline int32_t q_at(const qweight *w, int64_t b, int64_t j, int o) {
     if (w->bits == 8) return ((const int8_t *)w->q)[((b * (w->k / 2) + j / 2) * 16 + o) * 2 + j % 2];
-    uint8_t byte = ((const uint8_t *)w->q)[((b * (w->k / 4) + j / 4) * 16 + o) * 2 + j % 2];
-    return j % 4 < 2 ? byte & 15 : byte >> 4;
+    const uint8_t *quad = (const uint8_t *)w->q + (b * (w->k / 4) + j / 4) * quad_bytes(w->bits);
+    const int low = j % 4 < 2;
+    int32_t v = low ? quad[o * 2 + j % 2] & 15 : quad[o * 2 + j % 2] >> 4;
+    if (w->bits == 5) {
+        uint32_t fifth;
+        memcpy(&fifth, quad + 32 + (low ? 0 : 4), 4);
+        v |= (int32_t)((fifth >> (2 * o + j % 2)) & 1) << 4;
+    }
+    return v;
 }
 
 /* The chain of the module doc for the 16 outputs of block b and one quantized row: plain C. */
-static void block_ref(const qweight *w, int64_t b, const int16_t *xq, const float *sx, const float *xsum, float *acc) {
+static void block_ref(const qweight *w, int64_t b, const int16_t *xq, const float *sx, const float *xs, float *acc) {
     const int64_t G = w->group, groups = w->k / G;
     for (int o = 0; o < 16; o++) {
         float a = 0.0f;
@@ -97,22 +116,42 @@ static void block_ref(const qweight *w, int64_t b, const int16_t *xq, const floa
             for (int64_t j = g * G; j < (g + 1) * G; j++) isum += q_at(w, b, j, o) * xq[j];
             int64_t at = (b * groups + g) * 16 + o;
             a = fmaf((float)isum, scale_at(w->scale, at, w->scale_f32) * sx[g * G / 32], a);
-            if (w->bits == 4) a = fmaf(scale_at(w->min, at, w->scale_f32), xsum[g], a);
+            if (w->min) a = fmaf(scale_at(w->min, at, w->scale_f32), xs[g], a);
         }
         acc[o] = a;
     }
 }
 
 #ifdef QGEMM_AVX512
+#define QGEMM_VECTOR 1
+/* One row: blocks at a time; several rows: blocks by rows (AVX-512 has 32 registers) */
+#define ONE_ROW_BLOCKS 4
+#define TILE_BLOCKS 2
+#define TILE_ROWS 4
+
 static inline __m512 scales16(const void *p, int64_t at, int is_f32) {
     return is_f32 ? _mm512_loadu_ps((const float *)p + at)
                   : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
 }
 
-/* Blocks b .. b + NB - 1 (16 outputs each) for R quantized rows (xq rows k apart, sx / xsum rows k / 32 apart):
-   the same chain as block_ref, NB R integer sums in flight. acc[r * NB + i]: row r, block b + i. */
+/* Quad j of block b widened to int16 lanes 2 o + i: lo = inputs 4 j + i, hi = 4 j + 2 + i (fifth bits added). */
+static inline __attribute__((always_inline)) void quad16(const qweight *w, int64_t b, int64_t j, __m512i *lo,
+                                                         __m512i *hi) {
+    const uint8_t *quad = (const uint8_t *)w->q + (b * (w->k / 4) + j) * quad_bytes(w->bits);
+    __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)quad));
+    *lo = _mm512_and_si512(v, _mm512_set1_epi16(15)), *hi = _mm512_srli_epi16(v, 4);
+    if (w->bits == 5) {
+        uint32_t m0, m1;
+        memcpy(&m0, quad + 32, 4), memcpy(&m1, quad + 36, 4);
+        *lo = _mm512_mask_add_epi16(*lo, m0, *lo, _mm512_set1_epi16(16));
+        *hi = _mm512_mask_add_epi16(*hi, m1, *hi, _mm512_set1_epi16(16));
+    }
+}
+
+/* Blocks b .. b + NB - 1 (16 outputs each) for R quantized rows (xq rows k apart, sx rows k / 32 apart, xs rows
+   k / G apart): the same chain as block_ref, NB R integer sums in flight. acc[r * NB + i]: row r, block b + i. */
 static inline __attribute__((always_inline)) void tile_acc(const qweight *w, int64_t b, const int16_t *xq,
-                                                          const float *sx, const float *xsum, __m512 *acc,
+                                                          const float *sx, const float *xs, __m512 *acc,
                                                           const int NB, const int R) {
     const int64_t k = w->k, G = w->group, groups = k / G;
     #pragma GCC unroll 8
@@ -141,11 +180,7 @@ static inline __attribute__((always_inline)) void tile_acc(const qweight *w, int
             for (int64_t j = g * G / 4; j < (g + 1) * G / 4; j++) { /* inputs 4 j .. 4 j + 3 */
                 __m512i lo[4], hi[4];
                 #pragma GCC unroll 8
-                for (int i = 0; i < NB; i++) {
-                    __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-                        (const __m256i *)((const uint8_t *)w->q + ((b + i) * (k / 4) + j) * 32)));
-                    lo[i] = _mm512_and_si512(v, _mm512_set1_epi16(15)), hi[i] = _mm512_srli_epi16(v, 4);
-                }
+                for (int i = 0; i < NB; i++) quad16(w, b + i, j, &lo[i], &hi[i]);
                 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
                     int32_t x0, x1;
@@ -163,13 +198,13 @@ static inline __attribute__((always_inline)) void tile_acc(const qweight *w, int
         for (int i = 0; i < NB; i++) {
             int64_t at = ((b + i) * groups + g) * 16;
             __m512 s = scales16(w->scale, at, w->scale_f32);
-            __m512 m = w->bits == 4 ? scales16(w->min, at, w->scale_f32) : s;
+            __m512 m = w->min ? scales16(w->min, at, w->scale_f32) : s;
             #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 int n = r * NB + i;
-                int64_t xg = r * (k / 32) + g * G / 32;
-                acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[n]), _mm512_mul_ps(s, _mm512_set1_ps(sx[xg])), acc[n]);
-                if (w->bits == 4) acc[n] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[xg]), acc[n]);
+                acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[n]),
+                                         _mm512_mul_ps(s, _mm512_set1_ps(sx[r * (k / 32) + g * G / 32])), acc[n]);
+                if (w->min) acc[n] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * groups + g]), acc[n]);
             }
         }
     }
@@ -186,14 +221,140 @@ static inline void store16(void *out, int64_t at, __m512 v, int is_bf16) {
 
 /* Blocks b .. b + NB - 1 for rows m0 .. m0 + R - 1, written to out (rows ldo apart). */
 static inline __attribute__((always_inline)) void tile(const qweight *w, int64_t b, int64_t m0, const int16_t *xq,
-                                                       const float *sx, const float *xsum, void *out, int64_t ldo,
+                                                       const float *sx, const float *xs, void *out, int64_t ldo,
                                                        int is_bf16, const int NB, const int R) {
     __m512 acc[8];
-    tile_acc(w, b, xq + m0 * w->k, sx + m0 * (w->k / 32), xsum + m0 * (w->k / 32), acc, NB, R);
+    const int64_t groups = w->k / w->group;
+    tile_acc(w, b, xq + m0 * w->k, sx + m0 * (w->k / 32), xs + m0 * groups, acc, NB, R);
     #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
         #pragma GCC unroll 8
         for (int i = 0; i < NB; i++) store16(out, (m0 + r) * ldo + (b + i) * 16, acc[r * NB + i], is_bf16);
+}
+#endif
+
+#ifdef QGEMM_AVX2
+#define QGEMM_VECTOR 1
+/* 16 registers: one row two blocks at a time, several rows one block by four */
+#define ONE_ROW_BLOCKS 2
+#define TILE_BLOCKS 2
+#define TILE_ROWS 2
+
+static inline __m256 scales8(const void *p, int64_t at, int is_f32) {
+    return is_f32 ? _mm256_loadu_ps((const float *)p + at)
+                  : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at)));
+}
+
+/* 16 fifth bits (bit l: int16 lane l) as 16 or 0 per lane */
+static inline __m256i fifths(uint32_t bits) {
+    const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          (short)0x8000);
+    __m256i v = _mm256_and_si256(_mm256_set1_epi16((short)bits), sel);
+    return _mm256_and_si256(_mm256_cmpeq_epi16(v, sel), _mm256_set1_epi16(16));
+}
+
+/* Half h (outputs 8 h .. 8 h + 7) of quad j of block b widened to int16 lanes 2 o + i, as quad16 on AVX-512. */
+static inline __attribute__((always_inline)) void quad8(const qweight *w, int64_t b, int64_t j, int h, __m256i *lo,
+                                                        __m256i *hi) {
+    const uint8_t *quad = (const uint8_t *)w->q + (b * (w->k / 4) + j) * quad_bytes(w->bits);
+    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(quad + 16 * h)));
+    *lo = _mm256_and_si256(v, _mm256_set1_epi16(15)), *hi = _mm256_srli_epi16(v, 4);
+    if (w->bits == 5) {
+        uint32_t m0, m1;
+        memcpy(&m0, quad + 32, 4), memcpy(&m1, quad + 36, 4);
+        *lo = _mm256_add_epi16(*lo, fifths(m0 >> (16 * h)));
+        *hi = _mm256_add_epi16(*hi, fifths(m1 >> (16 * h)));
+    }
+}
+
+/* tile_acc of the AVX-512 kernel on 8-lane halves: acc[(r * NB + i) * 2 + h]: row r, block b + i, outputs 8 h on;
+   vpmaddwd + vpaddd sum the same integers vpdpwssd does (exactly: no sum leaves int32). */
+static inline __attribute__((always_inline)) void tile_acc(const qweight *w, int64_t b, const int16_t *xq,
+                                                          const float *sx, const float *xs, __m256 *acc,
+                                                          const int NB, const int R) {
+    const int64_t k = w->k, G = w->group, groups = k / G;
+    #pragma GCC unroll 8
+    for (int i = 0; i < NB * R * 2; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i is[8];
+        #pragma GCC unroll 8
+        for (int i = 0; i < NB * R * 2; i++) is[i] = _mm256_setzero_si256();
+        if (w->bits == 8) {
+            for (int64_t j = g * G / 2; j < (g + 1) * G / 2; j++) {
+                #pragma GCC unroll 8
+                for (int i = 0; i < NB; i++)
+                    #pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++) {
+                        __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(
+                            (const __m128i *)((const int8_t *)w->q + ((b + i) * (k / 2) + j) * 32 + 16 * h)));
+                        #pragma GCC unroll 8
+                        for (int r = 0; r < R; r++) {
+                            int32_t xp;
+                            memcpy(&xp, xq + r * k + 2 * j, 4);
+                            int n = (r * NB + i) * 2 + h;
+                            is[n] = _mm256_add_epi32(is[n], _mm256_madd_epi16(wv, _mm256_set1_epi32(xp)));
+                        }
+                    }
+            }
+        } else {
+            for (int64_t j = g * G / 4; j < (g + 1) * G / 4; j++) {
+                #pragma GCC unroll 8
+                for (int i = 0; i < NB; i++)
+                    #pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++) {
+                        __m256i lo, hi;
+                        quad8(w, b + i, j, h, &lo, &hi);
+                        #pragma GCC unroll 8
+                        for (int r = 0; r < R; r++) {
+                            int32_t x0, x1;
+                            memcpy(&x0, xq + r * k + 4 * j, 4), memcpy(&x1, xq + r * k + 4 * j + 2, 4);
+                            int n = (r * NB + i) * 2 + h;
+                            is[n] = _mm256_add_epi32(is[n], _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi32(x0)),
+                                                                             _mm256_madd_epi16(hi, _mm256_set1_epi32(x1))));
+                        }
+                    }
+            }
+        }
+        #pragma GCC unroll 8
+        for (int i = 0; i < NB; i++)
+            #pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                int64_t at = ((b + i) * groups + g) * 16 + 8 * h;
+                __m256 s = scales8(w->scale, at, w->scale_f32);
+                __m256 m = w->min ? scales8(w->min, at, w->scale_f32) : s;
+                #pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    int n = (r * NB + i) * 2 + h;
+                    acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[n]),
+                                             _mm256_mul_ps(s, _mm256_set1_ps(sx[r * (k / 32) + g * G / 32])), acc[n]);
+                    if (w->min) acc[n] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * groups + g]), acc[n]);
+                }
+            }
+    }
+}
+
+static inline void store8(void *out, int64_t at, __m256 v, int is_bf16) {
+    if (is_bf16) {
+        float f[8];
+        _mm256_storeu_ps(f, v);
+        for (int o = 0; o < 8; o++) ((uint16_t *)out)[at + o] = f32_to_bf16(f[o]);
+    } else
+        _mm256_storeu_ps((float *)out + at, v);
+}
+
+static inline __attribute__((always_inline)) void tile(const qweight *w, int64_t b, int64_t m0, const int16_t *xq,
+                                                       const float *sx, const float *xs, void *out, int64_t ldo,
+                                                       int is_bf16, const int NB, const int R) {
+    __m256 acc[8];
+    const int64_t groups = w->k / w->group;
+    tile_acc(w, b, xq + m0 * w->k, sx + m0 * (w->k / 32), xs + m0 * groups, acc, NB, R);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        #pragma GCC unroll 8
+        for (int i = 0; i < NB; i++)
+            #pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+                store8(out, (m0 + r) * ldo + (b + i) * 16 + 8 * h, acc[(r * NB + i) * 2 + h], is_bf16);
 }
 #endif
 
@@ -205,55 +366,65 @@ static void store(void *out, int64_t i, float v, int is_bf16) {
 }
 
 static int valid(const qweight *w, int64_t rows) {
-    return rows >= 1 && w->n % 16 == 0 && w->k % 32 == 0 && (w->bits == 8 || w->bits == 4)
-           && (w->group == 32 || (w->group == 16 && w->bits == 8));
+    if (rows < 1 || w->n % 16 || w->k % 32) return 0;
+    if (w->bits == 8) return w->group == 16 || w->group == 32;
+    if (!w->min) return 0;
+    return (w->bits == 4 && (w->group == 16 || w->group == 32)) || (w->bits == 5 && w->group == 32);
 }
+
+#ifdef QGEMM_VECTOR
+/* Blocks of chunk c (of `chunk` blocks) for every row, in the widest tiles that fit. */
+static inline void chunk_tiles(const qweight *w, int64_t c, int64_t chunk, int64_t nb, int64_t rows,
+                               const int16_t *xq, const float *sx, const float *xs, void *out, int64_t ldo,
+                               int is_bf16) {
+    int64_t b = c * chunk, end = b + chunk < nb ? b + chunk : nb;
+    if (rows == 1) {
+#if ONE_ROW_BLOCKS == 4
+        if (end - b == 4) {
+            tile(w, b, 0, xq, sx, xs, out, ldo, is_bf16, 4, 1);
+            return;
+        }
+#endif
+        for (; b + 2 <= end; b += 2) tile(w, b, 0, xq, sx, xs, out, ldo, is_bf16, 2, 1);
+        for (; b < end; b++) tile(w, b, 0, xq, sx, xs, out, ldo, is_bf16, 1, 1);
+        return;
+    }
+    int64_t m = 0;
+    if (end - b == TILE_BLOCKS) {
+        for (; m + TILE_ROWS <= rows; m += TILE_ROWS) tile(w, b, m, xq, sx, xs, out, ldo, is_bf16, TILE_BLOCKS, TILE_ROWS);
+        for (; m < rows; m++) tile(w, b, m, xq, sx, xs, out, ldo, is_bf16, TILE_BLOCKS, 1);
+        return;
+    }
+    for (; m + TILE_ROWS <= rows; m += TILE_ROWS) tile(w, b, m, xq, sx, xs, out, ldo, is_bf16, 1, TILE_ROWS);
+    for (; m < rows; m++) tile(w, b, m, xq, sx, xs, out, ldo, is_bf16, 1, 1);
+}
+#endif
 
 static int run(const void *x, int64_t ldx, const qweight *w, void *out, int64_t ldo, int64_t rows, int is_bf16,
                int threads, int ref) {
     if (!valid(w, rows)) return 1;
     const int64_t k = w->k, nb = w->n / 16;
     int16_t *xq = malloc(sizeof(int16_t) * rows * k);
-    float *sx = malloc(sizeof(float) * rows * (k / 32)), *xsum = malloc(sizeof(float) * rows * (k / 32));
-    if (!xq || !sx || !xsum) {
-        free(xq), free(sx), free(xsum);
+    float *sx = malloc(sizeof(float) * rows * (k / 32)), *xs32 = malloc(sizeof(float) * rows * (k / 32));
+    float *xs16 = malloc(sizeof(float) * rows * (k / 16));
+    if (!xq || !sx || !xs32 || !xs16) {
+        free(xq), free(sx), free(xs32), free(xs16);
         return 1;
     }
-    for (int64_t m = 0; m < rows; m++)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * k >= 1 << 14)
+    for (int64_t m = 0; m < rows; m++) /* each row on its own: the same whoever quantizes it */
         quantize_row((const char *)x + m * ldx * (is_bf16 ? 2 : 4), is_bf16, k, xq + m * k, sx + m * (k / 32),
-                     xsum + m * (k / 32));
-#ifdef QGEMM_AVX512
+                     xs32 + m * (k / 32), xs16 + m * (k / 16));
+    const float *xs = w->group == 16 ? xs16 : xs32; /* a group's own sums, rows k / G apart */
+    const int64_t groups = k / w->group;
+#ifdef QGEMM_VECTOR
     if (!ref) {
-        /* one row: four blocks at a time (64 outputs, four weight streams); more: two blocks by four rows */
-        const int64_t chunk = rows == 1 && nb >= 128 ? 4 : 2;
+        /* one row: ONE_ROW_BLOCKS blocks a chunk where there are enough for every thread, else two */
+        const int64_t chunk = rows > 1 ? TILE_BLOCKS : nb >= 128 ? ONE_ROW_BLOCKS : 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (w->n * k * rows >= 1 << 15)
-        for (int64_t c = 0; c < (nb + chunk - 1) / chunk; c++) {
-            int64_t b = c * chunk;
-            if (rows == 1) {
-                if (chunk == 4 && b + 4 <= nb)
-                    tile(w, b, 0, xq, sx, xsum, out, ldo, is_bf16, 4, 1);
-                else if (b + 2 <= nb && b + 2 <= c * chunk + chunk)
-                    tile(w, b, 0, xq, sx, xsum, out, ldo, is_bf16, 2, 1);
-                else
-                    for (; b < nb && b < c * chunk + chunk; b++) tile(w, b, 0, xq, sx, xsum, out, ldo, is_bf16, 1, 1);
-                continue;
-            }
-            const int two = b + 2 <= nb;
-            int64_t m = 0;
-            for (; m + 4 <= rows; m += 4) {
-                if (two)
-                    tile(w, b, m, xq, sx, xsum, out, ldo, is_bf16, 2, 4);
-                else
-                    tile(w, b, m, xq, sx, xsum, out, ldo, is_bf16, 1, 4);
-            }
-            for (; m < rows; m++) {
-                if (two)
-                    tile(w, b, m, xq, sx, xsum, out, ldo, is_bf16, 2, 1);
-                else
-                    tile(w, b, m, xq, sx, xsum, out, ldo, is_bf16, 1, 1);
-            }
-        }
-        free(xq), free(sx), free(xsum);
+        for (int64_t c = 0; c < (nb + chunk - 1) / chunk; c++)
+            chunk_tiles(w, c, chunk, nb, rows, xq, sx, xs, out, ldo, is_bf16);
+        free(xq), free(sx), free(xs32), free(xs16);
         return 0;
     }
 #endif
@@ -261,12 +432,12 @@ static int run(const void *x, int64_t ldx, const qweight *w, void *out, int64_t 
     for (int64_t b = 0; b < nb; b++) {
         float acc[16];
         for (int64_t m = 0; m < rows; m++) {
-            block_ref(w, b, xq + m * k, sx + m * (k / 32), xsum + m * (k / 32), acc);
+            block_ref(w, b, xq + m * k, sx + m * (k / 32), xs + m * groups, acc);
             for (int o = 0; o < 16; o++) store(out, m * ldo + b * 16 + o, acc[o], is_bf16);
         }
     }
     (void)ref;
-    free(xq), free(sx), free(xsum);
+    free(xq), free(sx), free(xs32), free(xs16);
     return 0;
 }
 
@@ -278,7 +449,7 @@ int kvql_qgemm(const void *x, int64_t ldx, const void *q, const void *scale, con
     return run(x, ldx, &w, out, ldo, rows, is_bf16, threads, 0);
 }
 
-/* The same by the plain C chain (the reference the vector kernel equals bit for bit). */
+/* The same by the plain C chain (the reference the vector kernels equal bit for bit). */
 int kvql_qgemm_ref(const void *x, int64_t ldx, const void *q, const void *scale, const void *min, void *out,
                    int64_t ldo, int64_t rows, int64_t n, int64_t k, int bits, int group, int scale_f32, int is_bf16,
                    int threads) {

@@ -1,6 +1,6 @@
-"""Linear layers on quantized weights (qgemm.c): `x @ w.T` where w is 8-bit or 4-bit integers with a scale (4-bit:
-and a minimum) per group of inputs, as GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K blocks and kvql's own int8 /
-int4 quantization hold them.
+"""Linear layers on quantized weights (qgemm.c): `x @ w.T` where w is 8-, 5- or 4-bit integers with a scale (5- and
+4-bit: and a minimum) per group of inputs, as GGUF's blocks (`gguf_blocks`) and kvql's own int8 / int4 quantization
+hold them.
 
 Why: a decode step's time is the time to read the weights; 4-bit weights are a quarter of bf16's bytes, 8-bit half.
 The arithmetic is llama.cpp's with a finer grid for x: each row quantized to int16 per 32 inputs (llama.cpp: int8),
@@ -10,17 +10,22 @@ kvql's exactness (cached == uncached, against the model's own forward) holds as 
 why int8 did not).
 
 Contract (CPU; x float32 or bfloat16, `[rows, k]`, last dimension contiguous, any rows):
-- `QWeight.pack(q [n, k] ints, scale [n, k / group], min [n, k / group] or None)`: w = scale * q (+ min); 8-bit q in
-  [-128, 127] (group 16 or 32), 4-bit q in [0, 15] with a min (group 32); n % 16 == 0, k % 32 == 0 (`fits`). Scales
-  are kept as float16 where every one is exactly a float16, else float32: packing never rounds a weight.
+- `QWeight.pack(q [n, k] ints, scale [n, k / group], min [n, k / group] or None)`: w = scale * q (+ min); without a
+  min 8-bit q in [-128, 127] (group 16 or 32); with one, 4-bit q in [0, 15] (group 16 or 32) or 5-bit q in
+  [0, 31] (group 32), the fewest bits that hold every value; n % 16 == 0, k % 32 == 0 (`fits`). Scales are kept as
+  float16 where every one is exactly a float16, else float32: packing never rounds a weight.
 - `qgemm(x, w)` -> `[rows, n]` in x's dtype: per row and output one float32 chain over the groups in order
   (qgemm.c), so each output depends on its own row only: batch-invariant whatever the rows beside it, the threads,
-  or the kernel (the AVX512-VNNI one equals the plain C one, `qgemm(..., reference=True)`, bit for bit; tested).
+  or the kernel (every vector kernel equals the plain C one, `qgemm(..., reference=True)`, bit for bit; tested).
 - `w.dequantized()`: the float32 weight it stands for (scale * q + min, exactly).
 
-Availability: built once per machine (`build`); `available()` is False without a compiler or with `KVQL_QGEMM=0`
-(`kvql.model(weights=...)` then says why it cannot). `fast()`: whether the vector kernel runs here (AVX512-VNNI);
-without it the plain C chain computes the same results, several times slower.
+Kernels: the library is built once per machine for its own instruction set (`build`: -march=native), so the kernel
+is chosen on the machine that runs it: AVX512-VNNI (vpdpwssd, 16 outputs a vector), else AVX2 + FMA + F16C
+(vpmaddwd, 8 outputs a vector: AMD Zen 1-3, Intel's consumer cores), else the plain C chain (several times slower;
+`kernel()` names it, the quantization report says so). `variants()`: every kernel this machine can run (the
+native one and, on an AVX-512 machine with AVX2, the AVX2 build), for the tests that hold each to the plain chain.
+`available()` is False without a compiler or with `KVQL_QGEMM=0` (`kvql.model(weights=...)` then says why it
+cannot).
 """
 
 from __future__ import annotations
@@ -34,17 +39,37 @@ from . import build
 _ARGS = [build.PTR, build.I64, build.PTR, build.PTR, build.PTR, build.PTR, build.I64, build.I64, build.I64, build.I64,
          build.I32, build.I32, build.I32, build.I32, build.I32]
 SIGNATURES = {"kvql_qgemm": (build.I32, _ARGS), "kvql_qgemm_ref": (build.I32, _ARGS)}
-LIBRARY = build.Library("qgemm", "KVQL_QGEMM", "quantized weights are dequantized", SIGNATURES,
-                        flags=["-ffp-contract=off"], limits=("kvql_qgemm_fast",))
+_FLAGS = ["-ffp-contract=off"]
+LIBRARY = build.Library("qgemm", "KVQL_QGEMM", "quantized weights are dequantized", SIGNATURES, flags=_FLAGS,
+                        limits=("kvql_qgemm_isa",))
+KERNELS = ("plain C", "AVX2", "AVX512-VNNI")
+"""`kvql_qgemm_isa`'s values: the vector kernel a build has."""
+_AVX2 = build.Library("qgemm", "KVQL_QGEMM", "the AVX2 kernel is not tested", SIGNATURES,
+                      flags=_FLAGS + ["-mno-avx512f"], limits=("kvql_qgemm_isa",))
 
 
 def available() -> bool:
     return LIBRARY.available()
 
 
+def kernel() -> str:
+    """The kernel that runs here (module doc): "AVX512-VNNI", "AVX2" or "plain C"."""
+    return KERNELS[LIBRARY.limits["kvql_qgemm_isa"]] if available() else "plain C"
+
+
 def fast() -> bool:
-    """Whether the AVX512-VNNI kernel runs here (else the plain C chain: same results, several times slower)."""
-    return available() and bool(LIBRARY.limits["kvql_qgemm_fast"])
+    """Whether a vector kernel runs here (else the plain C chain: same results, several times slower)."""
+    return kernel() != "plain C"
+
+
+def variants() -> dict[str, build.Library]:
+    """Every kernel this machine runs, by name (module doc): the native build's, and the AVX2 build's where the
+    native one is AVX-512 and the CPU has AVX2 + FMA + F16C."""
+    found = {kernel(): LIBRARY} if available() else {}
+    flags = build.cpu_flags().split()
+    if kernel() == "AVX512-VNNI" and {"avx2", "fma", "f16c"} <= set(flags) and _AVX2.available():
+        found[KERNELS[_AVX2.limits["kvql_qgemm_isa"]]] = _AVX2
+    return found
 
 
 def fits(n: int, k: int) -> bool:
@@ -54,8 +79,9 @@ def fits(n: int, k: int) -> bool:
 
 @dataclass(frozen=True)
 class QWeight:
-    """A packed quantized weight (qgemm.c's layout): `q` int8 `[n / 16, k / 2, 16, 2]` or uint8 `[n / 16, k / 4, 16,
-    2]` (two 4-bit values a byte), `scale` (and `min`, 4-bit) float16 or float32 `[n / 16, k / group, 16]`."""
+    """A packed quantized weight (qgemm.c's layout): `q` int8 `[n / 16, k / 2, 16, 2]`, uint8 `[n / 16, k / 4, 16,
+    2]` (4-bit: two values a byte) or uint8 `[n / 16, k / 4, 40]` (5-bit: the 4-bit quad's 32 bytes, then its fifth
+    bits), `scale` (and `min`, 4- and 5-bit) float16 or float32 `[n / 16, k / group, 16]`."""
     q: torch.Tensor
     scale: torch.Tensor
     min: torch.Tensor | None
@@ -68,17 +94,24 @@ class QWeight:
     def pack(cls, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None = None) -> QWeight:
         n, k = q.shape
         group = k // max(scale.shape[1], 1)
-        bits = 8 if min is None else 4
-        if not fits(n, k) or scale.shape != (n, k // group) or (bits == 4 and group != 32) or group not in (16, 32):
+        bits = 8 if min is None else 4 if q.numel() == 0 or q.max() <= 15 else 5
+        if not fits(n, k) or scale.shape != (n, k // group) or group not in (16, 32) or (bits == 5 and group != 32):
             raise ValueError(f"qgemm: cannot pack a {bits}-bit weight {tuple(q.shape)} in groups of {group}")
-        lo, hi = (-128, 127) if bits == 8 else (0, 15)
+        lo, hi = (-128, 127) if bits == 8 else (0, 31)
         if q.min() < lo or q.max() > hi:
             raise ValueError(f"qgemm: {bits}-bit values outside [{lo}, {hi}]")
         if bits == 8:
             packed = q.reshape(n // 16, 16, k // 2, 2).transpose(1, 2).to(torch.int8).contiguous()
         else:  # quad j of an output: bytes (4 j, 4 j + 2) and (4 j + 1, 4 j + 3), the first input low
-            quads = q.reshape(n // 16, 16, k // 4, 2, 2)
-            packed = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).transpose(1, 2).to(torch.uint8).contiguous()
+            quads = q.reshape(n // 16, 16, k // 4, 2, 2).long()
+            low = quads & 15
+            packed = (low[:, :, :, 0] | (low[:, :, :, 1] << 4)).transpose(1, 2).to(torch.uint8).contiguous()
+            if bits == 5:  # fifth bits: word h of quad j, bit 2 o + i: output o's input 4 j + 2 h + i
+                shifts = (2 * torch.arange(16).view(1, 16, 1, 1, 1) + torch.arange(2).view(1, 1, 1, 1, 2))
+                words = ((quads >> 4) << shifts).sum((1, 4))  # [n / 16, k / 4, 2], below 2**32
+                words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+                packed = torch.cat([packed.reshape(n // 16, k // 4, 32),
+                                    words.contiguous().view(torch.uint8).reshape(n // 16, k // 4, 8)], -1)
 
         def per_block(t: torch.Tensor) -> torch.Tensor:
             t = t.float().reshape(n // 16, 16, k // group).transpose(1, 2).contiguous()
@@ -96,10 +129,16 @@ class QWeight:
 
     def values(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The integers q of outputs `rows` (all: None), unpacked: `[len(rows), k]` int32."""
-        b = self._rows(self.q, rows).to(torch.int32)  # [T, k / 2 or k / 4, 2]
-        if self.bits == 4:
-            b = torch.stack([b & 15, b >> 4], 2)  # [T, k / 4, 2 (low, high), 2]
-        return b.reshape(b.shape[0], self.k)
+        rows = torch.arange(self.n) if rows is None else rows
+        if self.bits == 8:
+            return self.q[rows // 16, :, rows % 16].to(torch.int32).reshape(len(rows), self.k)
+        nibbles = self.q[..., :32].reshape(self.n // 16, self.k // 4, 16, 2)[rows // 16, :, rows % 16].to(torch.int32)
+        v = torch.stack([nibbles & 15, nibbles >> 4], 2)  # [T, k / 4, 2 (low, high), 2]
+        if self.bits == 5:
+            words = self.q[..., 32:].contiguous().view(torch.int32)[rows // 16].long()  # [T, k / 4, 2]
+            shifts = (2 * (rows % 16)).view(-1, 1, 1, 1) + torch.arange(2).view(1, 1, 1, 2)
+            v = v | (((words[..., None] >> shifts) & 1) << 4).to(torch.int32)
+        return v.reshape(len(rows), self.k)
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 weight of outputs `rows` (all: None), `[len(rows), k]`: scale * q (+ min), each product and sum
@@ -139,14 +178,15 @@ def pointers(w: QWeight) -> tuple:
     return w.q.data_ptr(), w.scale.data_ptr(), 0 if w.min is None else w.min.data_ptr()
 
 
-def qgemm(x: torch.Tensor, w: QWeight, reference: bool = False) -> torch.Tensor:
-    """`x [rows, k] @ w.T` as a new `[rows, n]` tensor in x's dtype (module doc)."""
+def qgemm(x: torch.Tensor, w: QWeight, reference: bool = False, library: build.Library | None = None) -> torch.Tensor:
+    """`x [rows, k] @ w.T` as a new `[rows, n]` tensor in x's dtype (module doc); `library`: one of `variants()`
+    (default: the native build)."""
     rows, k = x.shape
     assert k == w.k and x.dtype in build.DTYPES and x.stride(-1) == 1, (x.shape, x.dtype, w.k)
     out = torch.empty(rows, w.n, dtype=x.dtype)
     if rows == 0:
         return out
-    lib = LIBRARY.get()
+    lib = (library or LIBRARY).get()
     fn = lib.kvql_qgemm_ref if reference else lib.kvql_qgemm
     if fn(x.data_ptr(), x.stride(0), *pointers(w), out.data_ptr(), w.n, rows, *call_args(w),
           build.DTYPES[x.dtype], torch.get_num_threads()):
