@@ -244,7 +244,7 @@ def _local(spec: str, o: Options):
 
     if spec == "random":
         return _random(o)
-    hf_model, tok = loader.load_hf(spec, device=o.device, dtype=o.dtype)
+    hf_model, tok = loader.load_hf(spec, device=o.device, dtype=o.dtype, weights=o.weights)
     gguf = loader.gguf_file(spec) if o.weights == "gguf" else None
     with loader.admitting(spec):
         return LocalModel(hf_model, tok, name=spec, gguf=gguf, **o.engine_options())

@@ -278,20 +278,3 @@ def test_a_mutated_or_truncated_file_passes_or_is_refused_with_a_model_load_erro
         check(path)
     except ModelLoadError as e:
         assert str(e).startswith(f"{path}: ") and "\n" not in str(e)
-
-
-def test_the_dequantizing_bar_follows_transformers_progress_switch(capsys):
-    from transformers import modeling_gguf_pytorch_utils as gguf_loading
-    from transformers.utils import logging as hf_logging
-
-    was = hf_logging.is_progress_bar_enabled()
-    loader._quiet_gguf_bar()
-    try:
-        hf_logging.disable_progress_bar()
-        list(gguf_loading.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
-        assert "de-quantizing" not in capsys.readouterr().err
-        hf_logging.enable_progress_bar()
-        list(gguf_loading.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
-        assert "de-quantizing" in capsys.readouterr().err
-    finally:
-        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()

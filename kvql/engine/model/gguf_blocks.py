@@ -21,6 +21,8 @@ take. Each type on the fewest of qgemm's bits that hold it (8; 5 or 4 with a min
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -29,6 +31,24 @@ IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 
 """llama.cpp's `kvalues_iq4nl`: the values IQ4_NL's and IQ4_XS's codes stand for."""
 SUPER = ("Q5_K", "Q4_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")
 """Types in 256-value super-blocks (the others: blocks of 32)."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of a GGUF file: its GGML type's name, its dimensions as the file lists them (row length first)
+    and its bytes (`raw`: a read-only view of the mapped file, `[rows, bytes per row]`)."""
+    name: str
+    type_name: str
+    dims: tuple[int, ...]
+    raw: np.ndarray
+
+
+@dataclass(frozen=True)
+class File:
+    """A GGUF file's tensors by name, its structure already checked (kvql.backends.gguf_check)."""
+    path: str
+    architecture: str
+    tensors: dict[str, Tensor]
 
 
 def _half(raw: np.ndarray) -> np.ndarray:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from pathlib import Path
+import threading
 
 import torch
 
@@ -181,12 +181,13 @@ class Report:
         return text
 
 
-def apply(model: torch.nn.Module, weights: str, gguf: str | Path | None = None) -> Report:
+def apply(model: torch.nn.Module, weights: str, gguf: gguf_blocks.File | None = None) -> Report:
     """Replace the linear layers of `model` (on the CPU) by `QuantizedLinear` (module doc). Raises ValueError for an
-    unknown `weights`, `"gguf"` without a file, or a model not on the CPU."""
+    unknown `weights`, `"gguf"` without a file, or a model not on the CPU. A layer whose weight is on the meta
+    device (built from the file directly, `kvql.backends.gguf_model`) takes the file's blocks unchecked."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS} (or None: dequantized), got {weights!r}")
-    if any(p.device.type != "cpu" for p in model.parameters()):
+    if any(p.device.type not in ("cpu", "meta") for p in model.parameters()):
         raise ValueError("quantized weights run on the CPU (qgemm); load the model with device='cpu'")
     if not qgemm.available():
         raise ValueError(f"quantized weights need kvql's qgemm kernel, which cannot be built here "
@@ -194,7 +195,7 @@ def apply(model: torch.nn.Module, weights: str, gguf: str | Path | None = None) 
     if weights == "gguf" and gguf is None:
         raise ValueError("weights='gguf' needs the model's GGUF file")
     report = Report(weights)
-    blocks = _GGUF(model, Path(gguf)) if weights == "gguf" else None
+    blocks = _GGUF(model, gguf) if weights == "gguf" else None
     names = {id(m): n for n, m in model.named_modules()}
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = embed is not None and head is not None and head.weight is embed.weight
@@ -233,19 +234,15 @@ def apply(model: torch.nn.Module, weights: str, gguf: str | Path | None = None) 
 
 class _GGUF:
     """A GGUF file's tensors for `model`'s linear layers (module doc: matched by transformers' name map, rows
-    ordered by its tensor processor, checked against the loaded weight)."""
+    ordered by its tensor processor, checked against the loaded weight where one was loaded: a layer built from the
+    file directly holds none)."""
 
-    def __init__(self, model: torch.nn.Module, path: Path):
-        import gguf
-        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                              get_gguf_hf_weights_map)
+    def __init__(self, model: torch.nn.Module, file: gguf_blocks.File):
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-        self.reader = gguf.GGUFReader(str(path))
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        config = model.config.to_dict()
-        arch = str(self.reader.fields["general.architecture"].contents())
-        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
-        self.hf_to_gguf = {hf: g for g, hf in get_gguf_hf_weights_map(model, self.processor).items()}
+        self.tensors = file.tensors
+        self.processor = TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)(config=model.config.to_dict())
+        self.hf_to_gguf = {hf: g for g, hf in gguf_names(model, self.processor).items()}
         embed = model.get_input_embeddings()
         head = model.get_output_embeddings()
         if head is not None and embed is not None and head.weight is embed.weight and "output.weight" not in self.tensors:
@@ -263,15 +260,36 @@ class _GGUF:
         tensor = self.tensors.get(self.hf_to_gguf.get(f"{name}.weight", ""))
         if tensor is None:
             return "not matched to a tensor of the file"
-        kind = tensor.tensor_type.name
+        kind = tensor.type_name
         n, k = linear.out_features, linear.in_features
-        raw = np.asarray(tensor.data).reshape(n, -1) if tensor.data.size else None
-        decoded = gguf_blocks.decode(kind, raw, k) if raw is not None and raw.shape[0] == n else None
+        fits = tensor.dims[:2] == (k, n) and len(tensor.dims) == 2
+        decoded = gguf_blocks.decode(kind, tensor.raw.reshape(n, -1), k) if fits else None
         if decoded is None:
             return f"{kind}: a type qgemm does not run"
         order = torch.from_numpy(np.ascontiguousarray(
             self.processor.process(np.arange(n).reshape(n, 1), tensor.name).weights.reshape(n))).long()
         packed = qgemm.QWeight.pack(*(None if t is None else t.index_select(0, order) for t in decoded))
-        if not torch.equal(packed.dequantized().to(linear.weight.dtype), linear.weight.detach()):
+        loaded = linear.weight.detach()
+        if not loaded.is_meta and not torch.equal(packed.dequantized().to(loaded.dtype), loaded):
             return f"{kind}: blocks differ from the loaded weight"
         return packed, kind
+
+
+def gguf_names(model: torch.nn.Module, processor) -> dict[str, str]:
+    """transformers' map of a GGUF file's tensor names to `model`'s (`get_gguf_hf_weights_map`), its per-module name
+    table built once (transformers builds it again for every submodule: seconds for a 30-layer model)."""
+    import functools
+
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    build = gguf.get_tensor_name_map
+    with _NAMES:
+        gguf.get_tensor_name_map = functools.lru_cache(build)
+        try:
+            return get_gguf_hf_weights_map(model, processor)
+        finally:
+            gguf.get_tensor_name_map = build
+
+
+_NAMES = threading.Lock()  # gguf_names swaps a module function of the gguf package for its call
