@@ -314,3 +314,41 @@ def test_a_gguf_file_is_a_model_spec(tmp_path):
         assert got == want[0, ids.shape[1]:].tolist()
     finally:
         m.close()
+
+
+def test_a_slow_load_check_says_so_and_a_quick_one_does_not(tokenizer, monkeypatch, caplog):
+    """The load check (a forward through every layer: minutes on the plain C kernel of a large model) says what
+    it does once it has run a while, and how long it took; a quick one says nothing."""
+    import logging
+    import threading
+
+    from kvql.engine import engine
+    from kvql.engine.model.model_runner import ModelRunner
+
+    said = threading.Event()
+
+    class Heard(logging.Handler):
+        def emit(self, record):
+            if "the load check" in record.getMessage():
+                said.set()
+
+    logging.getLogger("kvql").addHandler(heard := Heard())
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvql"):
+            m, _ = _model("llama", tokenizer, "int8")
+            m.close()
+        assert "load check" not in caplog.text
+        checked = ModelRunner.verify
+
+        def slow(self):  # the check outlasts SLOW_SECONDS: it ends once the notice was given
+            checked(self)
+            assert said.wait(60)
+
+        monkeypatch.setattr(ModelRunner, "verify", slow)
+        monkeypatch.setattr(engine, "SLOW_SECONDS", 0.01)
+        with caplog.at_level(logging.WARNING, logger="kvql"):
+            m, _ = _model("llama", tokenizer, "int8")
+            m.close()
+    finally:
+        logging.getLogger("kvql").removeHandler(heard)
+    assert "(the load check) ..." in caplog.text and "(the load check): done in" in caplog.text

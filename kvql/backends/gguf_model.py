@@ -188,6 +188,7 @@ def load(path: Path, layout: gguf_check.Layout, config, dtype, keep_blocks: bool
         model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
     finally:
         hf_logging.set_verbosity(was)
+    model.config._name_or_path = str(path.parent)  # as transformers names a model loaded from a GGUF file
     _unload(model, kept)
     return model.eval()
 

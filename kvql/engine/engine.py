@@ -57,6 +57,8 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
+import logging
 import threading
 import time
 import traceback
@@ -89,6 +91,33 @@ def _close_all() -> None:
         engine.close()
 
 
+SLOW_SECONDS = 3.0
+"""A step of loading that takes longer says so (`_said_when_slow`)."""
+
+
+@contextlib.contextmanager
+def _said_when_slow(what: str):
+    """Inside: `what` is logged (a warning: shown without any logging set up) once it has run SLOW_SECONDS, and
+    its time when it ends; nothing when it is quick."""
+    log = logging.getLogger("kvql")
+    start = time.perf_counter()
+    said = threading.Event()
+
+    def say():
+        said.set()
+        log.warning("kvql: %s ...", what)
+
+    timer = threading.Timer(SLOW_SECONDS, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if said.is_set():
+            log.warning("kvql: %s: done in %.1f s", what, time.perf_counter() - start)
+
+
 class Engine(Persistence):
     def __init__(self, hf_model, tokenizer, *, num_slots: int, max_batch_tokens: int = 1024,
                  max_running: int = 64, background: bool = True, geometry: admission.Geometry | None = None,
@@ -110,7 +139,8 @@ class Engine(Persistence):
         self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens,
                                    max_running=max_running)
         self.runner = ModelRunner(hf_model, self.pool, geometry)
-        self.runner.verify()
+        with _said_when_slow("checking the model's cached path against its own forward (the load check)"):
+            self.runner.verify()
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
         self.background = background  # False: the caller drives `step()` (tests, deterministic stagger)

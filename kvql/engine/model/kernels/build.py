@@ -8,7 +8,8 @@ concurrent processes each install a whole library. Each build records the librar
 beside it; a library that no longer matches (truncated, overwritten) is built again, with a warning,
 instead of being loaded. Raises when there is no compiler or the build fails:
 callers fall back to torch ops then. OpenMP: the libraries share torch's runtime (the same
-`libgomp.so.1`).
+`libgomp.so.1`). `$KVQL_KERNEL_FLAGS` (split on spaces) is appended to every build's flags: `-mno-avx512f` builds
+every kernel as an AVX2 machine has it (what the benchmarks use to measure an AVX2 CPU on an AVX-512 one).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def cache_dir() -> Path:
 def load(name: str, flags: list[str] | None = None) -> ctypes.CDLL:
     """The library built from `<name>.c` with BASE_FLAGS plus `flags` (module doc)."""
     cc = os.environ.get("CC", "cc")
-    flags = BASE_FLAGS + list(flags or [])
+    flags = BASE_FLAGS + list(flags or []) + os.environ.get("KVQL_KERNEL_FLAGS", "").split()
     source = HERE / f"{name}.c"
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
     key = hashlib.sha256(text + " ".join([cc, *flags, cpu_flags()]).encode()).hexdigest()[:16]
