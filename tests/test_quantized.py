@@ -119,14 +119,18 @@ def _model(family: str, tokenizer, weights: str, dtype=torch.float32, **kw):
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "phi3", "falcon"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "phi3", "falcon", "qwen3_moe", "mixtral"])
 def test_a_quantized_model_is_exact_under_the_cache(family, weights, tokenizer):
     """Greedy tokens, cold and then served from the cache, equal the quantized model's own uncached forward: the
     ragged path with the lean forward (llama, qwen2 with its q/k/v bias, qwen3, gemma3), the ragged path through
-    transformers' modules (phi3), the model's own forward over the pool (falcon)."""
+    transformers' modules (phi3; the MoE families, their experts quantized too), the model's own forward over the
+    pool (falcon)."""
     m, hf = _model(family, tokenizer, weights)
     try:
         assert m.quantization.startswith(f"weights {weights}: ") and "quantized" in m.quantization
+        if family in ("qwen3_moe", "mixtral"):
+            assert f"2 {weights} experts" in m.quantization, m.quantization
+            assert not any(p.dim() == 3 for p in hf.parameters())
         assert any(isinstance(x, quantized.QuantizedLinear) for x in hf.modules())
         assert not any(type(x) is torch.nn.Linear for x in hf.modules()), m.quantization
         prompts = random_prompts(seed=2, count=8, vocab=len(tokenizer))
@@ -140,9 +144,9 @@ def test_a_quantized_model_is_exact_under_the_cache(family, weights, tokenizer):
         m.close()
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_bf16_batched_equals_alone(weights, tokenizer):
-    m, _ = _model("llama", tokenizer, weights, torch.bfloat16, speculate=False)
+@pytest.mark.parametrize("weights,family", [("int8", "llama"), ("int4", "llama"), ("int4", "qwen3_moe")])
+def test_bf16_batched_equals_alone(weights, family, tokenizer):
+    m, _ = _model(family, tokenizer, weights, torch.bfloat16, speculate=False)
     try:
         prompts = random_prompts(seed=5, count=10, vocab=len(tokenizer))
         together = [c.token_ids for c in m.generate(prompts, max_tokens=12)]

@@ -29,6 +29,9 @@ import torch
 TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q5_K", "Q4_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 """llama.cpp's `kvalues_iq4nl`: the values IQ4_NL's and IQ4_XS's codes stand for."""
+BITS = {"Q8_0": 8, "Q6_K": 8, "IQ4_NL": 8, "IQ4_XS": 8, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q4_0": 4, "Q4_1": 4,
+        "Q4_K": 4, "Q3_K": 4, "Q2_K": 4}
+"""The qgemm bits each type is held in (`QWeight.pack(..., bits=)`): the same for every tensor of a type."""
 SUPER = ("Q5_K", "Q4_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")
 """Types in 256-value super-blocks (the others: blocks of 32)."""
 

@@ -31,7 +31,7 @@ import threading
 
 import torch
 
-from . import gguf_blocks
+from . import gguf_blocks, quantized_experts
 from .kernels import qgemm
 
 WEIGHTS = ("gguf", "int8", "int4")
@@ -57,7 +57,7 @@ class QuantizedLinear(torch.nn.Module):
                              self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, [self.packed], self.bias)
+        return linear(x, [self.packed], self.bias)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight, dequantized (`QWeight.dequantized`), in `dtype` (`[*ids.shape, k]`): what a tied
@@ -68,7 +68,7 @@ class QuantizedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
 
 
-def _linear(x: torch.Tensor, weights: list[qgemm.QWeight], bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weights: list[qgemm.QWeight], bias: torch.Tensor | None) -> torch.Tensor:
     dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
     rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
     outs = [qgemm.qgemm(rows, w) for w in weights]
@@ -104,7 +104,7 @@ class QuantizedStack:
             [b.detach() if b is not None else given.new_zeros(p.out_features) for b, p in zip(biases, parts)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weights, self.bias)
+        return linear(x, self.weights, self.bias)
 
     __call__ = forward
 
@@ -215,6 +215,11 @@ def apply(model: torch.nn.Module, weights: str, gguf: gguf_blocks.File | None = 
                 else:
                     got = _group_quantize(child.weight, 8 if weights == "int8" else 4), weights
                 found[parent, child_name] = name, got
+            elif (why := quantized_experts.takes(child)) is not None:
+                if why:
+                    report.left.setdefault(why, []).append(f"{names[id(parent)]}.{child_name}")
+            else:
+                _experts(report, parent, child_name, child, blocks, weights, names)
     for (parent, child_name), (name, got) in found.items():
         group = next((g for g in SIBLINGS if child_name in g), ())
         if not isinstance(got, str) and any(isinstance(found[parent, n][1], str) for n in group if (parent, n) in found):
@@ -230,6 +235,24 @@ def apply(model: torch.nn.Module, weights: str, gguf: gguf_blocks.File | None = 
     report.tied = tied and isinstance(head, QuantizedLinear) and _tie(embed, head)
     report.float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return report
+
+
+def _experts(report: Report, parent, child_name: str, module, blocks, weights: str, names: dict) -> None:
+    """Replace the experts `module` by `QuantizedExperts` (quantized_experts.py), or say why it stays."""
+    name = f"{names[id(parent)]}.{child_name}".lstrip(".")
+    if blocks is not None:
+        got = blocks.experts(name, module)
+    else:
+        bits = 8 if weights == "int8" else 4
+        got = ([_group_quantize(w, bits) for w in module.gate_up_proj],
+               [_group_quantize(w, bits) for w in module.down_proj], weights)
+    if isinstance(got, str):
+        report.left.setdefault(got, []).append(name)
+        return
+    experts = quantized_experts.QuantizedExperts(module, *got)
+    setattr(parent, child_name, experts)
+    report.kinds[f"{got[2]} experts"] += 1
+    report.quantized_bytes += experts.nbytes()
 
 
 class _GGUF:
@@ -268,11 +291,45 @@ class _GGUF:
             return f"{kind}: a type qgemm does not run"
         order = torch.from_numpy(np.ascontiguousarray(
             self.processor.process(np.arange(n).reshape(n, 1), tensor.name).weights.reshape(n))).long()
-        packed = qgemm.QWeight.pack(*(None if t is None else t.index_select(0, order) for t in decoded))
+        packed = qgemm.QWeight.pack(*(None if t is None else t.index_select(0, order) for t in decoded),
+                                    bits=gguf_blocks.BITS[kind])
         loaded = linear.weight.detach()
         if not loaded.is_meta and not torch.equal(packed.dequantized().to(loaded.dtype), loaded):
             return f"{kind}: blocks differ from the loaded weight"
         return packed, kind
+
+    def experts(self, name: str, module: torch.nn.Module):
+        """`(gate/up weights, down weights, type name)` per expert for the experts module `name` from the file's
+        3-D tensors `blk.N.ffn_{gate,up,down}_exps` (gate then up: transformers' `gate_up_proj`), or why not."""
+        import re
+
+        layer = re.search(r"layers\.(\d+)\.", name)
+        parts = [self.tensors.get(f"blk.{layer[1]}.ffn_{w}_exps.weight") if layer else None
+                 for w in ("gate", "up", "down")]
+        if any(t is None for t in parts):
+            return "experts not matched to tensors of the file"
+        e, two_i, h = module.gate_up_proj.shape
+        if parts[0].type_name != parts[1].type_name:
+            return f"experts' gate and up in different types ({parts[0].type_name}, {parts[1].type_name})"
+        shapes = [(h, two_i // 2, e), (h, two_i // 2, e), (two_i // 2, h, e)]
+        if [t.dims for t in parts] != shapes or not all(t.type_name in gguf_blocks.TYPES for t in parts):
+            return f"experts: {parts[0].type_name}/{parts[2].type_name}: a type or shape qgemm does not run"
+
+        def expert(t, i, rows, k):
+            return gguf_blocks.decode(t.type_name, t.raw[i * rows:(i + 1) * rows], k)
+
+        gate_up, down = [], []
+        for i in range(e):
+            g, u = expert(parts[0], i, two_i // 2, h), expert(parts[1], i, two_i // 2, h)
+            decoded = [None if a is None else torch.cat([a, b]) for a, b in zip(g, u)]
+            gate_up.append(qgemm.QWeight.pack(*decoded, bits=gguf_blocks.BITS[parts[0].type_name]))
+            down.append(qgemm.QWeight.pack(*expert(parts[2], i, h, two_i // 2),
+                                           bits=gguf_blocks.BITS[parts[2].type_name]))
+        for weights, loaded in ((gate_up, module.gate_up_proj), (down, module.down_proj)):
+            if not loaded.is_meta and any(not torch.equal(w.dequantized().to(loaded.dtype), loaded[i].detach())
+                                          for i, w in enumerate(weights)):
+                return f"experts: {parts[0].type_name}: blocks differ from the loaded weights"
+        return gate_up, down, "/".join(dict.fromkeys(t.type_name for t in parts))
 
 
 def gguf_names(model: torch.nn.Module, processor) -> dict[str, str]:

@@ -91,13 +91,16 @@ class QWeight:
     group: int
 
     @classmethod
-    def pack(cls, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None = None) -> QWeight:
+    def pack(cls, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None = None,
+             bits: int | None = None) -> QWeight:
+        """`bits`: 5 packs values that would fit 4 bits as 5 (weights stacked with 5-bit ones)."""
         n, k = q.shape
         group = k // max(scale.shape[1], 1)
-        bits = 8 if min is None else 4 if q.numel() == 0 or q.max() <= 15 else 5
+        if bits is None or min is None:
+            bits = 8 if min is None else 4 if q.numel() == 0 or q.max() <= 15 else 5
         if not fits(n, k) or scale.shape != (n, k // group) or group not in (16, 32) or (bits == 5 and group != 32):
             raise ValueError(f"qgemm: cannot pack a {bits}-bit weight {tuple(q.shape)} in groups of {group}")
-        lo, hi = (-128, 127) if bits == 8 else (0, 31)
+        lo, hi = (-128, 127) if bits == 8 else (0, 2**bits - 1)
         if q.min() < lo or q.max() > hi:
             raise ValueError(f"qgemm: {bits}-bit values outside [{lo}, {hi}]")
         if bits == 8:
