@@ -156,13 +156,20 @@ def test_bf16_batched_equals_alone(weights, family, tokenizer):
         m.close()
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["stacked", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_compiled_step_runs_quantized_layers_bit_for_bit(dtype, tokenizer):
-    """The lean forward's C step program calls qgemm (one stacked q/k/v and gate/up weight each): its logits and
-    pool equal the module path's."""
+def test_the_compiled_step_runs_quantized_layers_bit_for_bit(dtype, mixed, tokenizer):
+    """The lean forward's C step program calls qgemm (one stacked q/k/v and gate/up weight each; q/k/v in two
+    formats, as Gemma 3's file has them: one call each into its columns): its logits and pool equal the module
+    path's."""
     model_type, overrides = families.FAMILIES["llama"]
     hf = families.build(model_type, overrides, 256, eos_token_id=1).to(dtype)
+    if mixed:
+        other = families.build(model_type, overrides, 256, eos_token_id=1).to(dtype)
+        quantized.apply(other, "int8")
     quantized.apply(hf, "int4")
+    for i in range(len(hf.model.layers) if mixed else 0):  # v_proj in 8 bits, q and k in 4
+        hf.model.layers[i].self_attn.v_proj = other.model.layers[i].self_attn.v_proj
     geometry = read_geometry(hf)
     pool = KVPool(num_layers=len(geometry.layers), kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
                   num_slots=128, dtype=dtype, device="cpu")

@@ -176,19 +176,20 @@ class _Gemm(NamedTuple):
 
 
 class _QGemm(NamedTuple):
-    """What a `quantized.QuantizedLinear` or `QuantizedStack` runs: one quantized weight, its bias."""
-    weight: qgemm.QWeight
+    """What a `quantized.QuantizedLinear` or `QuantizedStack` runs: its quantized weights (a stack's parts in
+    different formats: one each, side by side in the output), its bias."""
+    weights: list[qgemm.QWeight]
     bias: torch.Tensor | None
     source: list = []  # nothing to watch: quantized weights are not edited (cpu_linear.unchanged([]) is True)
 
 
 def _gemm_parts(linear) -> _Gemm | _QGemm | None:
     """A `cpu_linear.Linear` or `Stacked`'s `_Gemm` (None where a slice has no blocked copy), or a quantized layer's
-    `_QGemm` (None where its parts did not stack into one weight)."""
+    `_QGemm`."""
     if isinstance(linear, quantized.QuantizedLinear):
-        return _QGemm(linear.packed, linear.bias)
+        return _QGemm([linear.packed], linear.bias)
     if isinstance(linear, quantized.QuantizedStack):
-        return _QGemm(linear.weights[0], linear.bias) if len(linear.weights) == 1 else None
+        return _QGemm(linear.weights, linear.bias)
     if not isinstance(linear, (cpu_linear.Linear, cpu_linear.Stacked)):
         return None
     packs = linear.current_packs()
@@ -303,14 +304,16 @@ class _Program:
 
     def _gemm(self, s: step.Gemm) -> None:
         """Steps computing `out = x @ w.T (+ bias)` as `cpu_linear._matmul` does for these rows: gemv per
-        reduction slice, the slices added in order, then the bias; a quantized layer's: one qgemm call, then the
-        bias (as `quantized.QuantizedLinear` computes it)."""
+        reduction slice, the slices added in order, then the bias; a quantized layer's: one qgemm call per weight
+        into its columns, then the bias (as `quantized.QuantizedLinear` computes it)."""
         x, gemm = self.bound[s.src], self.gemms[id(s)]
         out = self._out(s.dst, s.width)
-        if isinstance(gemm, _QGemm):  # quantized.QuantizedLinear's qgemm call
-            self.program.add("qgemm", qgemm.LIBRARY.get().kvql_qgemm, x.data_ptr(), x.stride(0),
-                             *qgemm.pointers(gemm.weight), out.data_ptr(), out.stride(0), x.shape[0],
-                             *qgemm.call_args(gemm.weight), self.is_bf16, self.threads)
+        column = 0
+        for w in gemm.weights if isinstance(gemm, _QGemm) else ():  # quantized.linear's qgemm calls
+            self.program.add("qgemm", qgemm.LIBRARY.get().kvql_qgemm, x.data_ptr(), x.stride(0), *qgemm.pointers(w),
+                             out.data_ptr() + column * out.element_size(), out.stride(0), x.shape[0],
+                             *qgemm.call_args(w), self.is_bf16, self.threads)
+            column += w.n
         for i, (a, _, blocked) in enumerate(gemm.slices if isinstance(gemm, _Gemm) else ()):
             target = out if i == 0 else self._out("gemm.partial", s.width)
             n, k = gemv.shape(blocked)

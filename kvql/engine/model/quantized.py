@@ -1,26 +1,30 @@
-"""A model's linear layers on quantized weights (`kernels/qgemm.py`): `apply(model, weights, gguf=PATH)`.
+"""A model's linear layers on quantized weights (`kernels/qgemm.py`): `apply(model, weights, gguf=FILE)`.
 
 `weights`:
-- `"gguf"`: each linear layer takes the GGUF file's own blocks where qgemm runs their type (`gguf_blocks.TYPES`:
-  Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K): the weights a CPU user runs with llama.cpp, bit for bit. A layer is matched
-  to its tensor by transformers' own GGUF name map, its rows put in the model's order by transformers' own tensor
-  processor (Llama's q/k permutation), and taken only where the blocks, dequantized, equal the loaded weight (in
-  its dtype): a layer the file holds in another type, or cannot be matched, stays dequantized, and the report says
-  so.
+- `"gguf"`: each linear layer takes the GGUF file's own blocks (`gguf`: a `gguf_blocks.File`, the file mapped) where
+  qgemm runs their type (`gguf_blocks.TYPES`: Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, Q5_K, Q4_K, Q6_K, Q3_K, Q2_K, IQ4_NL,
+  IQ4_XS): the weights a CPU user runs with llama.cpp, bit for bit. A layer is matched to its tensor by
+  transformers' own GGUF name map, its rows put in the model's order by transformers' own tensor processor (Llama's
+  q/k permutation), and, where the model loaded a float weight, taken only if the blocks, dequantized, equal it (in
+  its dtype); a layer built from the file directly (its weight on the meta device: `kvql.backends.gguf_model`)
+  takes them as they are. A layer the file holds in another type, or cannot be matched, stays dequantized, and the
+  report says so.
 - `"int8"` / `"int4"`: any model's linear weights quantized per group of 32 inputs: int8 symmetric (scale = max |w|
   / 127), int4 with a minimum (scale = (max - min) / 15), scales rounded to float16 first (as GGUF's Q8_0 / Q4_1);
   with int4 the LM head takes int8 (llama.cpp's 4-bit mixes keep their output layer at 6-8 bits: the head's
   rounding moves every logit).
 
 Which layers: every `nn.Linear` of the model (the decoder's projections and the LM head) whose shape qgemm takes
-(`qgemm.fits`); others stay as they are. An embedding tied to a quantized head looks its rows up in the head
-(`_TiedEmbedding`: the GGUF file's token embedding is that tensor; llama.cpp looks rows up in it too), its float copy
-dropped. A layer becomes a `QuantizedLinear` (its float weight dropped: memory is the quantized bytes), which the
-engine's forwards run as any linear layer: the swapped modules and the lean forward stack q/k/v and gate/up into one quantized GEMM
-(`QuantizedStack`), and the lean forward's C step program calls qgemm directly. Every output is batch-invariant
-(qgemm's chain per output), so cached == uncached and batched == alone hold for a quantized model as for any, its
-reference being its own forward. The quantized tensors are the module's buffers: they are in the state dict, so
-the disk tier's fingerprint tells a quantized model from its dequantized twin.
+(`qgemm.fits`), and a mixture-of-experts layer's 3-D experts (`quantized_experts.py`: from the file's
+`ffn_*_exps` blocks with "gguf"); others stay as they are. An embedding tied to a quantized head looks its rows up
+in the head (`_TiedEmbedding`: the GGUF file's token embedding is that tensor; llama.cpp looks rows up in it too),
+its float copy dropped. A layer becomes a `QuantizedLinear` (its float weight dropped: memory is the quantized
+bytes), which the engine's forwards run as any linear layer: the swapped modules and the lean forward stack q/k/v
+and gate/up into one quantized GEMM (`QuantizedStack`), and the lean forward's C step program calls qgemm
+directly. Every output is batch-invariant (qgemm's chain per output), so cached == uncached and batched == alone
+hold for a quantized model as for any, its reference being its own forward. The quantized tensors are the module's
+buffers: they are in the state dict, so the disk tier's fingerprint tells a quantized model from its dequantized
+twin.
 """
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ static inline __attribute__((always_inline)) void tile(const qweight *w, int64_t
 
 #ifdef QGEMM_AVX2
 #define QGEMM_VECTOR 1
-/* 16 registers: one row two blocks at a time, several rows one block by four */
+/* 16 registers: one row two blocks at a time; several rows (4-bit) two blocks by two, else one by four */
 #define ONE_ROW_BLOCKS 2
 #define TILE_BLOCKS 2
 #define TILE_ROWS 2
@@ -390,6 +390,15 @@ static inline void chunk_tiles(const qweight *w, int64_t c, int64_t chunk, int64
         return;
     }
     int64_t m = 0;
+#ifdef QGEMM_AVX2
+    if (w->bits != 4) { /* 8- and 5-bit: one block by four rows (their widening weighs more than 4-bit's) */
+        for (; b < end; b++) {
+            for (m = 0; m + 4 <= rows; m += 4) tile(w, b, m, xq, sx, xs, out, ldo, is_bf16, 1, 4);
+            for (; m < rows; m++) tile(w, b, m, xq, sx, xs, out, ldo, is_bf16, 1, 1);
+        }
+        return;
+    }
+#endif
     if (end - b == TILE_BLOCKS) {
         for (; m + TILE_ROWS <= rows; m += TILE_ROWS) tile(w, b, m, xq, sx, xs, out, ldo, is_bf16, TILE_BLOCKS, TILE_ROWS);
         for (; m < rows; m++) tile(w, b, m, xq, sx, xs, out, ldo, is_bf16, TILE_BLOCKS, 1);
