@@ -68,13 +68,13 @@ class Layout:
     keys: int
     fields: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     """key -> `_Field(key, at, type, value)`: scalars and strings as read, short int arrays as tuples, other
-    arrays as `_Array(type, count)`."""
+    arrays as `Array(type, count)`."""
     table: tuple = dataclasses.field(default=(), repr=False, compare=False)
     """The tensor infos, `_Tensor(name, at, dims, elements, nbytes, offset, kind)`, offsets from `data_start`."""
 
 
-_Array = collections.namedtuple("_Array", "type count")  # an array value not kept: its element type and length
-# a key's value: a scalar, a str, a tuple of ints (a short int array), else an _Array
+Array = collections.namedtuple("Array", "type count")  # an array value not kept: its element type and length
+# a key's value: a scalar, a str, a tuple of ints (a short int array), else an Array
 _Field = collections.namedtuple("_Field", "key at type value")
 _Tensor = collections.namedtuple("_Tensor", "name at dims elements nbytes offset kind")
 
@@ -277,7 +277,7 @@ def _value(cur: _Cursor, vtype: int, depth: int):
             _value(cur, ARRAY, depth + 1)
     else:
         cur.fail(f"array of unknown value type {etype}")
-    return _Array(etype, count)
+    return Array(etype, count)
 
 
 def _tensor_infos(cur: _Cursor, n_tensors: int) -> list[_Tensor]:
@@ -412,7 +412,7 @@ def _vocabulary(name: str, fields: dict[str, _Field], a: str, embed: _Tensor | N
     rows = embed.dims[1] if embed is not None and len(embed.dims) > 1 else elements // hidden
     tokens = fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        if not (isinstance(tokens.value, _Array) and tokens.value.type == STRING):
+        if not (isinstance(tokens.value, Array) and tokens.value.type == STRING):
             _fail(name, "key 'tokenizer.ggml.tokens'", tokens.at, "must be an array of strings")
         if tokens.value.count > rows:
             _fail(name, "key 'tokenizer.ggml.tokens'", tokens.at, f"{tokens.value.count:,} tokens, but the embedding "

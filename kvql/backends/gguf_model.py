@@ -55,7 +55,7 @@ class _Fields:
             value = f.value
             if isinstance(value, str):
                 self.fields[key] = _Field([f.type], [np.frombuffer(value.encode(), np.uint8)], [0])
-            elif isinstance(value, gguf_check._Array):  # (a namedtuple: before the tuples)
+            elif isinstance(value, gguf_check.Array):  # (a namedtuple: before the tuples)
                 if key == "tokenizer.ggml.tokens":
                     self.fields[key] = _Field([gguf_check.ARRAY, gguf_check.STRING], _Blank(), range(value.count))
             elif isinstance(value, tuple):  # a short int array (transformers reads every int type alike)

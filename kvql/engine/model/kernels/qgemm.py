@@ -21,7 +21,7 @@ Contract (CPU; x float32 or bfloat16, `[rows, k]`, last dimension contiguous, an
 
 Kernels: the library is built once per machine for its own instruction set (`build`: -march=native), so the kernel
 is chosen on the machine that runs it: AVX512-VNNI (vpdpwssd, 16 outputs a vector), else AVX2 + FMA + F16C
-(vpmaddwd, 8 outputs a vector: AMD Zen 1-3, Intel's consumer cores), else the plain C chain (several times slower;
+(vpmaddwd, 8 outputs a vector: AMD Zen 1-3, Intel's consumer cores), else the plain C chain (about 30x slower;
 `kernel()` names it, the quantization report says so). `variants()`: every kernel this machine can run (the
 native one and, on an AVX-512 machine with AVX2, the AVX2 build), for the tests that hold each to the plain chain.
 `available()` is False without a compiler or with `KVQL_QGEMM=0` (`kvql.model(weights=...)` then says why it
@@ -58,7 +58,7 @@ def kernel() -> str:
 
 
 def fast() -> bool:
-    """Whether a vector kernel runs here (else the plain C chain: same results, several times slower)."""
+    """Whether a vector kernel runs here (else the plain C chain: same results, about 30x slower)."""
     return kernel() != "plain C"
 
 
