@@ -245,12 +245,18 @@ static inline __m256 scales8(const void *p, int64_t at, int is_f32) {
                   : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at)));
 }
 
-/* 16 fifth bits (bit l: int16 lane l) as 16 or 0 per lane */
+/* FIFTHS[b]: the 8 bits of byte b as 8 int16 lanes of 16 or 0 (lane l: bit l), filled once at load */
+static int16_t FIFTHS[256][8] __attribute__((aligned(16)));
+
+__attribute__((constructor)) static void fill_fifths(void) {
+    for (int b = 0; b < 256; b++)
+        for (int l = 0; l < 8; l++) FIFTHS[b][l] = (int16_t)(((b >> l) & 1) << 4);
+}
+
+/* 16 fifth bits (bit l: int16 lane l) as 16 or 0 per lane: two table rows */
 static inline __m256i fifths(uint32_t bits) {
-    const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                          (short)0x8000);
-    __m256i v = _mm256_and_si256(_mm256_set1_epi16((short)bits), sel);
-    return _mm256_and_si256(_mm256_cmpeq_epi16(v, sel), _mm256_set1_epi16(16));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_load_si128((const __m128i *)FIFTHS[bits & 255])),
+                                   _mm_load_si128((const __m128i *)FIFTHS[(bits >> 8) & 255]), 1);
 }
 
 /* Half h (outputs 8 h .. 8 h + 7) of quad j of block b widened to int16 lanes 2 o + i, as quad16 on AVX-512. */
