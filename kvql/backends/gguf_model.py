@@ -124,13 +124,15 @@ def config_and_tokenizer(path: Path, layout: gguf_check.Layout):
         if (saved / "tokenizer_config.json").is_file():
             return config, AutoTokenizer.from_pretrained(saved)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    staging = None
     try:
         saved.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=saved.parent, prefix=f".{key}-"))
         tokenizer.save_pretrained(staging)
         staging.rename(saved)  # atomic: a concurrent load reads all files or none
     except OSError:  # a read-only cache, or another process saved it first: converted again next time
-        shutil.rmtree(staging, ignore_errors=True) if "staging" in locals() else None
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     return config, tokenizer
 
 
@@ -148,6 +150,7 @@ def load(path: Path, layout: gguf_check.Layout, config, dtype, keep_blocks: bool
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    from transformers.utils import logging as hf_logging
 
     from ..engine.model import gguf_blocks, quantized
     from ..engine.model.kernels import qgemm
@@ -180,8 +183,6 @@ def load(path: Path, layout: gguf_check.Layout, config, dtype, keep_blocks: bool
     state.update({hf: torch.empty(shapes[hf].shape, dtype=dtype) for hf in kept if hf in shapes and hf not in state})
     model_class = type(skeleton)
     del skeleton
-    from transformers.utils import logging as hf_logging
-
     was = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its report lists the weights left to the blocks as missing
     try:
