@@ -64,19 +64,23 @@ static inline float h2f(uint16_t h) {
     return f;
 }
 
-/* Row x (float32 or bfloat16, k inputs) quantized: xq[k], sx[k / 32], xs32[k / 32], xs16[k / 16] (module doc). */
-static void quantize_row(const void *x, int is_bf16, int64_t k, int16_t *xq, float *sx, float *xs32, float *xs16) {
+/* Row x (float32 or bfloat16, k inputs) quantized: xq[k], sx[k / 32], and xs[k / G] the sums of its groups of G
+   (16 or 32) inputs, each in order (module doc). */
+static void quantize_row(const void *x, int is_bf16, int64_t k, int64_t G, int16_t *xq, float *sx, float *xs) {
     for (int64_t g = 0; g < k / 32; g++) {
-        float v[32], a = 0.0f, s = 0.0f, h[2] = {0.0f, 0.0f};
+        float v[32], a = 0.0f, h[2] = {0.0f, 0.0f};
         for (int i = 0; i < 32; i++) {
             v[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[32 * g + i]) : ((const float *)x)[32 * g + i];
             a = fmaxf(a, fabsf(v[i]));
-            s += v[i];
-            h[i / 16] += v[i];
+            h[G == 16 ? i / 16 : 0] += v[i];
         }
         float inv = a > 0.0f ? XMAX / a : 0.0f;
         for (int i = 0; i < 32; i++) xq[32 * g + i] = (int16_t)nearbyintf(v[i] * inv);
-        sx[g] = a / XMAX, xs32[g] = s, xs16[2 * g] = h[0], xs16[2 * g + 1] = h[1];
+        sx[g] = a / XMAX;
+        if (G == 16)
+            xs[2 * g] = h[0], xs[2 * g + 1] = h[1];
+        else
+            xs[g] = h[0];
     }
 }
 
@@ -419,19 +423,17 @@ static int run(const void *x, int64_t ldx, const qweight *w, void *out, int64_t 
                int threads, int ref) {
     if (!valid(w, rows)) return 1;
     const int64_t k = w->k, nb = w->n / 16;
+    const int64_t groups = k / w->group;
     int16_t *xq = malloc(sizeof(int16_t) * rows * k);
-    float *sx = malloc(sizeof(float) * rows * (k / 32)), *xs32 = malloc(sizeof(float) * rows * (k / 32));
-    float *xs16 = malloc(sizeof(float) * rows * (k / 16));
-    if (!xq || !sx || !xs32 || !xs16) {
-        free(xq), free(sx), free(xs32), free(xs16);
+    float *sx = malloc(sizeof(float) * rows * (k / 32)), *xs = malloc(sizeof(float) * rows * groups);
+    if (!xq || !sx || !xs) {
+        free(xq), free(sx), free(xs);
         return 1;
     }
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * k >= 1 << 14)
     for (int64_t m = 0; m < rows; m++) /* each row on its own: the same whoever quantizes it */
-        quantize_row((const char *)x + m * ldx * (is_bf16 ? 2 : 4), is_bf16, k, xq + m * k, sx + m * (k / 32),
-                     xs32 + m * (k / 32), xs16 + m * (k / 16));
-    const float *xs = w->group == 16 ? xs16 : xs32; /* a group's own sums, rows k / G apart */
-    const int64_t groups = k / w->group;
+        quantize_row((const char *)x + m * ldx * (is_bf16 ? 2 : 4), is_bf16, k, w->group, xq + m * k,
+                     sx + m * (k / 32), xs + m * groups);
 #ifdef QGEMM_VECTOR
     if (!ref) {
         /* one row: ONE_ROW_BLOCKS blocks a chunk where there are enough for every thread, else two */
@@ -439,7 +441,7 @@ static int run(const void *x, int64_t ldx, const qweight *w, void *out, int64_t 
 #pragma omp parallel for num_threads(threads) schedule(static) if (w->n * k * rows >= 1 << 15)
         for (int64_t c = 0; c < (nb + chunk - 1) / chunk; c++)
             chunk_tiles(w, c, chunk, nb, rows, xq, sx, xs, out, ldo, is_bf16);
-        free(xq), free(sx), free(xs32), free(xs16);
+        free(xq), free(sx), free(xs);
         return 0;
     }
 #endif
@@ -452,7 +454,7 @@ static int run(const void *x, int64_t ldx, const qweight *w, void *out, int64_t 
         }
     }
     (void)ref;
-    free(xq), free(sx), free(xs32), free(xs16);
+    free(xq), free(sx), free(xs);
     return 0;
 }
 

@@ -93,7 +93,8 @@ class QWeight:
     @classmethod
     def pack(cls, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None = None,
              bits: int | None = None) -> QWeight:
-        """`bits`: 5 packs values that would fit 4 bits as 5 (weights stacked with 5-bit ones)."""
+        """`bits` (with a min): 5 packs values that would fit 4 bits as 5 (weights stacked with 5-bit ones);
+        None: the fewest bits that hold them."""
         n, k = q.shape
         group = k // max(scale.shape[1], 1)
         if bits is None or min is None:
@@ -134,8 +135,8 @@ class QWeight:
         """The integers q of outputs `rows` (all: None), unpacked: `[len(rows), k]` int32."""
         rows = torch.arange(self.n) if rows is None else rows
         if self.bits == 8:
-            return self.q[rows // 16, :, rows % 16].to(torch.int32).reshape(len(rows), self.k)
-        nibbles = self.q[..., :32].reshape(self.n // 16, self.k // 4, 16, 2)[rows // 16, :, rows % 16].to(torch.int32)
+            return self._rows(self.q, rows).to(torch.int32).reshape(len(rows), self.k)
+        nibbles = self._rows(self.q[..., :32].reshape(self.n // 16, self.k // 4, 16, 2), rows).to(torch.int32)
         v = torch.stack([nibbles & 15, nibbles >> 4], 2)  # [T, k / 4, 2 (low, high), 2]
         if self.bits == 5:
             words = self.q[..., 32:].contiguous().view(torch.int32)[rows // 16].long()  # [T, k / 4, 2]
