@@ -149,7 +149,6 @@ def load(path: Path, layout: gguf_check.Layout, config, dtype, keep_blocks: bool
     """The model of the checked GGUF file at `path` (module doc), `config` its `config_and_tokenizer`'s."""
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     from transformers.utils import logging as hf_logging
 
     from ..engine.model import gguf_blocks, quantized
@@ -158,7 +157,7 @@ def load(path: Path, layout: gguf_check.Layout, config, dtype, keep_blocks: bool
     file = blocks(path, layout)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    processor = TENSOR_PROCESSORS.get(layout.architecture, TensorProcessor)(config=config.to_dict())
+    processor = quantized.gguf_processor(layout.architecture, config)
     names = quantized.gguf_names(skeleton, processor)
     linears = {f"{n}.weight": m for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)}
     parsed = {"config": config.to_dict(), "tensors": {}}
@@ -212,14 +211,13 @@ def fill(model, file) -> None:
     """Dequantize from the file every weight still on the meta device (`quantized.apply` left its layer
     dequantized), in the model's dtype."""
     import torch
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from ..engine.model import quantized
 
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if not missing:
         return
-    processor = TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)(config=model.config.to_dict())
+    processor = quantized.gguf_processor(file.architecture, model.config)
     to_gguf = {hf: g for g, hf in quantized.gguf_names(model, processor).items()}
     for name in missing:
         tensor = file.tensors[to_gguf[name]]

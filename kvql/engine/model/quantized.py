@@ -265,10 +265,8 @@ class _GGUF:
     file directly holds none)."""
 
     def __init__(self, model: torch.nn.Module, file: gguf_blocks.File):
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
         self.tensors = file.tensors
-        self.processor = TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)(config=model.config.to_dict())
+        self.processor = gguf_processor(file.architecture, model.config)
         self.hf_to_gguf = {hf: g for g, hf in gguf_names(model, self.processor).items()}
         embed = model.get_input_embeddings()
         head = model.get_output_embeddings()
@@ -334,6 +332,14 @@ class _GGUF:
                                           for i, w in enumerate(weights)):
                 return f"experts: {parts[0].type_name}: blocks differ from the loaded weights"
         return gate_up, down, "/".join(dict.fromkeys(t.type_name for t in parts))
+
+
+def gguf_processor(architecture: str, config):
+    """transformers' tensor processor for a GGUF file of `architecture` (its tensors into the model's order and
+    names: Llama's q/k rows, Gemma's norms, MoE experts merged)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
 
 
 def gguf_names(model: torch.nn.Module, processor) -> dict[str, str]:
