@@ -2,7 +2,7 @@
 
 The caps are 400s that say what to do; text to tokenize and biases to read past a small size are prepared off
 the event loop (asserted by the thread they ran on, not by a clock); a whole-vocabulary `logit_bias` answers as
-the same bias computed by hand. Slow constraints: test_slow_constraints.py."""
+the same bias computed by hand; a text no context could hold is refused before it is tokenized. Slow constraints: test_slow_constraints.py."""
 
 from __future__ import annotations
 
@@ -70,6 +70,23 @@ def test_much_to_read_is_prepared_off_the_event_loop(tokenizer, llama, monkeypat
         assert threads == [threading.main_thread()]
     finally:
         m.close()
+
+
+def test_a_text_longer_than_the_context_can_hold_is_refused_unread(tokenizer, llama, monkeypatch):
+    """Eight 1 MB prompts took ~3 s of both cores to tokenize before their 400: a text longer than the context
+    at the vocabulary's longest token is refused before it is read; one within that bound is read and checked."""
+    m = kvql.Model(llama, tokenizer, cache_budget=4 << 20)
+    bound = 2 * m.context_length * max(map(len, tokenizer.get_vocab()))
+    read = []
+    real = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, *a, **kw: read.append(len(text)) or real(text, *a, **kw))
+    with pytest.raises(ValueError, match=f"prompt 1 has {bound + 1} characters.*not tokenized"):
+        m.generate(["hello", "x" * (bound + 1)], max_tokens=1)
+    assert read == [5]
+    read.clear()
+    with pytest.raises(ValueError, match="tokens \\+ max_tokens"):
+        m.generate("x" * bound, max_tokens=1)
+    assert read == [bound]
 
 
 def test_a_whole_vocabulary_bias_answers_as_the_bias_added_by_hand(served, tokenizer, llama):

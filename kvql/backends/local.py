@@ -20,6 +20,7 @@ from ..engine.engine import Engine
 from ..engine.decode import healing, masks
 from ..engine.model import model_runner, quantized
 from ..engine.decode.grammar import Grammar, warm_up
+from ..engine.decode.mask_worker import lowest_priority
 from ..engine.cache.kv_pool import KVPool
 from ..engine.request import RequestGroup, SamplingParams
 from . import base, gguf_check, gguf_model
@@ -170,6 +171,7 @@ class LocalBackend(Backend):
         out = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
+                self._check_readable(p, i)
                 ids = self.tokenizer.encode(p)
             elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
                 ids = list(p)
@@ -182,6 +184,22 @@ class LocalBackend(Backend):
                 raise ValueError(f"prompt {i} is empty (no tokens)")
             out.append(ids)
         return out
+
+    @functools.cached_property
+    def _chars_per_token(self) -> int:
+        """The most characters one token can stand for: its vocabulary's longest entry (special tokens
+        included; a byte-level entry's characters are bytes, each at least one character of text)."""
+        vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+        return max(map(len, vocab), default=64)
+
+    def _check_readable(self, text: str, i: int) -> None:
+        """A text longer than the context could hold at the longest token is refused without tokenizing it
+        (8 MB of text took ~3 s of both cores from every other client). Twice the bound: a normalizer may
+        drop characters; the exact check follows the tokenizing in `_check_fits`."""
+        bound = 2 * self.context_length * self._chars_per_token
+        if len(text) > bound:
+            raise ValueError(f"prompt {i} has {len(text)} characters, more than the model's context of "
+                             f"{self.context_length} tokens can hold (at most {bound} characters); not tokenized")
 
     @property
     def max_request_tokens(self) -> int:
@@ -469,7 +487,9 @@ class LocalBackend(Backend):
         return f"kvql.Model({self.name!r}, device={self.device}, cache_slots={self.engine.pool.num_slots})"
 
 
-_PREPARING = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kvql-prepare")  # as sandbox children
+# as many as sandbox children; at the lowest priority, as the mask workers: a megabyte to tokenize takes a core
+# for ~0.5 s, which other clients' steps get first
+_PREPARING = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="kvql-prepare", initializer=lowest_priority)
 INLINE_CHARS = 16 * 1024  # text `submit` tokenizes on the caller's event loop, at most; more goes to a thread
 INLINE_PROMPTS = 64
 

@@ -32,7 +32,8 @@ PENDING = object()
 WORKERS = 4
 
 
-def _lowest_priority() -> None:
+def lowest_priority() -> None:
+    """The calling thread at `nice` 19: the engine's forwards take the cores first."""
     with contextlib.suppress(OSError, AttributeError):  # per thread on Linux; elsewhere left as it is
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
@@ -40,7 +41,7 @@ def _lowest_priority() -> None:
 class MaskWorker:
     def __init__(self, workers: int = WORKERS):
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvql-mask",
-                                                           initializer=_lowest_priority)
+                                                           initializer=lowest_priority)
         self._lock = threading.Lock()
         self._chains: dict[int, collections.deque] = {}  # id(mask fn) -> calls waiting behind its running one
 
