@@ -239,10 +239,14 @@ static inline __attribute__((always_inline)) void tile(const qweight *w, int64_t
 
 #ifdef QGEMM_AVX2
 #define QGEMM_VECTOR 1
-/* 16 registers: one row two blocks at a time; several rows (4-bit) two blocks by two, else one by four */
+/* 16 registers: one row two blocks at a time; 4- and 5-bit from WIDE_ROWS rows: a chunk's weights widened to int16
+   once (`widen`), read by tiles of one block by four rows (wider ones spill); else several rows 4-bit two blocks by
+   two, 8- and 5-bit one by four (8-bit's widening costs less than a second read of its weights) */
 #define ONE_ROW_BLOCKS 2
 #define TILE_BLOCKS 2
 #define TILE_ROWS 2
+#define WIDENS 1
+#define WIDE_ROWS 16
 
 static inline __m256 scales8(const void *p, int64_t at, int is_f32) {
     return is_f32 ? _mm256_loadu_ps((const float *)p + at)
@@ -277,11 +281,31 @@ static inline __attribute__((always_inline)) void quad8(const qweight *w, int64_
     }
 }
 
+/* Blocks b .. b + nb - 1 as int16 in the 8-bit layout ([k / 2][16][2] a block, 16 k values apart): each weight
+   widened once for all of a call's rows instead of once per tile. */
+static void widen(const qweight *w, int64_t b, int64_t nb, int16_t *wide) {
+    const int64_t k = w->k;
+    for (int64_t i = 0; i < nb; i++, wide += 16 * k)
+        for (int64_t j = 0; j < k / 4; j++)
+            for (int h = 0; h < 2; h++) {
+                __m256i lo, hi;
+                if (w->bits == 8) {
+                    const int8_t *q = (const int8_t *)w->q + ((b + i) * (k / 2) + 2 * j) * 32 + 16 * h;
+                    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+                    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 32)));
+                } else
+                    quad8(w, b + i, j, h, &lo, &hi);
+                _mm256_storeu_si256((__m256i *)(wide + 2 * j * 32 + 16 * h), lo);
+                _mm256_storeu_si256((__m256i *)(wide + (2 * j + 1) * 32 + 16 * h), hi);
+            }
+}
+
 /* tile_acc of the AVX-512 kernel on 8-lane halves: acc[(r * NB + i) * 2 + h]: row r, block b + i, outputs 8 h on;
-   vpmaddwd + vpaddd sum the same integers vpdpwssd does (exactly: no sum leaves int32). */
-static inline __attribute__((always_inline)) void tile_acc(const qweight *w, int64_t b, const int16_t *xq,
-                                                          const float *sx, const float *xs, __m256 *acc,
-                                                          const int NB, const int R) {
+   vpmaddwd + vpaddd sum the same integers vpdpwssd does (exactly: no sum leaves int32). WIDE: the weights read
+   from `wide` (`widen`), else from w. */
+static inline __attribute__((always_inline)) void tile_acc(const qweight *w, int64_t b, const int16_t *wide,
+                                                          const int16_t *xq, const float *sx, const float *xs,
+                                                          __m256 *acc, const int NB, const int R, const int WIDE) {
     const int64_t k = w->k, G = w->group, groups = k / G;
     #pragma GCC unroll 8
     for (int i = 0; i < NB * R * 2; i++) acc[i] = _mm256_setzero_ps();
@@ -289,14 +313,15 @@ static inline __attribute__((always_inline)) void tile_acc(const qweight *w, int
         __m256i is[8];
         #pragma GCC unroll 8
         for (int i = 0; i < NB * R * 2; i++) is[i] = _mm256_setzero_si256();
-        if (w->bits == 8) {
+        if (WIDE || w->bits == 8) {
             for (int64_t j = g * G / 2; j < (g + 1) * G / 2; j++) {
                 #pragma GCC unroll 8
                 for (int i = 0; i < NB; i++)
                     #pragma GCC unroll 2
                     for (int h = 0; h < 2; h++) {
-                        __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(
-                            (const __m128i *)((const int8_t *)w->q + ((b + i) * (k / 2) + j) * 32 + 16 * h)));
+                        __m256i wv = WIDE ? _mm256_loadu_si256((const __m256i *)(wide + (i * (k / 2) + j) * 32 + 16 * h))
+                                          : _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(
+                                                (const int8_t *)w->q + ((b + i) * (k / 2) + j) * 32 + 16 * h)));
                         #pragma GCC unroll 8
                         for (int r = 0; r < R; r++) {
                             int32_t xp;
@@ -352,12 +377,13 @@ static inline void store8(void *out, int64_t at, __m256 v, int is_bf16) {
         _mm256_storeu_ps((float *)out + at, v);
 }
 
-static inline __attribute__((always_inline)) void tile(const qweight *w, int64_t b, int64_t m0, const int16_t *xq,
-                                                       const float *sx, const float *xs, void *out, int64_t ldo,
-                                                       int is_bf16, const int NB, const int R) {
+static inline __attribute__((always_inline)) void tile_of(const qweight *w, int64_t b, const int16_t *wide,
+                                                          int64_t m0, const int16_t *xq, const float *sx,
+                                                          const float *xs, void *out, int64_t ldo, int is_bf16,
+                                                          const int NB, const int R, const int WIDE) {
     __m256 acc[8];
     const int64_t groups = w->k / w->group;
-    tile_acc(w, b, xq + m0 * w->k, sx + m0 * (w->k / 32), xs + m0 * groups, acc, NB, R);
+    tile_acc(w, b, wide, xq + m0 * w->k, sx + m0 * (w->k / 32), xs + m0 * groups, acc, NB, R, WIDE);
     #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
         #pragma GCC unroll 8
@@ -366,6 +392,8 @@ static inline __attribute__((always_inline)) void tile(const qweight *w, int64_t
             for (int h = 0; h < 2; h++)
                 store8(out, (m0 + r) * ldo + (b + i) * 16 + 8 * h, acc[(r * NB + i) * 2 + h], is_bf16);
 }
+
+#define tile(w, b, m0, xq, sx, xs, out, ldo, is_bf16, NB, R) tile_of(w, b, NULL, m0, xq, sx, xs, out, ldo, is_bf16, NB, R, 0)
 #endif
 
 static void store(void *out, int64_t i, float v, int is_bf16) {
@@ -382,11 +410,16 @@ static int valid(const qweight *w, int64_t rows) {
     return (w->bits == 4 && (w->group == 16 || w->group == 32)) || (w->bits == 5 && w->group == 32);
 }
 
+#ifndef WIDENS
+#define WIDENS 0
+#define WIDE_ROWS 0
+#endif
+
 #ifdef QGEMM_VECTOR
 /* Blocks of chunk c (of `chunk` blocks) for every row, in the widest tiles that fit. */
 static inline void chunk_tiles(const qweight *w, int64_t c, int64_t chunk, int64_t nb, int64_t rows,
                                const int16_t *xq, const float *sx, const float *xs, void *out, int64_t ldo,
-                               int is_bf16) {
+                               int is_bf16, int16_t *wide) {
     int64_t b = c * chunk, end = b + chunk < nb ? b + chunk : nb;
     if (rows == 1) {
 #if ONE_ROW_BLOCKS == 4
@@ -401,6 +434,14 @@ static inline void chunk_tiles(const qweight *w, int64_t c, int64_t chunk, int64
     }
     int64_t m = 0;
 #ifdef QGEMM_AVX2
+    if (wide) {
+        widen(w, b, end - b, wide);
+        for (; b < end; b++, wide += 16 * w->k) {
+            for (m = 0; m + 4 <= rows; m += 4) tile_of(w, b, wide, m, xq, sx, xs, out, ldo, is_bf16, 1, 4, 1);
+            for (; m < rows; m++) tile_of(w, b, wide, m, xq, sx, xs, out, ldo, is_bf16, 1, 1, 1);
+        }
+        return;
+    }
     if (w->bits != 4) { /* 8- and 5-bit: one block by four rows (their widening weighs more than 4-bit's) */
         for (; b < end; b++) {
             for (m = 0; m + 4 <= rows; m += 4) tile(w, b, m, xq, sx, xs, out, ldo, is_bf16, 1, 4);
@@ -438,9 +479,15 @@ static int run(const void *x, int64_t ldx, const qweight *w, void *out, int64_t 
     if (!ref) {
         /* one row: ONE_ROW_BLOCKS blocks a chunk where there are enough for every thread, else two */
         const int64_t chunk = rows > 1 ? TILE_BLOCKS : nb >= 128 ? ONE_ROW_BLOCKS : 2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (w->n * k * rows >= 1 << 15)
-        for (int64_t c = 0; c < (nb + chunk - 1) / chunk; c++)
-            chunk_tiles(w, c, chunk, nb, rows, xq, sx, xs, out, ldo, is_bf16);
+#pragma omp parallel num_threads(threads) if (w->n * k * rows >= 1 << 15)
+        {
+            /* a chunk's weights widened for its rows (AVX2; without the memory, tiles widen as they go) */
+            int16_t *wide = WIDENS && w->bits != 8 && rows >= WIDE_ROWS ? malloc(sizeof(int16_t) * chunk * 16 * k) : NULL;
+#pragma omp for schedule(static)
+            for (int64_t c = 0; c < (nb + chunk - 1) / chunk; c++)
+                chunk_tiles(w, c, chunk, nb, rows, xq, sx, xs, out, ldo, is_bf16, wide);
+            free(wide);
+        }
         free(xq), free(sx), free(xs);
         return 0;
     }
