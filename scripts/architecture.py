@@ -18,6 +18,8 @@ def main() -> None:
     print(f"import circles: {len(cs)}" + "".join(f"\n  {len(c)} modules: {', '.join(c)}" for c in cs))
     up = G.upward(graph)
     print(f"upward imports: {len(up)}" + "".join(f"\n  {m}:{line} -> {t}" for m, t, line in up))
+    side = G.engine_side_doors()
+    print(f"imports of the engine beneath its door: {len(side)}" + "".join(f"\n  {m}:{line} -> {t}" for m, t, line in side))
     priv = G.private_uses()
     print(f"kvql private names used across packages: {len(priv)}" + "".join(f"\n  {m}:{line} {n}" for m, n, line in priv))
     other = G.private_uses(kvql_names=False)

@@ -195,3 +195,11 @@ def engine_room_breaches(graph=None) -> list[tuple[str, str, int]]:
             if other is None or other > room:
                 out.append((m, t, line))
     return out
+
+
+def engine_side_doors(graph=None) -> list[tuple[str, str, int]]:
+    """(importer, imported, line) where a module outside the engine imports one beneath its door (`kvql.engine`'s
+    own names are the door: kvql/engine/__init__.py)."""
+    graph = graph or imports()
+    return [(m, t, line) for m, edges in graph.items() if not m.startswith("kvql.engine")
+            for t, _, line in edges if t.startswith("kvql.engine.")]

@@ -96,10 +96,10 @@ def test_the_graph_reader_sees_what_it_must(tmp_path, monkeypatch):
     (root / "backends" / "base.py").write_text((root / "backends" / "base.py").read_text()
                                                + "\n\ndef _late():\n    from ..query import Query\n")
     (root / "server" / "app.py").write_text((root / "server" / "app.py").read_text()
-                                            + "\n\ndef _peek(model):\n    return model._prepare\n")
+                                            + "\n\ndef _peek(model):\n    return model._submit\n")
     monkeypatch.setattr(G, "ROOT", root)
     assert ("kvql.backends.base", "kvql.query") in [(m, t) for m, t, _ in G.upward()]
-    assert any(m == "kvql.server.app" and n == "._prepare" for m, n, _ in G.private_uses())
+    assert any(m == "kvql.server.app" and n == "._submit" for m, n, _ in G.private_uses())
 
 
 def test_the_server_routes_are_short_functions():
@@ -130,6 +130,31 @@ def test_the_engine_room_rule_can_fail(tmp_path, monkeypatch):
     found = {(m, t) for m, t, _ in G.engine_room_breaches()}
     assert ("kvql.engine.decode.sampler", "kvql.engine.scheduler") in found
     assert ("kvql.engine.cache.kv_pool", "kvql.engine.decode.masks") in found
+
+
+def test_the_engine_is_entered_through_its_door_only():
+    import import_graph as G
+
+    assert G.engine_side_doors() == []
+
+
+def test_the_door_rule_can_fail(tmp_path, monkeypatch):
+    import shutil
+
+    import import_graph as G
+
+    root = tmp_path / "kvql"
+    shutil.copytree(G.ROOT, root)
+    local = root / "backends" / "local.py"
+    local.write_text(local.read_text() + "\n\ndef _late():\n    from ..engine.decode import masks\n")
+    monkeypatch.setattr(G, "ROOT", root)
+    assert [(m, t) for m, t, _ in G.engine_side_doors()] == [("kvql.backends.local", "kvql.engine.decode.masks")]
+
+
+def test_every_name_of_the_door_is_there():
+    import kvql.engine
+
+    assert all(getattr(kvql.engine, name) is not None for name in kvql.engine.__all__)
 
 
 # -- circles and the engine's importers (docs/architecture.md, "Circles") --

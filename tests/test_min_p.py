@@ -18,7 +18,7 @@ from starlette.requests import Request as HttpRequest
 
 import kvql
 from kvql.backends.base import Unsupported
-from kvql.backends.local import LocalBackend, engine_params
+from kvql.backends.local import LocalBackend, request_spec
 from kvql.backends.options import GenerateOptions, Sent
 from kvql.engine.decode.sampler import sample
 from kvql.engine.request import Request, RequestGroup, SamplingParams
@@ -147,7 +147,7 @@ def test_every_engine_option_reaches_the_engines_parameters():
     same = [name for name, rule in GenerateOptions.rules("engine").items() if rule is True]
     assert set(same) <= engine, set(same) - engine
     assert set(same) <= set(NON_DEFAULT), "give the new option a non-default value in NON_DEFAULT"
-    params = engine_params(GenerateOptions(**{k: NON_DEFAULT[k] for k in same}))
+    params = SamplingParams(**request_spec(GenerateOptions(**{k: NON_DEFAULT[k] for k in same})).params)
     assert {k: getattr(params, k) for k in same} == {k: NON_DEFAULT[k] for k in same}
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import kvql
 from conftest import serving
-from kvql.backends.local import INLINE_CHARS, INLINE_PROMPTS, LocalBackend
+from kvql.engine.request_builder import INLINE_CHARS, INLINE_PROMPTS, RequestBuilder
 from kvql.server.app import create_app
 from kvql.server.served import MAX_PROMPTS, MAX_SAMPLES
 
@@ -44,8 +44,8 @@ def test_much_to_read_is_prepared_off_the_event_loop(tokenizer, llama, monkeypat
     """Tokenizing a megabyte takes ~0.5 s: on the event loop it would stall every other client (and /health)."""
     m = kvql.Model(llama, tokenizer, cache_budget=4 << 20)
     threads = []
-    real = LocalBackend._prepare
-    monkeypatch.setattr(LocalBackend, "_prepare", lambda self, *a, **kw: threads.append(
+    real = RequestBuilder.build
+    monkeypatch.setattr(RequestBuilder, "build", lambda self, *a, **kw: threads.append(
         threading.current_thread()) or real(self, *a, **kw))
     prompts, options = ["hello"], {}
     if kind == "text":  # (longer than the tiny model's context: refused, after it was tokenized)

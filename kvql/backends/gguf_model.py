@@ -8,12 +8,13 @@ count, offset and size bounded before it is used), and mapped:
 - the config and the tokenizer are transformers' own (its GGUF config mapping and tokenizer converter), given
   kvql's parse of the metadata in place of the `gguf` package's reader (`_Fields`; arrays other than the
   vocabulary's length are not needed for a config);
-- the weights: each tensor as its bytes in the mapped file (`gguf_blocks.File`); with `keep_blocks` (weights="gguf")
-  the linear layers whose blocks qgemm runs are left unread (on the meta device) for `quantized.apply` to take
+- the weights: each tensor as its bytes in the mapped file (`kvql.engine.GGUFFile`); with `keep_blocks`
+  (weights="gguf") the linear layers whose blocks qgemm runs are left unread (on the meta device) for the engine to take
   straight from the file, the rest dequantized once (the `gguf` package's numpy `dequantize`, then transformers'
   tensor processor: Llama's q/k row order, Gemma's norm offsets) into transformers' `from_pretrained(state_dict=)`.
-`fill(model, file)` afterwards dequantizes what `apply` left on the meta device (a layer stacked with one of a type
-qgemm does not run). No step depends on the file's size but the tensors' own bytes.
+The engine (`Engine(weights="gguf", gguf=blocks(...))`) then dequantizes what its quantization left on the meta
+device (a layer stacked with one of a type qgemm does not run). No step depends on the file's size but the tensors'
+own bytes.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def _reading(path: Path, layout: gguf_check.Layout):
 
 
 def blocks(path: Path, layout: gguf_check.Layout):
-    """The file's tensors as `gguf_blocks.File` (each a view of the mapped file; nothing read yet)."""
-    from ..engine.model import gguf_blocks
+    """The file's tensors as a `GGUFFile` (each a view of the mapped file; nothing read yet)."""
+    from ..engine import GGUFFile, GGUFTensor
 
     with open(path, "rb") as f:  # a plain array over the mapping (numpy's memmap subclass costs per operation)
         data = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
@@ -99,8 +100,8 @@ def blocks(path: Path, layout: gguf_check.Layout):
         start = layout.data_start + t.offset
         rows = t.elements // t.dims[0] if t.dims else 1
         raw = data[start:start + t.nbytes].reshape(rows, -1)
-        tensors[t.name] = gguf_blocks.Tensor(t.name, t.kind, tuple(t.dims), raw)
-    return gguf_blocks.File(str(path), layout.architecture, tensors)
+        tensors[t.name] = GGUFTensor(t.name, t.kind, tuple(t.dims), raw)
+    return GGUFFile(str(path), layout.architecture, tensors)
 
 
 def config_and_tokenizer(path: Path, layout: gguf_check.Layout):
@@ -136,29 +137,19 @@ def config_and_tokenizer(path: Path, layout: gguf_check.Layout):
     return config, tokenizer
 
 
-def _dequantized(tensor) -> np.ndarray:
-    """A tensor's values in float32, shaped as the file's dimensions reversed (numpy's order)."""
-    import gguf.quants
-    from gguf import GGMLQuantizationType
-
-    values = gguf.quants.dequantize(tensor.raw, GGMLQuantizationType[tensor.type_name])
-    return np.asarray(values, dtype=np.float32).reshape(tuple(reversed(tensor.dims)))
-
-
 def load(path: Path, layout: gguf_check.Layout, config, dtype, keep_blocks: bool):
     """The model of the checked GGUF file at `path` (module doc), `config` its `config_and_tokenizer`'s."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from ..engine.model import gguf_blocks, quantized
-    from ..engine.model.kernels import qgemm
+    from ..engine import GGUF_BLOCK_TYPES, dequantized_gguf, gguf_names, gguf_processor, qgemm_fits
 
     file = blocks(path, layout)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    processor = quantized.gguf_processor(layout.architecture, config)
-    names = quantized.gguf_names(skeleton, processor)
+    processor = gguf_processor(layout.architecture, config)
+    names = gguf_names(skeleton, processor)
     linears = {f"{n}.weight": m for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)}
     parsed = {"config": config.to_dict(), "tensors": {}}
     state, kept = {}, set()
@@ -168,11 +159,11 @@ def load(path: Path, layout: gguf_check.Layout, config, dtype, keep_blocks: bool
         linear = linears.get(hf)
         if tied and linear is None and name == "token_embd.weight":  # the head's blocks too
             linear = skeleton.get_output_embeddings()
-        if (keep_blocks and linear is not None and tensor.type_name in gguf_blocks.TYPES
-                and qgemm.fits(linear.out_features, linear.in_features)):
-            kept.add(hf)  # quantized.apply takes its blocks
+        if (keep_blocks and linear is not None and tensor.type_name in GGUF_BLOCK_TYPES
+                and qgemm_fits(linear.out_features, linear.in_features)):
+            kept.add(hf)  # the engine's quantization takes its blocks
             continue
-        result = processor.process(weights=_dequantized(tensor), name=name, tensor_key_mapping=names,
+        result = processor.process(weights=dequantized_gguf(tensor), name=name, tensor_key_mapping=names,
                                    parsed_parameters=parsed)
         if result.name in names:
             state[names[result.name]] = torch.from_numpy(np.array(result.weights, dtype=np.float32)).to(dtype)
@@ -195,7 +186,7 @@ def load(path: Path, layout: gguf_check.Layout, config, dtype, keep_blocks: bool
 
 def _unload(model, names: set[str]) -> None:
     """Put the weights `names` (left to the file's blocks) on the meta device, a tied weight's every name alike:
-    nothing may read them before `quantized.apply` replaces their layers (or `fill` loads them)."""
+    nothing may read them before the engine's quantization replaces their layers (or fills them from the file)."""
     import torch
 
     owners = [(name.rpartition("."), p) for name, p in model.named_parameters(remove_duplicate=False)]
@@ -205,25 +196,3 @@ def _unload(model, names: set[str]) -> None:
         if id(p) in chosen:
             meta = empty.setdefault(id(p), torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False))
             setattr(model.get_submodule(module), leaf, meta)
-
-
-def fill(model, file) -> None:
-    """Dequantize from the file every weight still on the meta device (`quantized.apply` left its layer
-    dequantized), in the model's dtype."""
-    import torch
-
-    from ..engine.model import quantized
-
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if not missing:
-        return
-    processor = quantized.gguf_processor(file.architecture, model.config)
-    to_gguf = {hf: g for g, hf in quantized.gguf_names(model, processor).items()}
-    for name in missing:
-        tensor = file.tensors[to_gguf[name]]
-        result = processor.process(weights=_dequantized(tensor), name=tensor.name, tensor_key_mapping={},
-                                   parsed_parameters={"config": model.config.to_dict(), "tensors": {}})
-        module, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(module)
-        setattr(owner, leaf, torch.nn.Parameter(torch.from_numpy(np.array(result.weights, dtype=np.float32)).to(
-            model.dtype), requires_grad=False))

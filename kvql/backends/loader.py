@@ -250,7 +250,7 @@ def admitting(spec: str):
     """Inside: the engine's refusal of the model loaded from `spec` (`UnsupportedModel`, from its config or at
     `kvql.Model()`) is raised as a `ModelLoadError` naming the spec, so that callers above the backends catch one
     error type and import nothing of the engine."""
-    from ..engine.model.admission import UnsupportedModel
+    from ..engine import UnsupportedModel
 
     try:
         yield
@@ -290,8 +290,7 @@ def load_hf(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype
         config = AutoConfig.from_pretrained(path, **kwargs)
     except _FILE_ERRORS as e:
         raise ModelLoadError(f"could not load the config of model {spec!r} from {str(path)!r}: {_said(e)}") from e
-    from ..engine.model.admission import check_config
-    from ..engine.decode.grammar import warm_up
+    from ..engine import check_config, warm_up
 
     with admitting(spec):
         check_config(config)  # what the config alone rules out, before the weights load; the rest at Model()
@@ -313,8 +312,7 @@ def _load_gguf(spec: str, path: Path, device, dtype, keep_blocks: bool):
     import torch
 
     from . import gguf_model
-    from ..engine.decode.grammar import warm_up
-    from ..engine.model.admission import check_config
+    from ..engine import check_config, warm_up
 
     layout = check_gguf(path)
     if keep_blocks and torch.device(device).type != "cpu":

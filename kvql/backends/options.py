@@ -1,7 +1,7 @@
 """`GenerateOptions`: the generation options of the backend contract. Each is declared, defaulted, documented
 and checked here, once. A backend reads a call's keywords with `GenerateOptions.read(options, extra)` and
 translates the result once: the local backend into the engine's per-request parameters (`SamplingParams`, one
-per prompt: `kvql.backends.local.engine_params`), the remote one into an OpenAI-compatible request body
+per prompt, from `kvql.backends.local.request_spec`), the remote one into an OpenAI-compatible request body
 (`RemoteBackend._request`, as SGLang's `SglSamplingParams.to_*_kwargs`); the server reads them from HTTP
 fields (`kvql.server.served.Served.options`).
 

@@ -76,8 +76,9 @@ from .request import Request, RequestGroup, SamplingParams
 from .outputs import Outputs
 from .cache.persistence import Persistence
 from .scheduler import Scheduler
-from .model import admission, model_runner
-from . import openmp
+from .model import gguf_weights, quantized
+from . import openmp, sizing
+from .request_builder import Built, RequestBuilder
 from .turns import Turns
 
 
@@ -119,37 +120,46 @@ def _said_when_slow(what: str):
 
 
 class Engine(Persistence):
-    def __init__(self, hf_model, tokenizer, *, num_slots: int, max_batch_tokens: int = 1024,
-                 max_running: int = 64, background: bool = True, geometry: admission.Geometry | None = None,
-                 speculate: bool = True, disk_cache=None, disk_budget: int = 0, save_interval: float = 300.0,
-                 snapshot_budget: int = 0):
-        """`geometry`: `model_runner.read_geometry(hf_model)` when the caller has it already (it probes the
-        model); a model the engine cannot run raises `admission.UnsupportedModel`, saying why. `disk_cache`:
-        a directory for the disk tier (module doc), holding at most `disk_budget` bytes, written to every
-        `save_interval` seconds when idle (0: at `close` only). `snapshot_budget`: bytes for snapshots of a
-        model's recurrent states (models with recurrent layers; cache/state_snapshots.py)."""
+    def __init__(self, hf_model, tokenizer, *, cache_budget: int | None = None, max_batch_tokens: int = 1024,
+                 max_running: int = 64, background: bool = True, speculate: bool = True, disk_cache=None,
+                 disk_budget: int = 0, save_interval: float = 300.0, weights: str | None = None, gguf=None):
+        """`cache_budget`: bytes for the K/V pool and, for a model with recurrent layers, its states' snapshots and
+        running states (sizing.py; default: `sizing.default_budget`); a model the engine cannot run raises
+        `admission.UnsupportedModel`, saying why. `weights` ("gguf" with `gguf` the model's `GGUFFile`, "int8",
+        "int4"): its linear layers on quantized weights first (model/quantized.py; `quantization` says what was
+        done, one line), what the file's blocks did not take filled from the file. `disk_cache`: a directory for
+        the disk tier (module doc), holding at most `disk_budget` bytes, written to every `save_interval` seconds
+        when idle (0: at `close` only)."""
         config = hf_model.config
         self.tokenizer = tokenizer
-        self.device = next(hf_model.parameters()).device
-        geometry = geometry or model_runner.read_geometry(hf_model)
+        self.quantization = None if weights is None else quantized.apply(hf_model, weights, gguf).line()
+        if gguf is not None:
+            gguf_weights.fill(hf_model, gguf)  # what the loader left to the blocks and apply did not take
+        self.device = next(hf_model.parameters()).device  # (the loader's blocks were on the meta device)
+        budget = sizing.default_budget(self.device) if cache_budget is None else cache_budget
+        sizes = sizing.size(hf_model, budget, max_running)
+        geometry = sizes.geometry
         self.pool = KVPool(num_layers=len(geometry.layers), kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
-                           v_dim=geometry.v_dim, num_slots=num_slots, dtype=hf_model.dtype, device=self.device)
+                           v_dim=geometry.v_dim, num_slots=sizes.num_slots, dtype=hf_model.dtype, device=self.device)
         self.tree = RadixCache(self.pool.free, self.device)
         self.memory = Memory(self.pool, self.tree)
-        self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens,
-                                   max_running=max_running)
+        self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens, max_running=sizes.max_running)
         self.runner = ModelRunner(hf_model, self.pool, geometry)
         with _said_when_slow("checking the model's cached path against its own forward (the load check)"):
             self.runner.verify()
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+        text = config.get_text_config()
+        # the model's own maximum: sliding-window layers read their window, the pool keeps every token
+        self.requests = RequestBuilder(tokenizer, self.eos_ids, int(text.vocab_size),
+                                       int(getattr(text, "max_position_embeddings", None) or 2048), self.pool)
         self.background = background  # False: the caller drives `step()` (tests, deterministic stagger)
         self.outputs = Outputs(self.scheduler, tokenizer, self.device, self.eos_ids, self._cancel_later,
                                bounded_masks=background)
         self._drafter = Drafter()
         self.speculate = speculate
         if self.runner.geometry.recurrent:  # a prefix is reused from a snapshot of the state after it
-            self.memory.snapshots = self.runner.states.snapshots = StateSnapshots(snapshot_budget)
+            self.memory.snapshots = self.runner.states.snapshots = StateSnapshots(sizes.snapshot_bytes)
             self.scheduler.carries = True
         self.steps = 0
         self.mixed_steps = 0  # steps whose batch held both prefill chunks and decode steps
@@ -218,6 +228,11 @@ class Engine(Persistence):
                 self._thread = threading.Thread(target=self._loop, name="kvql-engine", daemon=True)
                 self._thread.start()
         return group
+
+    def submit_all(self, built: Built, on_update=None) -> list[RequestGroup]:
+        """Queue a request `self.requests` built: one group per prompt, in order."""
+        return [self.submit(ids, built.params[i], index=i, on_update=on_update, cache_salt=built.cache_salt)
+                for i, ids in enumerate(built.ids)]
 
     def cancel(self, group: RequestGroup) -> None:
         """Cancel a group; its future fails with CancelledError, its KV stays cached, locks are released."""

@@ -81,6 +81,29 @@ class SamplingParams:
         object.__setattr__(self, "bias_tensors", bias)
 
 
+@dataclass(frozen=True)
+class RequestSpec:
+    """What a caller asks for its prompts, checked by the caller (kvql's backend contract: `GenerateOptions`); the
+    engine makes each prompt's `SamplingParams` of it (request_builder.py). `params`: SamplingParams fields taken
+    as they are; `constraint`: `(kind, value)`, kind "regex", "choices", "json_schema" or "grammar" (Lark),
+    compiled into the mask; `mask`: a function of the generated ids instead (`MaskFn`); `grammar_prefix`: the
+    constraint continued from the prompt's last that many tokens; `logit_bias`: {token id: value}, -100 / 100 into
+    the mask, the rest added to the logits (`decode.masks`); `min_tokens`: no end of sequence before that many
+    tokens, stop strings only after their text; `stop_fn`: (ids, text) -> True ends a sample; `heal`: each prompt
+    backed up to a clean token boundary (`decode.healing`); `cache_salt`: requests share cached prefixes only
+    with requests of the same salt."""
+
+    params: dict
+    constraint: tuple | None = None
+    mask: MaskFn | None = None
+    grammar_prefix: int = 0
+    logit_bias: dict | None = None
+    min_tokens: int = 0
+    stop_fn: StopFn | None = None
+    heal: bool = False
+    cache_salt: str | None = None
+
+
 class RequestGroup:
     """The `n` samples of one prompt; `future` resolves to their completions, in sample order.
 

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-import threading
 
 import torch
 
 from . import gguf_blocks, quantized_experts
+from .gguf_weights import gguf_names, gguf_processor
 from .kernels import qgemm
 
 WEIGHTS = ("gguf", "int8", "int4")
@@ -332,31 +332,3 @@ class _GGUF:
                                           for i, w in enumerate(weights)):
                 return f"experts: {parts[0].type_name}: blocks differ from the loaded weights"
         return gate_up, down, "/".join(dict.fromkeys(t.type_name for t in parts))
-
-
-def gguf_processor(architecture: str, config):
-    """transformers' tensor processor for a GGUF file of `architecture` (its tensors into the model's order and
-    names: Llama's q/k rows, Gemma's norms, MoE experts merged)."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
-    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-
-
-def gguf_names(model: torch.nn.Module, processor) -> dict[str, str]:
-    """transformers' map of a GGUF file's tensor names to `model`'s (`get_gguf_hf_weights_map`), its per-module name
-    table built once (transformers builds it again for every submodule: seconds for a 30-layer model)."""
-    import functools
-
-    import gguf
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
-
-    build = gguf.get_tensor_name_map
-    with _NAMES:
-        gguf.get_tensor_name_map = functools.lru_cache(build)
-        try:
-            return get_gguf_hf_weights_map(model, processor)
-        finally:
-            gguf.get_tensor_name_map = build
-
-
-_NAMES = threading.Lock()  # gguf_names swaps a module function of the gguf package for its call
