@@ -333,7 +333,7 @@ def test_a_slow_load_check_says_so_and_a_quick_one_does_not(tokenizer, monkeypat
     import logging
     import threading
 
-    from kvql.engine import engine
+    from kvql.engine import slow_notice
     from kvql.engine.model.model_runner import ModelRunner
 
     said = threading.Event()
@@ -356,7 +356,7 @@ def test_a_slow_load_check_says_so_and_a_quick_one_does_not(tokenizer, monkeypat
             assert said.wait(60)
 
         monkeypatch.setattr(ModelRunner, "verify", slow)
-        monkeypatch.setattr(engine, "SLOW_SECONDS", 0.01)
+        monkeypatch.setattr(slow_notice, "SLOW_SECONDS", 0.01)
         with caplog.at_level(logging.WARNING, logger="kvql"):
             m, _ = _model("llama", tokenizer, "int8")
             m.close()

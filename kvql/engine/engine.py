@@ -57,8 +57,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import contextlib
-import logging
 import threading
 import time
 import traceback
@@ -74,10 +72,12 @@ from .cache.radix_cache import RadixCache
 from .cache.state_snapshots import StateSnapshots
 from .request import Request, RequestGroup, SamplingParams
 from .outputs import Outputs
+from .cache.autosave import Autosave
 from .cache.persistence import Persistence
 from .scheduler import Scheduler
 from .model import gguf_weights, quantized
 from . import openmp, sizing
+from .slow_notice import said_when_slow
 from .request_builder import Built, RequestBuilder
 from .turns import Turns
 
@@ -92,34 +92,7 @@ def _close_all() -> None:
         engine.close()
 
 
-SLOW_SECONDS = 3.0
-"""A step of loading that takes longer says so (`_said_when_slow`)."""
-
-
-@contextlib.contextmanager
-def _said_when_slow(what: str):
-    """Inside: `what` is logged (a warning: shown without any logging set up) once it has run SLOW_SECONDS, and
-    its time when it ends; nothing when it is quick."""
-    log = logging.getLogger("kvql")
-    start = time.perf_counter()
-    said = threading.Event()
-
-    def say():
-        said.set()
-        log.warning("kvql: %s ...", what)
-
-    timer = threading.Timer(SLOW_SECONDS, say)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-        if said.is_set():
-            log.warning("kvql: %s: done in %.1f s", what, time.perf_counter() - start)
-
-
-class Engine(Persistence):
+class Engine:
     def __init__(self, hf_model, tokenizer, *, cache_budget: int | None = None, max_batch_tokens: int = 1024,
                  max_running: int = 64, background: bool = True, speculate: bool = True, disk_cache=None,
                  disk_budget: int = 0, save_interval: float = 300.0, weights: str | None = None, gguf=None):
@@ -145,7 +118,7 @@ class Engine(Persistence):
         self.memory = Memory(self.pool, self.tree)
         self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens, max_running=sizes.max_running)
         self.runner = ModelRunner(hf_model, self.pool, geometry)
-        with _said_when_slow("checking the model's cached path against its own forward (the load check)"):
+        with said_when_slow("checking the model's cached path against its own forward (the load check)"):
             self.runner.verify()
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
@@ -170,11 +143,9 @@ class Engine(Persistence):
         self._cancels: list[RequestGroup] = []
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._fingerprint: dict[str, str] | None = None  # fingerprint.py
-        self._autosave = None
-        self.saves = 0  # `save_cache` calls done (autosaves and the one at `close` included)
-        if disk_cache is not None:
-            self._open_tier(disk_cache, disk_budget, save_interval)
+        self.persistence = Persistence(self._state, self.tree, self.memory, self.pool, self.runner, tokenizer)
+        opened = disk_cache is not None and self.persistence.open(disk_cache, disk_budget)
+        self._autosave = Autosave(self, save_interval) if opened and save_interval > 0 else None
         _engines.add(self)
         self._release_caller_openmp()  # this thread loaded the model (and packed its weights)
 
@@ -279,7 +250,7 @@ class Engine(Persistence):
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.outputs.fail(req.group, concurrent.futures.CancelledError(), keep=True)
             self.outputs.masks.close()
-            self._close_tier()
+            self.persistence.close()
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -336,6 +307,16 @@ class Engine(Persistence):
         for group in cancels:
             group.cancelled = True
             self.outputs.fail(group, concurrent.futures.CancelledError(), keep=True)
+
+    @openmp.releases_caller
+    def save_cache(self) -> dict:
+        """What only the pool holds written to the disk tier now (`Persistence.save_cache`)."""
+        return self.persistence.save_cache()
+
+    @property
+    def saves(self) -> int:
+        """`save_cache` calls done (autosaves and the one at `close` included)."""
+        return self.persistence.saves
 
     # -- inspection (any thread; waits for the current step) -----------------------------------
     @openmp.releases_caller

@@ -1,4 +1,4 @@
-"""Persistence of an engine's cache (`Persistence`, mixed into `kvql.engine.engine.Engine`): the disk tier
+"""Persistence of an engine's cache (`Persistence`, one per engine, given what it uses): the disk tier
 opened at start with its policy (tier_policy.py: the tree's hook and `Memory.tier_policy`) and the tree rebuilt
 from its files, the pool's nodes written to it (`save_cache`: when idle every `save_interval` seconds,
 autosave.py, and at `close`), the fingerprint that names its directory. One format: the tier's files
@@ -7,8 +7,7 @@ autosave.py, and at `close`), the fingerprint that names its directory. One form
 Never fails a start over a cache: a directory another process holds (disk_tier.TierBusy), or one that cannot be
 created, read or written (disk_tier.TierUnavailable: a read-only or full disk, a file in its place) is one WARNING
 line (logger `kvql.cache`) and the engine runs with its memory budget alone; unusable files are misses
-(disk_tier.py). (A disk too full for the default `disk_budget` is told apart earlier: kvql.backends.local.)
-Uses the engine's state lock, tree, memory, pool, runner and tokenizer."""
+(disk_tier.py). (A disk too full for the default `disk_budget` is told apart earlier: kvql.backends.local.)"""
 
 from __future__ import annotations
 
@@ -17,8 +16,6 @@ import os
 import stat
 from pathlib import Path
 
-from .. import openmp
-from .autosave import Autosave
 from .disk_tier import DiskTier, TierUnavailable
 from .tier_file import FORMAT
 from .fingerprint import fingerprint
@@ -31,6 +28,15 @@ LEGACY = "kv-cache-*.safetensors"
 
 
 class Persistence:
+    """The cache's disk tier for one engine: its state lock (`state`: a step and a save's batches take turns), tree,
+    memory, pool, runner and tokenizer, given at construction. `saves`: `save_cache` calls done."""
+
+    def __init__(self, state, tree, memory, pool, runner, tokenizer):
+        self._state, self.tree, self.memory, self.pool = state, tree, memory, pool
+        self.runner, self.tokenizer = runner, tokenizer
+        self._fingerprint: dict[str, str] | None = None  # fingerprint.py
+        self.saves = 0
+
     def fingerprint(self) -> dict[str, str]:
         """What the KV in a tier directory must have been computed with to be used here (fingerprint.py);
         computed once: weights changed under a live engine would make its cache stale anyway."""
@@ -38,8 +44,9 @@ class Persistence:
             self._fingerprint = fingerprint(self.runner.model, self.tokenizer, self.pool, FORMAT)
         return self._fingerprint
 
-    def _open_tier(self, directory, budget: int, save_interval: float) -> None:
-        """The disk tier at `directory` (module doc), the tree rebuilt from its files, the autosave started."""
+    def open(self, directory, budget: int) -> bool:
+        """The disk tier at `directory` (module doc), the tree rebuilt from its files; False where it cannot be
+        used (one warning)."""
         legacy = sorted(p.name for p in Path(directory).expanduser().glob(LEGACY))
         if legacy:
             log.warning("%s holds %d cache snapshot(s) of an earlier kvql (%s), which this one does not read: the "
@@ -49,7 +56,7 @@ class Persistence:
             tier = DiskTier(directory, self.fingerprint(), self.pool, budget)
         except TierUnavailable as e:  # TierBusy among them
             log.warning("disk cache not used: %s; this model keeps its cache in memory only", e)
-            return
+            return False
         policy = TierPolicy(tier, self.tree)
         self.tree.hook = self.memory.tier_policy = policy
         policy.rebuild(int(self.runner.model.config.get_text_config().vocab_size))
@@ -63,10 +70,8 @@ class Persistence:
                 log.warning("kvql disk tier: %s not used (%s); prefixes are resumed from snapshots taken from now "
                             "on", tier.path / state_snapshots.FILE, e)
         tier.side_file(_size(tier.path / state_snapshots.FILE))  # in the budget until the next save replaces it
-        if save_interval > 0:
-            self._autosave = Autosave(self, save_interval)
+        return True
 
-    @openmp.releases_caller
     def save_cache(self) -> dict:
         """Write every node that only the pool holds to the disk tier (a clean copy: evicting it later writes
         nothing) and give the files the tree's LRU order; `{"tokens": written, "tier_bytes": ...}` once the files
@@ -96,7 +101,7 @@ class Persistence:
         self.saves += 1
         return {"tokens": written, "tier_bytes": tier.bytes}
 
-    def _close_tier(self) -> None:
+    def close(self) -> None:
         """At `close` (holding the engine, its autosave stopped): finish reads in flight, write the pool's nodes,
         let go of the tier."""
         policy = self.memory.tier_policy
