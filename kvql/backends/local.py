@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
-import shutil
 import time
 from pathlib import Path
 from typing import AsyncIterator, Sequence
@@ -15,27 +13,11 @@ from ..completion import Completion
 from ..engine import Engine, RequestGroup, RequestSpec, forcing, plain_copy, warm_up
 from . import base, gguf_check, gguf_model
 from .base import Backend, StreamChunk
-from .cache_options import tier_directory
+from .cache_options import disk_tier
 from .options import GenerateOptions
 from .sizes import parse_bytes
 
-log = logging.getLogger("kvql.cache")
-
 LOCAL_OPTIONS = ("mask", "prompt_logprobs")  # beyond the contract's (GenerateOptions)
-
-
-def default_disk_budget(directory) -> int:
-    """20 GiB, at most half the free space of the disk that holds `directory` (0 when there is none, or the
-    disk cannot tell)."""
-    if directory is None:
-        return 0
-    path = Path(directory).expanduser()
-    while not path.exists():
-        path = path.parent
-    try:
-        return min(20 * 2**30, shutil.disk_usage(path).free // 2)
-    except OSError:
-        return 0
 
 
 def request_spec(o: GenerateOptions, extra: dict | None = None) -> RequestSpec:
@@ -77,17 +59,12 @@ class LocalBackend(Backend):
                  max_batch_tokens: int = 1024, max_running: int = 64, background: bool = True,
                  cache_dir=None, cache_save_interval: float = 300.0, speculate: bool = True,
                  disk_cache=None, disk_budget: int | str | None = None, weights: str | None = None, gguf=None):
-        disk_cache = tier_directory(cache_dir, disk_cache, disk_budget)
+        disk_cache, disk_bytes = disk_tier(cache_dir, disk_cache, disk_budget)
         if not cache_save_interval >= 0:
             raise ValueError(f"cache_save_interval must be >= 0 seconds, got {cache_save_interval!r}")
         self.name = name
         self.hf_model = hf_model
         self.tokenizer = tokenizer
-        disk_bytes = parse_bytes(disk_budget) if disk_budget is not None else default_disk_budget(disk_cache)
-        if disk_cache is not None and disk_budget is None and disk_bytes <= 0:  # a given 0 is the caller's error
-            log.warning("disk cache not used: no free space on the disk of %s (the default disk_budget is half of "
-                        "it); this model keeps its cache in memory only", disk_cache)
-            disk_cache = None
         # a file given here directly is checked as a model spec's is (gguf_check.py)
         blocks = gguf_model.blocks(Path(gguf), gguf_check.check(gguf)) if gguf is not None else None
         self.engine = Engine(hf_model, tokenizer, max_batch_tokens=max_batch_tokens, max_running=max_running,

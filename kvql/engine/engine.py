@@ -115,9 +115,12 @@ class Engine:
         self.pool = KVPool(num_layers=len(geometry.layers), kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
                            v_dim=geometry.v_dim, num_slots=sizes.num_slots, dtype=hf_model.dtype, device=self.device)
         self.tree = RadixCache(self.pool.free, self.device)
-        self.memory = Memory(self.pool, self.tree)
-        self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens, max_running=sizes.max_running)
-        self.runner = ModelRunner(hf_model, self.pool, geometry)
+        # a model with recurrent layers reuses a prefix from a snapshot of its state after it
+        snapshots = StateSnapshots(sizes.snapshot_bytes) if geometry.recurrent else None
+        self.memory = Memory(self.pool, self.tree, snapshots)
+        self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens, max_running=sizes.max_running,
+                                   carries=snapshots is not None)
+        self.runner = ModelRunner(hf_model, self.pool, geometry, snapshots)
         with said_when_slow("checking the model's cached path against its own forward (the load check)"):
             self.runner.verify()
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
@@ -131,9 +134,6 @@ class Engine:
                                bounded_masks=background)
         self._drafter = Drafter()
         self.speculate = speculate
-        if self.runner.geometry.recurrent:  # a prefix is reused from a snapshot of the state after it
-            self.memory.snapshots = self.runner.states.snapshots = StateSnapshots(sizes.snapshot_bytes)
-            self.scheduler.carries = True
         self.steps = 0
         self.mixed_steps = 0  # steps whose batch held both prefill chunks and decode steps
         self.max_batch_requests = 0

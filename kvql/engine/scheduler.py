@@ -54,7 +54,7 @@ class Scheduler:
     (RUNNING ones, oldest first). Every memory change of a request goes through `memory`."""
 
     def __init__(self, memory: Memory, *, max_batch_tokens: int = 1024,
-                 max_running: int = 64, dedup_min: int = 8, lookahead: int = 256):
+                 max_running: int = 64, dedup_min: int = 8, lookahead: int = 256, carries: bool = False):
         self.memory, self.tree = memory, memory.tree
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
@@ -67,7 +67,7 @@ class Scheduler:
         self.disk_tokens = 0
         self.preemptions = 0
         self.drafter: Drafter | None = None
-        self.carries = False  # segments carry their request's recurrent state (models with recurrent layers)
+        self.carries = carries  # segments carry their request's recurrent state (models with recurrent layers)
 
     # -- a request's life ------------------------------------------------------------------------
     def add(self, req: Request) -> None:

@@ -66,12 +66,12 @@ class ReadBack(NamedTuple):
 
 
 class Memory:
-    def __init__(self, pool: KVPool, tree: RadixCache):
-        self.pool, self.tree = pool, tree
+    def __init__(self, pool: KVPool, tree: RadixCache, snapshots: StateSnapshots | None = None):
+        """`snapshots`: a model with recurrent layers' (a prefix is served only up to a snapshot of their state:
+        state_snapshots.py)."""
+        self.pool, self.tree, self.snapshots = pool, tree, snapshots
         self.tier_policy: TierPolicy | None = None
         self.loads: list[ReadBack] = []
-        # models with recurrent layers: a prefix is served only up to a snapshot of their state (state_snapshots.py)
-        self.snapshots: StateSnapshots | None = None
 
     # -- transitions -----------------------------------------------------------------------------
     def admit(self, req: Request, budget: int, reserve: int = 0) -> int:

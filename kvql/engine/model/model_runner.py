@@ -272,10 +272,10 @@ def read_geometry(hf_model) -> admission.Geometry:
 
 
 class ModelRunner:
-    def __init__(self, hf_model, pool: KVPool, geometry: admission.Geometry | None = None):
-        """`geometry`: the model's (`read_geometry(hf_model)`), probed here when not given; `pool` holds its K/V shape."""
-        self.model = hf_model
-        self.pool = pool
+    def __init__(self, hf_model, pool: KVPool, geometry: admission.Geometry | None = None, snapshots=None):
+        """`geometry`: the model's (`read_geometry(hf_model)`), probed here when not given; `pool` holds its K/V shape;
+        `snapshots`: a model with recurrent layers' store of their states (cache/state_snapshots.py)."""
+        self.model, self.pool, self.snapshots = hf_model, pool, snapshots
         self.device = pool.device
         self.geometry = geometry = geometry or read_geometry(hf_model)
         self.groups = geometry.heads // geometry.kv_heads
@@ -286,10 +286,10 @@ class ModelRunner:
         if geometry.own is None:
             if geometry.recurrent:
                 self.mixers = recurrent_mixers.Mixers(hf_model, geometry.kinds,
-                                                      recurrent_mixers.find(hf_model, geometry.kinds))
+                                                      recurrent_mixers.find(hf_model, geometry.kinds), snapshots)
             self._prepare_ragged()
         else:
-            self.own = own_forward.OwnForward(hf_model, pool, geometry)
+            self.own = own_forward.OwnForward(hf_model, pool, geometry, snapshots)
             if self.device.type == "cpu":  # a GEMM row that never depends on its batch (prefill chunks may vary)
                 cpu_linear.prepare(hf_model, max_reduction=cpu_linear.MAX_REDUCTION if self.batch_invariant else None)
         self.forward_seconds = 0.0
@@ -420,7 +420,7 @@ class ModelRunner:
         alibi_attention.restore(self.model)
         latent_attention.restore(self.model)
         self.geometry, self.lean, self.paged, self.mixers = own, None, False, None
-        self.own = own_forward.OwnForward(self.model, self.pool, own)
+        self.own = own_forward.OwnForward(self.model, self.pool, own, self.snapshots)
         try:
             self._continuation(name) if own.recurrent else self._verify()
         except admission.UnsupportedModel as again:

@@ -166,12 +166,11 @@ def geometry(hf_model, reason: str) -> admission.Geometry:
 
 
 class OwnForward:
-    def __init__(self, hf_model, pool: KVPool, geometry: admission.Geometry):
-        self.model, self.pool, self.kinds = hf_model, pool, geometry.kinds
+    def __init__(self, hf_model, pool: KVPool, geometry: admission.Geometry, snapshots: StateSnapshots | None = None):
+        self.model, self.pool, self.kinds, self.snapshots = hf_model, pool, geometry.kinds, snapshots
         self.device = pool.device
         self.recurrent = geometry.recurrent
         self.stepwise = False
-        self.snapshots: StateSnapshots | None = None  # set by the engine for models with recurrent layers
 
     def decode_state(self, description: dict, tensors: dict[str, torch.Tensor]) -> RecurrentState:
         """A snapshot read back from the disk tier (`RecurrentState.decode`)."""

@@ -292,8 +292,8 @@ class Mixers:
     """A hybrid model's recurrent mixers, swapped for the ragged path (module doc). `stepwise` and `snapshots` as
     own_forward.OwnForward's (the engine sets `snapshots`)."""
 
-    def __init__(self, hf_model, kinds: tuple[str, ...], mixers: dict[int, torch.nn.Module]):
-        self.model, self.kinds, self.modules = hf_model, kinds, mixers
+    def __init__(self, hf_model, kinds: tuple[str, ...], mixers: dict[int, torch.nn.Module], snapshots=None):
+        self.model, self.kinds, self.modules, self.snapshots = hf_model, kinds, mixers, snapshots
         self.recurrent = sorted(mixers)
         # the layers kvql computes itself (mixer_steps.py); the others by the model's code
         self.own_step = {i: kind for i, m in mixers.items() if (kind := mixer_steps.form(m)) is not None}
@@ -302,7 +302,6 @@ class Mixers:
         for i in self.scans:
             ragged_scan.install(mixers[i])
         self.stepwise = False
-        self.snapshots = None
         prepare(mixers)
 
     def decode_state(self, description: dict, tensors: dict[str, torch.Tensor]) -> RecurrentState:
