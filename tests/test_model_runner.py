@@ -9,7 +9,8 @@ import torch
 from conftest import random_prompts
 from kvql.engine.model import attention_plan, model_runner
 from kvql.engine.cache.kv_pool import KVPool
-from kvql.engine.model.model_runner import ModelRunner, Segment, _attention
+from kvql.engine.model.model_runner import ModelRunner, Segment
+from kvql.engine.model.pool_attention import _attention
 
 EMPTY = torch.empty(0, dtype=torch.long)
 

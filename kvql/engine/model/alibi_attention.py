@@ -6,7 +6,7 @@ embedding) does not go through transformers' AttentionInterface: it adds the bia
 2-D mask: Bloom's `alibi`; MPT's `position_bias`) to its scores itself. `prepare(model)` swaps the class of each
 such module for a subclass whose forward, given the engine's cache (`PoolCache`, or a probe's `ProbeCache`),
 computes the module's q, k and v as its own forward does, writes k and v through the cache's `update`, and calls
-the attention function registered with transformers (model_runner's) with the step's plan and the heads' slopes
+the attention function registered with transformers (pool_attention's) with the step's plan and the heads' slopes
 (`slopes`: transformers' own, from the family's function that builds its bias), which the paged kernel and the
 gather path add to each score; then the module's own output projection (and Bloom's residual). Any other call
 (no engine cache: transformers' `generate`, the uncached reference) runs the module's own forward unchanged. A

@@ -18,7 +18,7 @@ values (output `[c-part, r-part]`; the `r` part is dropped before `W_v`).
 `prepare(model)` swaps each MLA module's class (any module with `expand_kv` and a bias-free `kv_b_proj`, as every
 transformers 5.x MLA family writes it) for a subclass whose `expand_kv`, given the pool's latent (the engine's
 caches hand `(latent, None)` back from `update` for a latent layer), hands that latent on as keys and values;
-the engine's attention function (model_runner) then wraps its work in `absorb_query` / `expand_output` for such
+the engine's attention function (pool_attention) then wraps its work in `absorb_query` / `expand_output` for such
 a module. Any other call (a transformers cache: `generate`, the uncached reference) runs the module's own
 `expand_kv` unchanged. The module's own forward computes everything else (its projections, norms, rotary form,
 query scaling), so each family's details stay its own.
