@@ -27,8 +27,8 @@ import time
 import torch
 
 from .attention_plan import plan
-from . import (admission, alibi_attention, cpu_linear, fused_layers, latent_attention, lean_model, own_forward,
-               recurrent_mixers)
+from . import (admission, alibi_attention, cpu_linear, fused_layers, latent_attention, lean_model, load_check,
+               own_forward, recurrent_mixers)
 from .kernels import paged_attention
 from .pool_attention import NO_MASK, ATTENTION, PoolCache
 from ..cache.kv_pool import KVPool
@@ -187,7 +187,7 @@ class ModelRunner:
 
     def verify(self) -> None:
         """UnsupportedModel unless logits computed over KV read back from the pool equal one plain forward of
-        the same tokens (admission.verify_plan: a first part, a chunk over it, one-token steps, past every
+        the same tokens (load_check.verify_plan: a first part, a chunk over it, one-token steps, past every
         window and chunk); uses pool slots while it runs and returns them. A ragged path that fails the check
         gives way to the model's own forward (where it caches what the pool holds), checked the same way. A
         model with recurrent layers is checked for each way its own forward may continue a state
@@ -215,7 +215,7 @@ class ModelRunner:
         if not errors:
             raise admission.UnsupportedModel(f"{name}continuing a state by a chunk: {failed['chunk']}; and one token "
                                              f"per forward: {failed['stepwise']}")
-        floor = admission.tolerance(self.pool.k.dtype) / 100
+        floor = load_check.tolerance(self.pool.k.dtype) / 100
         self.states.stepwise = "chunk" not in errors or errors["chunk"] > max(
             STEPWISE_MARGIN * errors.get("stepwise", float("inf")), floor)
 
@@ -244,11 +244,11 @@ class ModelRunner:
     @torch.inference_mode()
     def _verify(self) -> float:
         config = self.model.config
-        first, rest = admission.verify_plan(config, self.geometry, self.pool.num_free)
+        first, rest = load_check.verify_plan(config, self.geometry, self.pool.num_free)
         if self.mixers is not None:  # the chunk long enough that the mixers continue its state by a chunk, not stepped
             rest = max(rest, min(recurrent_mixers.STEP_MAX + 1,
-                                 self.pool.num_free - first - 2 * admission.VERIFY_DECODES))
-        n = first + rest + admission.VERIFY_DECODES
+                                 self.pool.num_free - first - 2 * load_check.VERIFY_DECODES))
+        n = first + rest + load_check.VERIFY_DECODES
         if rest < 1:
             return 0.0  # a pool smaller than the check: requests are refused by size anyway
         vocab = int(config.get_text_config().vocab_size)
@@ -259,7 +259,7 @@ class ModelRunner:
         try:
             none = torch.empty(0, dtype=torch.long, device=self.device)
             self.forward([Segment(ids[:first], 0, none, slots[:first], False, carry=carry)])
-            rows = min(rest, admission.VERIFY_ROWS)
+            rows = min(rest, load_check.VERIFY_ROWS)
             end = first + rest
             got = self.forward([Segment(ids[first:end], first, slots[:first], slots[first:end], True,
                                         logits_from=end - rows, carry=carry)])
@@ -285,11 +285,11 @@ class ModelRunner:
             want = self._own_steps(ids, end, rows)
         else:
             want = self.model(input_ids=torch.tensor([ids], device=self.device),
-                              logits_to_keep=rows + admission.VERIFY_DECODES).logits[0].float()
-        rows += admission.VERIFY_DECODES
+                              logits_to_keep=rows + load_check.VERIFY_DECODES).logits[0].float()
+        rows += load_check.VERIFY_DECODES
         if twins:
-            admission.compare(config.model_type, torch.cat(twins), want[-len(twins):], self.pool.k.dtype, offset=end)
-        return admission.compare(config.model_type, torch.cat(got), want, self.pool.k.dtype, offset=n - rows)
+            load_check.compare(config.model_type, torch.cat(twins), want[-len(twins):], self.pool.k.dtype, offset=end)
+        return load_check.compare(config.model_type, torch.cat(got), want, self.pool.k.dtype, offset=n - rows)
 
     def _own_steps(self, ids: list[int], end: int, rows: int) -> torch.Tensor:
         """The logits of the last `rows` of `ids[:end]` by one plain forward, then of each later token by a
