@@ -33,21 +33,19 @@ import re
 import struct
 from pathlib import Path
 
+from .gguf_cursor import MAX_ITEMS, MAX_STRING, Cursor, fail
 from .load_error import ModelLoadError
 
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NAME = 63  # GGML_MAX_NAME is 64 bytes with the terminating NUL
 MAX_KEYS = 1 << 16  # real files have ~50
 MAX_TENSORS = 1 << 16  # DeepSeek V3's file has ~1,100
-MAX_STRING = 16 << 20  # a chat template is ~10 KB
-MAX_ITEMS = 1 << 22  # strings and arrays inside arrays, all keys together: a 262k vocabulary is 262,144
 MAX_DEPTH = 2  # an array of arrays at most (llama.cpp reads none)
 MAX_CONTEXT = 1 << 24
 DEFAULT_ALIGNMENT = 32
 STRING, ARRAY = 8, 9
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _INTS = {0, 1, 2, 3, 4, 5, 10, 11}
-_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _LAYER = re.compile(r"blk\.(\d+)\.")
 # {arch}.KEY sizes transformers builds weight matrices from: each needs an H x size matrix per layer in the file
 _WIDTHS = ("feed_forward_length", "expert_feed_forward_length", "expert_shared_feed_forward_length",
@@ -77,91 +75,6 @@ Array = collections.namedtuple("Array", "type count")  # an array value not kept
 # a key's value: a scalar, a str, a tuple of ints (a short int array), else an Array
 _Field = collections.namedtuple("_Field", "key at type value")
 _Tensor = collections.namedtuple("_Tensor", "name at dims elements nbytes offset kind")
-
-
-def _fail(name: str, where: str, at: int, problem: str):
-    raise ModelLoadError(f"{name}: {where} at byte {at}: {problem}")
-
-
-class _Cursor:
-    """Reads forward through the file, every read first checked against the bytes that remain; a window of the
-    file is buffered (fixed-size arrays are skipped, never read). `where` and `at` name the item being read
-    for messages."""
-
-    CHUNK = 1 << 20
-
-    def __init__(self, f, size: int, name: str):
-        self.f, self.size, self.name = f, size, name
-        self.pos, self.buf, self.base = 0, b"", 0
-        self.where, self.at, self.items = "header", 0, 0
-
-    def begin(self, where: str) -> None:
-        self.where, self.at = where, self.pos
-
-    def fail(self, problem: str):
-        _fail(self.name, self.where, self.at, problem)
-
-    def bound(self, count: int, each: int, what: str) -> None:
-        """`count` items of at least `each` bytes fit in what remains (before looping over them)."""
-        if count * each > self.size - self.pos:
-            self.fail(f"{what} {count:,} needs at least {count * each:,} bytes; the file has "
-                      f"{self.size - self.pos:,} after byte {self.pos}")
-
-    def take(self, n: int) -> bytes:
-        if n > self.size - self.pos:
-            self.fail(f"needs {n:,} bytes at byte {self.pos}; the file ends {self.size - self.pos:,} bytes "
-                      f"later (truncated?)")
-        start = self.pos - self.base
-        if start < 0 or start + n > len(self.buf):
-            self.f.seek(self.pos)
-            self.buf, self.base, start = self.f.read(max(n, self.CHUNK)), self.pos, 0
-            if len(self.buf) < n:
-                self.fail("the file shrank while it was read")
-        self.pos += n
-        return self.buf[start:start + n]
-
-    def skip(self, n: int) -> None:
-        if n > self.size - self.pos:
-            self.take(n)  # fails, saying so
-        self.pos += n
-
-    def u32(self) -> int:
-        return _U32.unpack(self.take(4))[0]
-
-    def u64(self) -> int:
-        return _U64.unpack(self.take(8))[0]
-
-    def string(self, limit: int = MAX_STRING, what: str = "string") -> str:
-        n = self.u64()
-        if n > limit:
-            self.fail(f"{what} of {n:,} bytes at byte {self.pos - 8}: at most {limit:,}")
-        raw = self.take(n)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            self.fail(f"{what} at byte {self.pos - n - 8} is not UTF-8")
-
-    def strings(self, count: int) -> None:
-        """Skip `count` strings, each checked (the vocabulary: the one loop that runs 10^5 times)."""
-        for i in range(count):
-            start = self.pos - self.base
-            if start >= 0 and start + 8 <= len(self.buf):
-                n = _U64.unpack_from(self.buf, start)[0]
-                end = start + 8 + n
-                if n <= MAX_STRING and end <= len(self.buf) and self.pos + 8 + n <= self.size:
-                    try:
-                        self.buf[start + 8:end].decode("utf-8")
-                    except UnicodeDecodeError:
-                        self.fail(f"element {i} at byte {self.pos} is not UTF-8")
-                    self.pos += 8 + n
-                    continue
-            self.string(what=f"element {i}")  # at a window's end: refills, or fails with the reason
-
-    def spend(self, count: int) -> None:
-        """Count `count` strings or arrays read inside arrays against `MAX_ITEMS`, all keys together."""
-        self.items += count
-        if self.items > MAX_ITEMS:
-            self.fail(f"more than {MAX_ITEMS:,} strings and arrays inside arrays in the file")
 
 
 def check(path: str | Path) -> Layout:
@@ -196,7 +109,7 @@ def _parse(name: str) -> Layout:
     try:
         with open(name, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            cur = _Cursor(f, size, name)
+            cur = Cursor(f, size, name)
             version, n_tensors, n_keys = _header(cur)
             fields = _metadata(cur, n_keys)
             tensors = _tensor_infos(cur, n_tensors)
@@ -210,7 +123,7 @@ def _parse(name: str) -> Layout:
                   tuple(tensors))
 
 
-def _header(cur: _Cursor) -> tuple[int, int, int]:
+def _header(cur: Cursor) -> tuple[int, int, int]:
     magic = cur.take(4)
     if magic != b"GGUF":
         cur.fail(f"not a GGUF file: it starts with {magic!r}, not b'GGUF'")
@@ -231,7 +144,7 @@ def _header(cur: _Cursor) -> tuple[int, int, int]:
     return version, n_tensors, n_keys
 
 
-def _metadata(cur: _Cursor, n_keys: int) -> dict[str, _Field]:
+def _metadata(cur: Cursor, n_keys: int) -> dict[str, _Field]:
     fields: dict[str, _Field] = {}
     for i in range(n_keys):
         cur.begin(f"metadata key #{i}")
@@ -246,7 +159,7 @@ def _metadata(cur: _Cursor, n_keys: int) -> dict[str, _Field]:
     return fields
 
 
-def _value(cur: _Cursor, vtype: int, depth: int):
+def _value(cur: Cursor, vtype: int, depth: int):
     """One value of type `vtype`: arrays of strings or of arrays are checked and skipped, arrays of fixed-size
     values skipped unread but for short integer arrays (per-layer sizes, kept for `_model`)."""
     if vtype in _SCALARS:
@@ -280,7 +193,7 @@ def _value(cur: _Cursor, vtype: int, depth: int):
     return Array(etype, count)
 
 
-def _tensor_infos(cur: _Cursor, n_tensors: int) -> list[_Tensor]:
+def _tensor_infos(cur: Cursor, n_tensors: int) -> list[_Tensor]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     tensors, seen = [], {}
@@ -321,9 +234,9 @@ def _alignment(name: str, fields: dict[str, _Field]) -> int:
         return DEFAULT_ALIGNMENT
     where = "key 'general.alignment'"
     if field.type != 4:
-        _fail(name, where, field.at, "must be a uint32")
+        fail(name, where, field.at, "must be a uint32")
     if field.value < 1 or field.value & (field.value - 1):
-        _fail(name, where, field.at, f"{field.value:,} is not a power of two")
+        fail(name, where, field.at, f"{field.value:,} is not a power of two")
     return field.value
 
 
@@ -333,14 +246,14 @@ def _place(name: str, tensors: list[_Tensor], data_start: int, alignment: int, s
     for t in tensors:
         where = f"tensor {t.name!r}"
         if t.offset % alignment:
-            _fail(name, where, t.at, f"offset {t.offset} is not a multiple of the alignment {alignment}")
+            fail(name, where, t.at, f"offset {t.offset} is not a multiple of the alignment {alignment}")
         if t.offset + t.nbytes > data_size:
-            _fail(name, where, t.at, f"offset {t.offset} + {t.nbytes:,} bytes ends past the file's end (its data "
+            fail(name, where, t.at, f"offset {t.offset} + {t.nbytes:,} bytes ends past the file's end (its data "
                                     f"section: {max(data_size, 0):,} bytes from byte {data_start})")
     ordered = sorted(tensors, key=lambda t: t.offset)
     for before, t in zip(ordered, ordered[1:]):
         if t.offset < before.offset + before.nbytes:
-            _fail(name, f"tensor {t.name!r}", t.at, f"offset {t.offset} overlaps tensor {before.name!r} (offsets "
+            fail(name, f"tensor {t.name!r}", t.at, f"offset {t.offset} overlaps tensor {before.name!r} (offsets "
                                                    f"{before.offset} to {before.offset + before.nbytes})")
 
 
@@ -348,24 +261,24 @@ def _model(name: str, fields: dict[str, _Field], tensors: list[_Tensor], metadat
     """`(architecture, block_count)`, once the sizes the metadata gives the model are held to its tensors."""
     arch = fields.get("general.architecture")
     if arch is None or arch.type != STRING or not arch.value:
-        _fail(name, "metadata", metadata_at, "no general.architecture string: not a model file")
+        fail(name, "metadata", metadata_at, "no general.architecture string: not a model file")
     a = arch.value
 
     def size(key: str, required: bool = False) -> int | None:
         field = fields.get(f"{a}.{key}")
         if field is None:
             if required:  # transformers would take its config class's default (Llama: 32 layers of 4,096)
-                _fail(name, "metadata", metadata_at, f"no key '{a}.{key}'")
+                fail(name, "metadata", metadata_at, f"no key '{a}.{key}'")
             return None
         values = field.value if isinstance(field.value, tuple) else (field.value,)
         if field.type not in _INTS and not (field.type == ARRAY and isinstance(field.value, tuple)):
-            _fail(name, f"key '{a}.{key}'", field.at, "must be an integer (or a short array of integers)")
+            fail(name, f"key '{a}.{key}'", field.at, "must be an integer (or a short array of integers)")
         if not values or min(values) < 0:
-            _fail(name, f"key '{a}.{key}'", field.at, f"{list(values)} is no size")
+            fail(name, f"key '{a}.{key}'", field.at, f"{list(values)} is no size")
         return max(values)
 
     def too_big(key: str, problem: str):
-        _fail(name, f"key '{a}.{key}'", fields[f"{a}.{key}"].at, problem)
+        fail(name, f"key '{a}.{key}'", fields[f"{a}.{key}"].at, problem)
 
     present = {int(m.group(1)) for t in tensors if (m := _LAYER.match(t.name))}
     layers = 0
@@ -413,11 +326,11 @@ def _vocabulary(name: str, fields: dict[str, _Field], a: str, embed: _Tensor | N
     tokens = fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
         if not (isinstance(tokens.value, Array) and tokens.value.type == STRING):
-            _fail(name, "key 'tokenizer.ggml.tokens'", tokens.at, "must be an array of strings")
+            fail(name, "key 'tokenizer.ggml.tokens'", tokens.at, "must be an array of strings")
         if tokens.value.count > rows:
-            _fail(name, "key 'tokenizer.ggml.tokens'", tokens.at, f"{tokens.value.count:,} tokens, but the embedding "
+            fail(name, "key 'tokenizer.ggml.tokens'", tokens.at, f"{tokens.value.count:,} tokens, but the embedding "
                                                                  f"table has {rows:,} rows")
     declared = fields.get(f"{a}.vocab_size")
     if declared is not None and not (declared.type in _INTS and 1 <= declared.value <= rows):
-        _fail(name, f"key '{a}.vocab_size'", declared.at, f"{declared.value!r} tokens: the embedding table has "
+        fail(name, f"key '{a}.vocab_size'", declared.at, f"{declared.value!r} tokens: the embedding table has "
                                                          f"{rows:,} rows")
