@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kvql.engine.cache.disk_tier import Extent
+from kvql.engine.cache.tier_items import Extent
 from kvql.engine.cache.kv_pool import KVPool
 from kvql.engine.cache.radix_cache import RadixCache
 from kvql.engine.cache.tier_policy import TierPolicy

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from .disk_tier import Load
+from .tier_items import Load
 from .kv_pool import KVPool
 from .radix_cache import Node, RadixCache
 from .state_snapshots import StateSnapshots

@@ -29,7 +29,8 @@ from typing import NamedTuple
 
 import torch
 
-from .disk_tier import DiskTier, Extent, Load, ReadItem, ScannedFile, SpillItem
+from .disk_tier import DiskTier
+from .tier_items import Extent, Load, ReadItem, ScannedFile, SpillItem
 from .radix_cache import Evicted, Node, RadixCache
 
 
