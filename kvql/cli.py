@@ -10,15 +10,14 @@ exit 2; the types: `kvql.arguments`), what needs torch (the device) by `kvql.fac
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 import time
-from pathlib import Path
 
 from .arguments import (DTYPE_HELP, MODEL_HELP, SPECULATE_HELP, at_least, directory, disk_options, non_negative,
                         output_file, seconds, size, unescape, workload)
 from .backends.load_error import ModelLoadError
-from .factory import is_remote
+from .cli_model import load
+from .cli_run import run
 from .registry import DEFAULT_MODEL
 
 FEW_SHOT = """Answer each question with one word.
@@ -40,10 +39,6 @@ QUESTIONS = ["What is the capital of Italy?", "What color is grass?", "What is t
              "What is the capital of Japan?", "What color is coal?"]
 
 
-class UsageError(ValueError):
-    """A mistake in the command line or its inputs, found before any model is loaded."""
-
-
 def version() -> str:
     from importlib import metadata
 
@@ -51,25 +46,6 @@ def version() -> str:
         return metadata.version("kvql")
     except metadata.PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown (not installed)"
-
-
-def load(spec: str, args):
-    """The model for a command, with a loading line and the banner on stderr (see kvql.factory); a server's
-    URL connects to it, with `--timeout` and `--api-key` when the command has them."""
-    import kvql
-
-    timeout, api_key = getattr(args, "timeout", None), getattr(args, "api_key", None)
-    if is_remote(spec):
-        if getattr(args, "disk_cache", None):
-            raise UsageError("--disk-cache (--cache-dir) is for local models; a server keeps its own cache "
-                             "(kvql serve --disk-cache)")
-        return kvql.model(spec, timeout=timeout, api_key=api_key, silent=False)
-    for flag, value in (("--timeout", timeout), ("--api-key", api_key)):
-        if value is not None:
-            raise UsageError(f"{flag} is for a server's model (--model http://HOST:PORT/v1), not {spec!r}")
-    return kvql.model(spec, device=getattr(args, "device", "cpu"), dtype=getattr(args, "dtype", None),
-                      cache_budget=getattr(args, "cache_budget", None), disk_cache=getattr(args, "disk_cache", None), disk_budget=getattr(args, "disk_budget", None),
-                      speculate=getattr(args, "speculate", True), weights=getattr(args, "weights", None), silent=False)
 
 
 def demo(args) -> None:
@@ -102,178 +78,6 @@ def generate(args) -> None:
             print(f"--- prompt {k}/{len(out)}: {shown!r} ---")
         print(c.text)
     m.close()
-
-
-# --- kvql run -------------------------------------------------------------------------------------
-
-def parse_inputs(items: list[str] | None) -> dict[str, str]:
-    inputs = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise UsageError(f"--input takes NAME=VALUE, got {item!r}")
-        inputs[key] = value
-    return inputs
-
-
-def parse_decoder(text: str) -> dict:
-    """`--decoder argmax` / `sample(n=3, temperature=0.8)` / `beam(3)` -> the run's decoder overrides."""
-    try:
-        node = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError:
-        node = None
-    if isinstance(node, ast.Name):
-        return {"decoder": node.id}
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) <= 1:
-        try:
-            options = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
-            if node.args:
-                options["n"] = ast.literal_eval(node.args[0])
-        except ValueError:
-            pass
-        else:
-            if len(options) == len(node.keywords) + len(node.args):
-                return {"decoder": node.func.id, **options}
-    raise UsageError(f"--decoder takes a decoder as a query writes it, e.g. argmax, 'sample(n=3, temperature=0.8)' "
-                     f"or 'beam(3)' (literal arguments); got {text!r}")
-
-
-def expected_inputs(q) -> list[str]:
-    """The names a query reads that it does not define: the inputs a run must be given."""
-    from kvql.query import UnresolvedVariable
-
-    try:
-        q.bind((), {})
-    except UnresolvedVariable as e:
-        return list(e.names)
-    return []
-
-
-def check_inputs(q, inputs: dict, file: str) -> None:
-    """UsageError naming the expected inputs when one is missing or not read by the query (a misspelling)."""
-    expected = expected_inputs(q)
-    missing = [n for n in expected if n not in inputs]
-    unknown = [n for n in inputs if n not in expected]
-    if not missing and not unknown:
-        return
-    wanted = ", ".join(expected) if expected else "none"
-    problems = []
-    if missing:
-        problems.append("missing " + ", ".join(f"--input {n}=..." for n in missing))
-    if unknown:
-        problems.append("unknown input " + ", ".join(repr(n) for n in unknown))
-    raise UsageError(f"query {file}: {'; '.join(problems)} (its inputs: {wanted})")
-
-
-def query_model_spec(q, inputs: dict, given: str | None) -> str | None:
-    """The model spec a run will use, when it is known without running anything: `--model`, the query's
-    `from "..."` literal, else the default; None when the `from` clause is an expression."""
-    if given:
-        return given
-    compiled = q.compiled_for(inputs)
-    if compiled.model is not None:
-        return compiled.model
-    return None if compiled.model_source else DEFAULT_MODEL
-
-
-def located(e: SyntaxError, file: str) -> str:
-    """A query's syntax error as compilers print one: `FILE:LINE:COLUMN: message`, then the line, a caret
-    under the column."""
-    message = getattr(e, "msg_only", None) or e.msg
-    if not e.lineno:
-        return f"{file}: {message}"
-    column = max(e.offset or 1, 1)
-    shown = f"\n    {e.text.rstrip()}\n    {' ' * (column - 1)}^" if e.text else ""
-    return f"{file}:{e.lineno}:{column}: {message}{shown}"
-
-
-def print_result(r) -> None:
-    import kvql
-
-    if isinstance(r, kvql.LMQLResult):
-        print(r.prompt)
-        for name, value in r.variables.items():
-            print(f"{name}: {value!r}")
-    else:
-        print(r)
-
-
-def run(args) -> None:
-    inputs = parse_inputs(args.input)
-    overrides = parse_decoder(args.decoder) if args.decoder else {}
-    if args.seed is not None:
-        overrides["seed"] = args.seed
-    if args.temperature is not None:
-        overrides["temperature"] = args.temperature
-    try:
-        source = Path(args.file).read_text(encoding="utf-8")
-    except OSError as e:
-        raise UsageError(f"cannot read query file {args.file!r}: {e.strerror or e}") from None
-    import kvql
-    from kvql.output import TerminalWriter
-
-    try:
-        q = kvql.Query(source, name=args.file)
-    except SyntaxError as e:
-        raise UsageError(located(e, args.file)) from None
-    check_inputs(q, inputs, args.file)
-    clash = sorted(set(inputs) & set(overrides))
-    if clash:
-        raise UsageError(f"input {clash[0]!r} is also a decoder option given by a flag; rename one of them")
-    decoding = q.check(inputs, overrides)  # the decoder and its options, before any model loads
-    live = args.stream if args.stream is not None else sys.stderr.isatty() and decoding.runs == 1
-    if live and q.output_variables:  # (a query without holes has nothing to watch)
-        overrides["output_writer"] = TerminalWriter(sys.stderr)
-    if not q.output_variables:
-        model = args.model  # no hole: the query never needs its model, so none is loaded
-    else:
-        spec = query_model_spec(q, inputs, args.model)
-        remote = is_remote(spec)
-        if remote and args.disk_cache:
-            raise UsageError("--disk-cache (--cache-dir) is for local models; a server keeps its own cache "
-                             "(kvql serve --disk-cache)")
-        for flag, value in (("--timeout", args.timeout), ("--api-key", args.api_key)):
-            if value is not None and not remote:
-                raise UsageError(f"{flag} is for a server's model: give its URL (--model http://HOST:PORT/v1, or "
-                                 f"the query's from clause)")
-        if remote and (args.timeout is not None or args.api_key is not None):
-            model = kvql.model(spec, timeout=args.timeout, api_key=args.api_key)
-        else:  # a server's URL goes to the registry, which connects once per spec
-            model = spec if remote or not spec else load(spec, args)
-    result = q.run_sync(model=model, **overrides, **inputs)
-    traces = list(getattr(q, "last_traces", None) or [])
-    if isinstance(result, list) and len(traces) > 1 and len(result) == len(traces):
-        samples = result
-    else:
-        samples = [result]
-    for k, r in enumerate(samples, 1):
-        if len(samples) > 1:
-            print(f"--- sample {k}/{len(samples)} ---")
-        print_result(r)
-    if args.trace:
-        if not traces or any(t is None for t in traces):
-            raise UsageError("no trace: the query never called its model, or ran on a remote model without a "
-                             "tokenizer (text prompts)")
-        if len(traces) == 1:
-            traces[0].save(args.trace)
-        else:
-            from kvql.runtime.trace import save_all
-
-            save_all(traces, args.trace)  # one file: a section per sample (JSON: {"traces": [...]})
-        print(f"trace written to {args.trace}" + (f" ({len(traces)} samples)" if len(traces) > 1 else ""),
-              file=sys.stderr)
-    if args.stats:
-        for k, t in enumerate(traces, 1):
-            if t is None:
-                continue
-            s = t.summary()
-            label = f"sample {k}/{len(traces)}: " if len(traces) > 1 else ""
-            print(f"{label}tokens {s['tokens']}: cached {s['cached']}, computed {s['computed']}, generated "
-                  f"{s['generated']}, never sent {s['unsent']}; {s['requests']} requests sent {s['request_tokens']} "
-                  f"prompt tokens, {s['request_cached']} from the cache"
-                  + (f", {s['request_disk']} of them read back from disk" if s["request_disk"] else "")
-                  + f" (hit rate {s['hit_rate']:.0%}); "
-                  f"{s['seconds']:.2f} s" + (f"; server {t.server}" if t.server else ""), file=sys.stderr)
 
 
 def bench(args) -> None:
