@@ -183,7 +183,8 @@ class RequestBuilder:
 
     async def abuild(self, prompts, spec: RequestSpec) -> Built:
         """`build` for an event loop: on a thread of its own where it may be slow (module doc)."""
-        if spec.heal or spec.constraint is not None or _much_text(prompts) or len(spec.logit_bias or ()) > INLINE_PROMPTS:
+        slow = spec.heal or spec.constraint is not None or len(spec.logit_bias or ()) > INLINE_PROMPTS
+        if slow or _much_text(prompts):
             # on threads of its own: the loop's default pool also runs /health's check and other clients' work
             return await asyncio.get_running_loop().run_in_executor(_BUILDING, self.build, prompts, spec)
         return self.build(prompts, spec)

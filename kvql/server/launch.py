@@ -121,14 +121,41 @@ def serve(args) -> None:
 
 
 def _serve(args, sock: socket.socket, template: str | None) -> None:
-    import asyncio
-
     import uvicorn
 
-    from ..backends.dtype import name
-    from ..factory import check, make, size_text
     from . import connections
     from .app import create_app
+
+    m = _loaded(args, template)
+    app = create_app(m, name=args.served_model_name, aliases=[args.model], api_key=args.api_key,
+                     salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
+                     max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap,
+                     metrics_auth=args.metrics_auth, playground=args.playground,
+                     playground_run=args.playground_run, plain_content=args.plain_content)
+    grace = max(0.0, args.shutdown_timeout)
+    quiet = args.log_level not in ("debug",)
+    connections.raise_fd_limit()
+    cap = connections.connection_cap(args.max_connections)
+    connections.quiet_accept_errors()
+    print(f"kvql serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1"
+          + (f" · playground http://{args.host}:{args.port}/playground" if args.playground else ""), flush=True)
+    if args.playground_run:
+        print("kvql serve: WARNING --playground-run is on: the playground runs queries (Python, as this process's "
+              "user) for " + ("every API key holder" if args.api_key else "every loopback client not behind a "
+              "proxy (a same-host forwarder counts as local)"), flush=True)
+    config = uvicorn.Config(app, log_level="warning" if quiet else args.log_level, access_log=False,
+                            # uvicorn's 503 when open connections (or requests) pass this: all of them busy, as
+                            # the protocol closes idle ones at the cap; the margin covers closes still under way
+                            timeout_graceful_shutdown=grace + 10, limit_concurrency=cap + connections.MARGIN,
+                            http=connections.protocol(args.header_timeout, cap))
+    _graceful(app, grace)(config).run(sockets=[sock])
+
+
+def _loaded(args, template: str | None):
+    """The served model, loaded with its loading line and banner; `--max-model-len` and the chat template applied,
+    llguidance's view of its tokenizer built on a thread (the first constrained request would pay it)."""
+    from ..backends.dtype import name
+    from ..factory import check, make, size_text
 
     options = check(args.model, device=args.device, dtype=args.dtype, cache_budget=args.cache_budget,
                     cache_save_interval=args.cache_save_interval, speculate=args.speculate,
@@ -142,22 +169,23 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
         m.context_length = args.max_model_len
     if template is not None:
         m.tokenizer.chat_template = template
-    # the first constrained request would otherwise pay for building llguidance's view of the tokenizer
     threading.Thread(target=m.warm_up, name="kvql-grammar-warm-up", daemon=True).start()
     print(f"kvql serve: model {m.name} | device {m.device} | dtype {name(m.dtype)} | context {m.context_length} "
           f"tokens | KV cache {m.cache_slots} tokens ({size_text(m.cache_bytes)})"
           + (f" | {m.quantization}" if m.quantization else ""), flush=True)
-    app = create_app(m, name=args.served_model_name, aliases=[args.model], api_key=args.api_key,
-                     salt_per_key=args.salt_per_key, allowed_hosts=[args.host, *(args.allowed_host or ())],
-                     max_body_bytes=args.max_body_bytes, max_tokens_cap=args.max_tokens_cap,
-                     metrics_auth=args.metrics_auth, playground=args.playground,
-                     playground_run=args.playground_run, plain_content=args.plain_content)
-    grace = max(0.0, args.shutdown_timeout)
+    return m
+
+
+def _graceful(app, grace: float):
+    """uvicorn's server whose SIGINT / SIGTERM exit 0 (uvicorn's own handlers re-raise the signal: non-zero) and
+    whose shutdown gives in-flight requests `grace` seconds; a second signal cancels them at once."""
+    import asyncio
+
+    import uvicorn
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
-            # uvicorn's own handlers re-raise the signal afterwards, which exits non-zero: these exit 0
             loop = asyncio.get_running_loop()
 
             def stop(*_):
@@ -179,21 +207,7 @@ def _serve(args, sock: socket.socket, template: str | None) -> None:
             finally:
                 timer.cancel()
 
-    quiet = args.log_level not in ("debug",)
-    connections.raise_fd_limit()
-    cap = connections.connection_cap(args.max_connections)
-    connections.quiet_accept_errors()
-    print(f"kvql serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1"
-          + (f" · playground http://{args.host}:{args.port}/playground" if args.playground else ""), flush=True)
-    if args.playground_run:
-        print("kvql serve: WARNING --playground-run is on: the playground runs queries (Python, as this process's "
-              "user) for " + ("every API key holder" if args.api_key else "every loopback client not behind a "
-              "proxy (a same-host forwarder counts as local)"), flush=True)
-    Server(uvicorn.Config(app, log_level="warning" if quiet else args.log_level, access_log=False,
-                          # uvicorn's 503 when open connections (or requests) pass this: all of them busy, as
-                          # the protocol closes idle ones at the cap; the margin covers closes still under way
-                          timeout_graceful_shutdown=grace + 10, limit_concurrency=cap + connections.MARGIN,
-                          http=connections.protocol(args.header_timeout, cap))).run(sockets=[sock])
+    return Server
 
 
 def _fail(message: str):
