@@ -21,6 +21,7 @@ take. Each type on the fewest of qgemm's bits that hold it (8; 5 or 4 with a min
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,69 +87,89 @@ def _crumbs(qs: np.ndarray) -> np.ndarray:
     return ((halves >> shifts) & 3).reshape(*qs.shape[:-1], 256)
 
 
+def _q8_0(b, n, k):
+    return b[..., 2:34].copy().view(np.int8), _half(b[..., 0:2]), None
+
+
+def _q5(b, n, k, legacy_min: bool):
+    d, start = _half(b[..., 0:2]), 2 if legacy_min else 4
+    q = _nibbles16(b[..., start + 4:start + 20]) | (_bits(b[..., start:start + 4], 32) << 4)
+    return q, d, (-16 * d if legacy_min else _half(b[..., 2:4]))
+
+
+def _q4_0(b, n, k):
+    d = _half(b[..., 0:2])
+    return _nibbles16(b[..., 2:18]), d, -8 * d
+
+
+def _q4_1(b, n, k):
+    return _nibbles16(b[..., 4:20]), _half(b[..., 0:2]), _half(b[..., 2:4])
+
+
+def _q45_k(b, n, k, five: bool):
+    d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
+    sc, mn = _k_scales(b[..., 4:16])
+    qs = b[..., 48:176] if five else b[..., 16:144]
+    chunks = qs.reshape(n, k // 256, 4, 32)  # 64 values each: 32 low nibbles, then 32 high
+    q = np.stack([chunks & 15, chunks >> 4], 3)  # [n, blocks, 4, 2, 32]
+    if five:  # value l of chunk c's low / high half: bit 2 c / 2 c + 1 of qh[l]
+        high = (b[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [n, blocks, 32, 8]
+        q = q | (high.transpose(0, 1, 3, 2).reshape(n, k // 256, 4, 2, 32) << 4)
+    return q, d[..., None] * sc.astype(np.float32), -(dmin[..., None] * mn.astype(np.float32))
+
+
+def _q6_k(b, n, k):
+    ql, qh = b[..., 0:128], b[..., 128:192]
+    sc, d = b[..., 192:208].copy().view(np.int8).astype(np.float32), _half(b[..., 208:210])
+    halves = []
+    for h in range(2):  # 128 values per half: ql 64 bytes, qh 32
+        l, hb = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+        halves += [(l[..., :32] & 15) | ((hb & 3) << 4), (l[..., 32:] & 15) | (((hb >> 2) & 3) << 4),
+                   (l[..., :32] >> 4) | (((hb >> 4) & 3) << 4), (l[..., 32:] >> 4) | (((hb >> 6) & 3) << 4)]
+    return (np.concatenate(halves, -1).astype(np.int16) - 32).astype(np.int8), d[..., None] * sc, None
+
+
+def _q3_k(b, n, k):
+    hmask, qs, s, d = b[..., 0:32], b[..., 32:96], b[..., 96:108].astype(np.int32), _half(b[..., 108:110])
+    j = np.arange(16)
+    low = np.where(j < 8, s[..., j % 8] & 15, s[..., j % 8] >> 4)
+    sc = low | (((s[..., 8 + j % 4] >> (2 * (j // 4))) & 3) << 4)
+    # hmask bit 4 h + shift of byte l (of 32) goes with the value at half h, shift, byte l
+    high = ((hmask[..., None, None, :] >> (4 * np.arange(2).reshape(2, 1, 1) + np.arange(4).reshape(1, 4, 1)))
+            & 1).reshape(n, k // 256, 256)
+    scale = d[..., None] * (sc - 32).astype(np.float32)
+    return _crumbs(qs) + 4 * high, scale, -4 * scale  # q3 + 4: in [0, 7]
+
+
+def _q2_k(b, n, k):
+    s, qs, d, dmin = b[..., 0:16], b[..., 16:80], _half(b[..., 80:82]), _half(b[..., 82:84])
+    return _crumbs(qs), d[..., None] * (s & 15).astype(np.float32), -(dmin[..., None] * (s >> 4).astype(np.float32))
+
+
+def _iq4_nl(b, n, k):
+    return IQ4_VALUES[_nibbles16(b[..., 2:18])], _half(b[..., 0:2]), None
+
+
+def _iq4_xs(b, n, k):
+    d, high, low = _half(b[..., 0:2]), b[..., 2:4].copy().view(np.uint16)[..., 0], b[..., 4:8]
+    sub = np.arange(8)
+    ls = ((low[..., sub // 2] >> (4 * (sub % 2))) & 15) | (((high[..., None] >> (2 * sub)) & 3) << 4)
+    q = IQ4_VALUES[_nibbles16(b[..., 8:136].reshape(n, k // 256, 8, 16))]
+    return q, d[..., None] * (ls.astype(np.int32) - 32).astype(np.float32), None
+
+
+_DECODERS = {"Q8_0": _q8_0, "Q5_0": functools.partial(_q5, legacy_min=True),
+             "Q5_1": functools.partial(_q5, legacy_min=False), "Q4_0": _q4_0, "Q4_1": _q4_1,
+             "Q4_K": functools.partial(_q45_k, five=False), "Q5_K": functools.partial(_q45_k, five=True),
+             "Q6_K": _q6_k, "Q3_K": _q3_k, "Q2_K": _q2_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+
+
 def decode(type_name: str, raw: np.ndarray, k: int):
+    """(q, scale, min or None) of a tensor of `type_name` (module doc), None for a type not in `TYPES`."""
     if type_name not in TYPES:
         return None
     n = raw.shape[0]
-    b = raw.reshape(n, k // (256 if type_name in SUPER else 32), -1)
-    mins = None
-    if type_name == "Q8_0":
-        q, scale = b[..., 2:34].copy().view(np.int8), _half(b[..., 0:2])
-    elif type_name in ("Q5_0", "Q5_1"):
-        d, start = _half(b[..., 0:2]), 2 if type_name == "Q5_0" else 4
-        q = _nibbles16(b[..., start + 4:start + 20]) | (_bits(b[..., start:start + 4], 32) << 4)
-        scale, mins = d, (-16 * d if type_name == "Q5_0" else _half(b[..., 2:4]))
-    elif type_name == "Q4_0":
-        d = _half(b[..., 0:2])
-        q, scale, mins = _nibbles16(b[..., 2:18]), d, -8 * d
-    elif type_name == "Q4_1":
-        q, scale, mins = _nibbles16(b[..., 4:20]), _half(b[..., 0:2]), _half(b[..., 2:4])
-    elif type_name in ("Q4_K", "Q5_K"):
-        d, dmin = _half(b[..., 0:2]), _half(b[..., 2:4])
-        sc, mn = _k_scales(b[..., 4:16])
-        qs = b[..., 16:144] if type_name == "Q4_K" else b[..., 48:176]
-        chunks = qs.reshape(n, k // 256, 4, 32)  # 64 values each: 32 low nibbles, then 32 high
-        q = np.stack([chunks & 15, chunks >> 4], 3)  # [n, blocks, 4, 2, 32]
-        if type_name == "Q5_K":  # value l of chunk c's low / high half: bit 2 c / 2 c + 1 of qh[l]
-            high = (b[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [n, blocks, 32, 8]
-            q = q | (high.transpose(0, 1, 3, 2).reshape(n, k // 256, 4, 2, 32) << 4)
-        scale = d[..., None] * sc.astype(np.float32)
-        mins = -(dmin[..., None] * mn.astype(np.float32))
-    elif type_name == "Q6_K":
-        ql, qh = b[..., 0:128], b[..., 128:192]
-        sc, d = b[..., 192:208].copy().view(np.int8).astype(np.float32), _half(b[..., 208:210])
-        halves = []
-        for h in range(2):  # 128 values per half: ql 64 bytes, qh 32
-            l, hb = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
-            halves += [(l[..., :32] & 15) | ((hb & 3) << 4), (l[..., 32:] & 15) | (((hb >> 2) & 3) << 4),
-                       (l[..., :32] >> 4) | (((hb >> 4) & 3) << 4), (l[..., 32:] >> 4) | (((hb >> 6) & 3) << 4)]
-        q = (np.concatenate(halves, -1).astype(np.int16) - 32).astype(np.int8)
-        scale = d[..., None] * sc
-    elif type_name == "Q3_K":
-        hmask, qs, s, d = b[..., 0:32], b[..., 32:96], b[..., 96:108].astype(np.int32), _half(b[..., 108:110])
-        j = np.arange(16)
-        low = np.where(j < 8, s[..., j % 8] & 15, s[..., j % 8] >> 4)
-        sc = low | (((s[..., 8 + j % 4] >> (2 * (j // 4))) & 3) << 4)
-        # hmask bit 4 h + shift of byte l (of 32) goes with the value at half h, shift, byte l
-        high = ((hmask[..., None, None, :] >> (4 * np.arange(2).reshape(2, 1, 1) + np.arange(4).reshape(1, 4, 1)))
-                & 1).reshape(n, k // 256, 256)
-        q = _crumbs(qs) + 4 * high  # q3 + 4: in [0, 7]
-        scale = d[..., None] * (sc - 32).astype(np.float32)
-        mins = -4 * scale
-    elif type_name == "Q2_K":
-        s, qs, d, dmin = b[..., 0:16], b[..., 16:80], _half(b[..., 80:82]), _half(b[..., 82:84])
-        q = _crumbs(qs)
-        scale = d[..., None] * (s & 15).astype(np.float32)
-        mins = -(dmin[..., None] * (s >> 4).astype(np.float32))
-    elif type_name == "IQ4_NL":
-        q, scale = IQ4_VALUES[_nibbles16(b[..., 2:18])], _half(b[..., 0:2])
-    else:  # IQ4_XS
-        d, high, low = _half(b[..., 0:2]), b[..., 2:4].copy().view(np.uint16)[..., 0], b[..., 4:8]
-        sub = np.arange(8)
-        ls = ((low[..., sub // 2] >> (4 * (sub % 2))) & 15) | (((high[..., None] >> (2 * sub)) & 3) << 4)
-        q = IQ4_VALUES[_nibbles16(b[..., 8:136].reshape(n, k // 256, 8, 16))]
-        scale = d[..., None] * (ls.astype(np.int32) - 32).astype(np.float32)
-    groups = k // (16 if type_name in ("Q6_K", "Q3_K", "Q2_K") else 32)
+    q, scale, mins = _DECODERS[type_name](raw.reshape(n, k // (256 if type_name in SUPER else 32), -1), n, k)
 
     def tensor(a, dtype):
         return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype).reshape(n, -1))
