@@ -217,8 +217,28 @@ def probe(hf_model, forward, kinds: tuple[str, ...] | None = None, recurrent=Non
         raise UnsupportedModel(f"{name!r}: its attention does not go through transformers' AttentionInterface "
                                f"(transformers cannot set its attention implementation), which is where the "
                                f"engine reads and writes the KV cache")
+    p = _recorded(hf_model, forward, name, recurrent, latent)
+    layer_ids = _written(p, name, kinds, config)
+    if layer_ids is None:  # recurrent layers only (Mamba): the pool holds a placeholder
+        return Geometry((Layer(1, 1, 1),), kinds=kinds)
+    text = config.get_text_config()
+    types, size = getattr(text, "layer_types", None) or [], getattr(text, "attention_chunk_size", None)
+    chunks = [size if i < len(types) and types[i] == "chunked_attention" else None for i in layer_ids]
+    layers = [_layer(name, i, k_shape, v_shape, call, chunk)
+              for (i, k_shape, v_shape), call, chunk in zip(p.updates, p.calls, chunks)]
+    shapes = {(x.heads, x.kv_heads, x.head_dim) for x in layers}
+    if len(shapes) > 1:
+        raise UnsupportedModel(f"{name!r}: its layers differ in (heads, KV heads, head dim): {sorted(shapes)}; "
+                               f"the engine's KV pool holds one shape for every layer")
+    if layers[0].heads % layers[0].kv_heads:
+        raise UnsupportedModel(f"{name!r}: {layers[0].heads} query heads over {layers[0].kv_heads} KV heads")
+    return Geometry(tuple(layers), kinds=kinds)
+
+
+def _recorded(hf_model, forward, name: str, recurrent, latent: frozenset[int]) -> Probe:
+    """What one forward of `PROBE_TOKENS` tokens through the engine's attention function recorded (`probe`)."""
     p = Probe()
-    ids = torch.arange(1, PROBE_TOKENS + 1) % int(config.get_text_config().vocab_size)
+    ids = torch.arange(1, PROBE_TOKENS + 1) % int(hf_model.config.get_text_config().vocab_size)
     try:
         forward(p, ProbeCache(p, recurrent, latent), ids, torch.arange(PROBE_TOKENS))
     except AttributeError as e:
@@ -230,6 +250,12 @@ def probe(hf_model, forward, kinds: tuple[str, ...] | None = None, recurrent=Non
     except Exception as e:  # noqa: BLE001 -- any failure of the probe is the reason for refusing
         raise UnsupportedModel(f"{name!r}: a forward through the engine's cache failed "
                                f"({type(e).__name__}: {e})") from e
+    return p
+
+
+def _written(p: Probe, name: str, kinds: tuple[str, ...] | None, config) -> list[int] | None:
+    """The layers that wrote K/V in the probe, in order, once every rule on them holds (else UnsupportedModel);
+    None for a model of recurrent layers only."""
     if not p.updates and kinds is None:
         raise UnsupportedModel(f"{name!r}: no layer writes K/V through cache.update: a recurrent or otherwise "
                                f"stateful model (its state is not a prefix of token-granular KV)")
@@ -239,8 +265,8 @@ def probe(hf_model, forward, kinds: tuple[str, ...] | None = None, recurrent=Non
         if layer_ids != want:
             raise UnsupportedModel(f"{name!r}: its layers write K/V as layers {layer_ids} through the engine's "
                                    f"cache, where its own cache holds K/V of layers {want}")
-        if not want:  # recurrent layers only (Mamba): the pool holds a placeholder
-            return Geometry((Layer(1, 1, 1),), kinds=kinds)
+        if not want:
+            return None
     elif sorted(layer_ids) != list(range(len(layer_ids))):
         raise UnsupportedModel(f"{name!r}: its layers write K/V as layers {layer_ids}; the engine needs each "
                                f"attention layer to write its own (layers sharing K/V are not supported)")
@@ -258,18 +284,7 @@ def probe(hf_model, forward, kinds: tuple[str, ...] | None = None, recurrent=Non
         raise UnsupportedModel(f"{name!r}: its layers {sorted(set(p.lengths))} ask the cache for the length of "
                                f"their past (Llama 4's attention temperature on NoPE layers), which a batch of "
                                f"requests at different positions does not have")
-    text = config.get_text_config()
-    types, size = getattr(text, "layer_types", None) or [], getattr(text, "attention_chunk_size", None)
-    chunks = [size if i < len(types) and types[i] == "chunked_attention" else None for i in layer_ids]
-    layers = [_layer(name, i, k_shape, v_shape, call, chunk)
-              for (i, k_shape, v_shape), call, chunk in zip(p.updates, p.calls, chunks)]
-    shapes = {(x.heads, x.kv_heads, x.head_dim) for x in layers}
-    if len(shapes) > 1:
-        raise UnsupportedModel(f"{name!r}: its layers differ in (heads, KV heads, head dim): {sorted(shapes)}; "
-                               f"the engine's KV pool holds one shape for every layer")
-    if layers[0].heads % layers[0].kv_heads:
-        raise UnsupportedModel(f"{name!r}: {layers[0].heads} query heads over {layers[0].kv_heads} KV heads")
-    return Geometry(tuple(layers), kinds=kinds)
+    return layer_ids
 
 
 def _layer(name: str, i: int, k_shape: tuple, v_shape: tuple, call: dict, chunk: int | None) -> Layer:
