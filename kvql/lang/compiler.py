@@ -129,49 +129,18 @@ def _compile(source: str, params: list[str] | None, name: str) -> CompiledQuery:
     decoder, decoder_args = _decoder(layout, source)
     statements = find_statements(body, source)
     holes = [p.name for st in statements for p in st.parts if isinstance(p, Hole)]
-    if layout.distribution is not None:
-        var, values = distribution_clause(layout.distribution, source)
-        at = layout.distribution.strip()
-        if var not in holes:
-            raise at.error(f"distribution over {var}, which no prompt generates", 1, 0, source)
-        for st in statements:
-            if var in [p.name for p in st.parts if isinstance(p, Hole)]:
-                st.distribution = st.distribution or (var, values)
-    for st in statements:
-        if st.distribution and st.distribution[0] not in [p.name for p in st.parts if isinstance(p, Hole)]:
-            raise QuerySyntaxError(f"distribution over {st.distribution[0]}, which this prompt does not generate",
-                                   body.at(st.first, 0)[0], 1, source)
-
+    _distribution(layout, statements, holes, source)
     # As in LMQL, a global where that constrains a variable no prompt generates fails when the query
     # is called (a TypeError naming it), also when the query has no prompt at all; never ignored.
     unresolved: list[str] = []
     if layout.where:
         where_ir(layout.where, set(holes), source, unresolved)
-    lines = body.text.split("\n")
-    for st in reversed(statements):
-        # the global where clause applies to every statement, next to the statement's own (flattened)
-        own = {p.name for p in st.parts if isinstance(p, Hole)}
-        items = ([where_ir(layout.where, set(holes), source)] if layout.where and not unresolved else []) + \
-                ([where_ir(st.where, own, source)] if st.where else [])
-        lines[st.first - 1:st.last] = [statement_code(st, conjunction(items) if items else None)] + \
-            [""] * (st.last - st.first)
-    query_body = _parse_at("\n".join(lines), body.line, source, body.col)
-    own_returns = [n for n in _walk_own(query_body) if isinstance(n, ast.Return)]
-    returns = bool(own_returns)
-    for node in own_returns:
-        if node.value is None:
-            # a bare `return` ends the query with its result object, as the end of the body does (LMQL)
-            node.value = ast.Await(ast.Call(ast.Attribute(ast.Name("__ctx", ast.Load()), "finish", ast.Load()), [], []))
-
+    query_body, returns = _query_body(layout, statements, holes, source, not unresolved)
     params = list(params or [])
-    model = model_source = None
-    model_expr = ast.Constant(None)
-    if layout.model is not None:
-        model_expr = expression(layout.model, "from", source)
-        if isinstance(model_expr, ast.Constant) and isinstance(model_expr.value, str):
-            model = model_expr.value
-        else:
-            model_source = ast.unparse(model_expr)
+    model_expr = ast.Constant(None) if layout.model is None else expression(layout.model, "from", source)
+    literal = isinstance(model_expr, ast.Constant) and isinstance(model_expr.value, str)
+    model = model_expr.value if literal else None
+    model_source = None if literal or layout.model is None else ast.unparse(model_expr)
     model_line = layout.model.strip().line if layout.model is not None else body.line
     dec_line = layout.decoder_args.line if layout.decoder_args is not None else body.line
     decoder_dict = ast.parse("{" + ", ".join(f"{k!r}: ({v})" for k, v in decoder_args.items()) + "}", mode="eval").body
@@ -193,6 +162,44 @@ def _compile(source: str, params: list[str] | None, name: str) -> CompiledQuery:
     linecache.cache[filename] = (len(source), None, [ln + "\n" for ln in source.split("\n")], filename)
     code = compile(module, filename, "exec")
     return CompiledQuery(code, params, decoder, model, holes, returns, source, model_source, tuple(unresolved))
+
+
+def _distribution(layout, statements: list, holes: list[str], source: str) -> None:
+    """The `distribution` clause given to the statement that generates its variable; QuerySyntaxError where no
+    prompt (or not that statement) generates it."""
+    if layout.distribution is not None:
+        var, values = distribution_clause(layout.distribution, source)
+        at = layout.distribution.strip()
+        if var not in holes:
+            raise at.error(f"distribution over {var}, which no prompt generates", 1, 0, source)
+        for st in statements:
+            if var in [p.name for p in st.parts if isinstance(p, Hole)]:
+                st.distribution = st.distribution or (var, values)
+    for st in statements:
+        if st.distribution and st.distribution[0] not in [p.name for p in st.parts if isinstance(p, Hole)]:
+            raise QuerySyntaxError(f"distribution over {st.distribution[0]}, which this prompt does not generate",
+                                   layout.body.at(st.first, 0)[0], 1, source)
+
+
+def _query_body(layout, statements: list, holes: list[str], source: str, global_where: bool):
+    """The query's body as Python statements (each prompt statement's code with its where clause and, where
+    `global_where`, the global one), and whether it returns a value of its own."""
+    body = layout.body
+    lines = body.text.split("\n")
+    for st in reversed(statements):
+        # the global where clause applies to every statement, next to the statement's own (flattened)
+        own = {p.name for p in st.parts if isinstance(p, Hole)}
+        items = ([where_ir(layout.where, set(holes), source)] if layout.where and global_where else []) + \
+                ([where_ir(st.where, own, source)] if st.where else [])
+        lines[st.first - 1:st.last] = [statement_code(st, conjunction(items) if items else None)] + \
+            [""] * (st.last - st.first)
+    query_body = _parse_at("\n".join(lines), body.line, source, body.col)
+    own_returns = [n for n in _walk_own(query_body) if isinstance(n, ast.Return)]
+    for node in own_returns:
+        if node.value is None:
+            # a bare `return` ends the query with its result object, as the end of the body does (LMQL)
+            node.value = ast.Await(ast.Call(ast.Attribute(ast.Name("__ctx", ast.Load()), "finish", ast.Load()), [], []))
+    return query_body, bool(own_returns)
 
 
 def _walk_own(stmts):
