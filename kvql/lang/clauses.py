@@ -134,20 +134,7 @@ def split_clauses(source: str) -> Layout:
         raise QuerySyntaxError(e.msg, e.lineno or 1, max(e.offset or 1, 1), source) from None
 
     logical = [toks for _, toks in with_depth]
-    first = decoder_end = None  # index of the decoder's logical line, and of its first token after it
-    nested_at = None  # block depth of a def / class of the prologue, whose lines are skipped
-    for n, (depth, toks) in enumerate(with_depth):
-        if nested_at is not None and depth > nested_at:
-            continue
-        nested_at = depth if starts_scope(toks) else None
-        if toks[0].type == tokenize.STRING:  # a prompt statement: the body has begun
-            break
-        if _opens_clause(toks, 0, True, True):
-            break
-        decoder_end = _decoder_end(toks)
-        if decoder_end is not None:
-            first = n
-            break
+    first, decoder_end = _decoder_line(with_depth)
     decoder = args = prologue = None
     start = (1, 0)
     if first is not None:
@@ -164,6 +151,40 @@ def split_clauses(source: str) -> Layout:
             start = (toks[-1].end[0] + 1, 0)
         logical = [toks[decoder_end:]] + logical[first + 1:] if decoder_end < len(toks) else logical[first + 1:]
 
+    found = _keywords(logical, start, source)
+    end_of_source = (len(lines), len(lines[-1]))
+    body_end = found[0][1].start if found else end_of_source
+    clauses = {}
+    for k, (kw, tok) in enumerate(found):
+        stop = found[k + 1][1].start if k + 1 < len(found) else end_of_source
+        clauses[kw] = Span(_text(lines, tok.end, stop), *tok.end)
+    return Layout(prologue, decoder, args, _body(lines, start, body_end),
+                  clauses.get("from"), clauses.get("where"), clauses.get("distribution"))
+
+
+def _decoder_line(with_depth: list) -> tuple[int | None, int | None]:
+    """(index of the decoder's logical line, of its first token after the decoder), or (None, None): a decoder
+    is looked for before the first prompt statement or clause, past the prologue's def / class blocks."""
+    first = decoder_end = None  # index of the decoder's logical line, and of its first token after it
+    nested_at = None  # block depth of a def / class of the prologue, whose lines are skipped
+    for n, (depth, toks) in enumerate(with_depth):
+        if nested_at is not None and depth > nested_at:
+            continue
+        nested_at = depth if starts_scope(toks) else None
+        if toks[0].type == tokenize.STRING:  # a prompt statement: the body has begun
+            break
+        if _opens_clause(toks, 0, True, True):
+            break
+        decoder_end = _decoder_end(toks)
+        if decoder_end is not None:
+            first = n
+            break
+    return first, decoder_end
+
+
+def _keywords(logical: list, start: tuple[int, int], source: str) -> list:
+    """The clauses' keywords at bracket depth 0, in order: `(keyword, token)`; QuerySyntaxError for a second one
+    of a kind."""
     found: list = []  # (clause, keyword token), in order
     for n, toks in enumerate(logical):
         depth = 0
@@ -178,12 +199,4 @@ def split_clauses(source: str) -> Layout:
                 if any(k == kw for k, _ in found):
                     raise QuerySyntaxError(f"a second '{kw}' clause", tok.start[0], tok.start[1] + 1, source)
                 found.append((kw, tok))
-
-    end_of_source = (len(lines), len(lines[-1]))
-    body_end = found[0][1].start if found else end_of_source
-    clauses = {}
-    for k, (kw, tok) in enumerate(found):
-        stop = found[k + 1][1].start if k + 1 < len(found) else end_of_source
-        clauses[kw] = Span(_text(lines, tok.end, stop), *tok.end)
-    return Layout(prologue, decoder, args, _body(lines, start, body_end),
-                  clauses.get("from"), clauses.get("where"), clauses.get("distribution"))
+    return found
