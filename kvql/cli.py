@@ -82,6 +82,7 @@ def generate(args) -> None:
 
 def bench(args) -> None:
     from kvql import bench as suite
+    from kvql.bench_report import print_table
 
     if args.threads:
         import torch
@@ -90,7 +91,7 @@ def bench(args) -> None:
     repeats = args.repeats or (1 if args.quick else 3)
     results = suite.run(m, args.workloads or suite.WORKLOADS, (2, 6) if args.quick else (2, 4, 8, 16, 32),
                         args.out, progress=True, repeats=repeats)
-    suite.print_table(results)
+    print_table(results)
     print(f"wrote {args.out}/bench.json and {args.out}/bench.png")
     m.close()
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from kvql import bench
+from kvql import bench, bench_report
 from kvql.bench import optimal_hit_rate
 
 
@@ -53,7 +53,7 @@ def test_the_figure_tells_the_story(make_model, tmp_path):
     zero, display names, every kvql point annotated with its speed-up and hit rate."""
     m = make_model(name="tiny-llama")
     results = bench.run(m, sizes=(2, 3), out_dir=tmp_path, progress=False, sample=unmeasured)
-    fig = bench.plot(results)
+    fig = bench_report.plot(results)
     title = fig.get_suptitle()
     assert "tiny-llama" in title and "cpu" in title and f"{torch.get_num_threads()} threads" in title
     assert re.search(r"20\d\d-\d\d-\d\d", title)
@@ -84,7 +84,7 @@ def test_the_console_table_has_baseline_seconds_speed_up_answers_equal_and_hit_r
     m = make_model()
     results = bench.run(m, workloads=("fewshot", "json"), sizes=(2,), out_dir=tmp_path, progress=False,
                         batch_baseline=False, sample=unmeasured)
-    lines = bench.table(results).splitlines()
+    lines = bench_report.table(results).splitlines()
     header = next(line for line in lines if line.startswith("workload"))
     for column in ("baseline s", "kvql s", "speed-up", "answers equal", "hit rate"):
         assert column in header
@@ -95,7 +95,7 @@ def test_the_console_table_has_baseline_seconds_speed_up_answers_equal_and_hit_r
     assert fewshot[6] == "2/2"  # greedy on both sides, fp32: kvql's answers are the baseline's
     assert fewshot[7] == f"{r['hit_rate']:.2f}"
     assert next(line for line in lines if line.startswith("json")).split()[6] == "n/a"  # constrained on one side
-    assert "WARNING" not in bench.table(results)  # unmeasured and one repeat: nothing to flag
+    assert "WARNING" not in bench_report.table(results)  # unmeasured and one repeat: nothing to flag
 
 
 def test_others_share_is_the_cpu_other_processes_used():
@@ -126,7 +126,7 @@ def test_repeats_give_the_best_and_the_median_each_from_an_empty_cache(make_mode
     assert r["spread"] == max(r["median_seconds"][s] / r["seconds"][s] - 1 for s in ("kvql", "hf_one_at_a_time"))
     assert r["hit_rate"] == once["hit_rate"]  # each repeat cold: a warm second repeat would raise it
     assert once["spread"] is None  # one repeat: no spread
-    line = next(x for x in bench.table(results).splitlines() if x.startswith("fewshot"))
+    line = next(x for x in bench_report.table(results).splitlines() if x.startswith("fewshot"))
     assert line.split()[2] == f"{r['seconds']['hf_one_at_a_time']:.2f}/{r['median_seconds']['hf_one_at_a_time']:.2f}"
 
 
@@ -150,21 +150,21 @@ def test_a_busy_machine_is_flagged_in_the_table_and_on_the_figure(make_model, tm
     busy = bench.run(m, workloads=("fewshot", "json"), sizes=(2,), out_dir=tmp_path, progress=False,
                      batch_baseline=False, sample=machine(0.6))
     assert busy["machine"]["others_share"] == pytest.approx(0.6)
-    text = bench.table(busy)
-    warning = bench.noise_warning(busy)
+    text = bench_report.table(busy)
+    warning = bench_report.noise_warning(busy)
     assert warning.startswith("WARNING") and "other processes used 60% of the machine's" in warning
     assert "2 of 2 points noisy" in warning and text.count(warning) == 2  # above and below the rows
     rows = [x for x in text.splitlines() if x.startswith(("fewshot", "json"))]
     assert len(rows) == 2 and all(x.endswith("! busy 60%") for x in rows)
-    fig = bench.plot(busy)
+    fig = bench_report.plot(busy)
     title = fig.legends[0].get_title()
     assert title.get_text().replace("\n", " ") == warning and title.get_color() == "red"
     assert all(note.endswith("! busy 60%") for note in kvql_notes(fig))
 
     quiet = bench.run(m, workloads=("fewshot", "json"), sizes=(2,), out_dir=tmp_path, progress=False,
                       batch_baseline=False, sample=machine(0.05))
-    assert bench.noise_warning(quiet) is None and "!" not in bench.table(quiet)
-    fig = bench.plot(quiet)
+    assert bench_report.noise_warning(quiet) is None and "!" not in bench_report.table(quiet)
+    fig = bench_report.plot(quiet)
     assert fig.legends[0].get_title().get_text() == "" and not any("!" in n for n in kvql_notes(fig))
 
 
@@ -173,9 +173,9 @@ def test_a_wide_spread_of_repeats_is_flagged_without_a_busy_machine(make_model, 
     results = bench.run(m, workloads=("fewshot",), sizes=(2,), out_dir=tmp_path, progress=False,
                         batch_baseline=False, sample=machine(0.0))
     results["workloads"]["fewshot"][0]["spread"] = 0.5  # as if the median of its repeats were 1.5x the best
-    warning = bench.noise_warning(results)
+    warning = bench_report.noise_warning(results)
     assert "1 of 1 points noisy" in warning and "other processes" not in warning
-    line = next(x for x in bench.table(results).splitlines() if x.startswith("fewshot"))
+    line = next(x for x in bench_report.table(results).splitlines() if x.startswith("fewshot"))
     assert line.endswith("! spread 50%")
     results["workloads"]["fewshot"][0]["spread"] = 0.1
-    assert bench.noise_warning(results) is None
+    assert bench_report.noise_warning(results) is None
