@@ -52,15 +52,13 @@ import json
 import os
 from typing import AsyncIterator
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from ..completion import Completion
-from . import base, completions_reply
+from . import base, completions_reply, server_metrics
 from .base import Backend, BackendError, StreamChunk, Unsupported
 from .bounded_http import (INTEGER, INTEGERS, LIST, OBJECT, STRING, Reply, Server, StatusError, error_message,
                            run_sync)
 from .options import GenerateOptions, Sent
-from .server_tokenizer import ServerTokenizer
+from .server_tokenizer import ServerTokenizer, local_tokenizer
 
 QUICK_SECONDS = 30.0  # the deadline of requests that compute nothing (models, tokenizer, metrics), within timeout
 
@@ -121,7 +119,7 @@ class RemoteBackend(Backend):
         if tokenizer == "server":
             self.tokenizer = self._server_tokenizer(required=True)
         else:
-            self.tokenizer = _tokenizer(tokenizer, self.name)
+            self.tokenizer = local_tokenizer(tokenizer, self.name)
             if self.tokenizer is None and tokenizer is None and self.kind != "openai":
                 self.tokenizer = self._server_tokenizer(required=False)
         features = set(_SPELLINGS[self.kind]) | _EXTRAS[self.kind]
@@ -381,39 +379,15 @@ class RemoteBackend(Backend):
         return [lps for lps, _ in results], [c for _, c in results if c is not None]
 
     def stats(self) -> dict:
-        """The server's counters, from its Prometheus `/metrics`: `prompt_tokens`, `cached_tokens`,
-        `computed_tokens`, `generated_tokens`, `hit_rate` where the server counts them (kvql's also `ram_tokens`
-        and `disk_tokens`: where its cached ones were, memory or its disk tier), and `metrics`:
-        every sample by name (summed over labels). Read from kvql's `kvql_*_tokens_total`; vLLM's
-        `vllm:prompt_tokens_total`, `vllm:generation_tokens_total` and its prefix cache's
-        `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` (tokens; the hit rate is hits per
-        query token); SGLang's `sglang:prompt_tokens_total`, `sglang:cached_tokens_total` (SGLang counts
-        them with `--enable-metrics`), else its `sglang:cache_hit_rate` gauge."""
+        """The server's counters, from its Prometheus `/metrics` (server_metrics.py): `prompt_tokens`,
+        `cached_tokens`, `computed_tokens`, `generated_tokens`, `hit_rate` where the server counts them (kvql's also
+        `ram_tokens` and `disk_tokens`: where its cached ones were, memory or its disk tier), and `metrics`: every
+        sample by name (summed over labels)."""
         text = run_sync(self.server.read("GET", "/metrics", seconds=self._quick)).decode("utf-8", "replace")
-        metrics: dict[str, float] = {}
         try:
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    metrics[sample.name] = metrics.get(sample.name, 0.0) + float(sample.value)
+            return server_metrics.counters(text, self.kind)
         except ValueError as e:
             raise self.server.error("/metrics", f"answered metrics that do not parse: {e}") from None
-        prefix = {"kvql": "kvql_", "vllm": "vllm:", "sglang": "sglang:"}.get(self.kind, "")
-        names = {"prompt_tokens": "prompt_tokens_total", "generated_tokens": "generation_tokens_total",
-                 "cached_tokens": "prefix_cache_hits_total"}
-        if self.kind == "kvql":
-            names.update(generated_tokens="generated_tokens_total", cached_tokens="cached_tokens_total",
-                         ram_tokens="prompt_tokens_from_ram_total", disk_tokens="prompt_tokens_from_disk_total")
-        elif self.kind == "sglang":
-            names.update(cached_tokens="cached_tokens_total")
-        out = {k: metrics[prefix + v] for k, v in names.items() if prefix + v in metrics}
-        if "prompt_tokens" in out and "cached_tokens" in out:
-            out["computed_tokens"] = out["prompt_tokens"] - out["cached_tokens"]
-            queries = metrics.get(prefix + "prefix_cache_queries_total", out["prompt_tokens"])
-            out["hit_rate"] = out["cached_tokens"] / queries if queries else 0.0
-        elif self.kind == "sglang" and "sglang:cache_hit_rate" in metrics:
-            out["hit_rate"] = metrics["sglang:cache_hit_rate"]
-        out["metrics"] = metrics
-        return out
 
     def close(self) -> None:
         if isinstance(self.tokenizer, ServerTokenizer):
@@ -422,27 +396,3 @@ class RemoteBackend(Backend):
     def __repr__(self) -> str:
         mode = "token ids" if self.tokenizer is not None else "text prompts"
         return f"kvql.RemoteModel({self.name!r} at {self.base_url}, {self.kind}, {mode})"
-
-
-def _tokenizer(given, served_name: str):
-    """The tokenizer to keep prompts as ids with: `given` (an object, or a spec / directory / hub id to
-    load), else one found under the served model's name, else None (text prompts; `given=False`: always)."""
-    if given is False:
-        return None
-    if given is not None and not isinstance(given, str):
-        return given
-    from .loader import ModelLoadError, load_tokenizer
-
-    spec = given or served_name
-    try:
-        return load_tokenizer(spec)
-    except ModelLoadError:
-        pass
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(spec, local_files_only=True)
-    except (OSError, ValueError) as e:
-        if given is not None:
-            raise ValueError(f"cannot load tokenizer {given!r}: {e}") from None
-        return None

@@ -1,4 +1,5 @@
-"""`ServerTokenizer`: a served model's tokenizer, used through its server's `/tokenize` and `/detokenize`.
+"""`ServerTokenizer`: a served model's tokenizer, used through its server's `/tokenize` and `/detokenize`; and
+`local_tokenizer`: the one found on this machine for a served model, which comes first.
 
 The remote backend takes one when no local tokenizer is known for the served model (its name is no spec,
 directory or cached hub id): prompts then still travel as token ids, so `distribution`, `score`, beam
@@ -167,3 +168,27 @@ class ServerTokenizer:
 
     def __repr__(self) -> str:
         return f"ServerTokenizer({self.name!r} at {self.root})"
+
+
+def local_tokenizer(given, served_name: str):
+    """The tokenizer to keep prompts as ids with: `given` (an object, or a spec / directory / hub id to
+    load), else one found under the served model's name, else None (text prompts; `given=False`: always)."""
+    if given is False:
+        return None
+    if given is not None and not isinstance(given, str):
+        return given
+    from .loader import ModelLoadError, load_tokenizer
+
+    spec = given or served_name
+    try:
+        return load_tokenizer(spec)
+    except ModelLoadError:
+        pass
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError) as e:
+        if given is not None:
+            raise ValueError(f"cannot load tokenizer {given!r}: {e}") from None
+        return None
