@@ -11,6 +11,7 @@ Constraint fields accepted, named as vLLM and SGLang users know them:
   (`{"type": "json_schema", "json_schema": {"schema": ...}}`, its objects held closed as tools' are:
   kvql.server.closed_schema; or `{"type": "json_object"}`);
 - SGLang: top-level `regex`, `json_schema`.
+At most one per request, read by request_constraint.py.
 vLLM's other fields, with vLLM 0.32's meaning: `min_tokens` (kvql.engine.decode.masks), `ignore_eos`,
 `return_token_ids` (also streamed: each chunk's new ids; `prompt_token_ids` in the first),
 `return_tokens_as_token_ids`, `prompt_logprobs` (logprobs.py), and on /v1/completions `echo` with
@@ -53,7 +54,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..backends.options import CACHE_SALT_MAX
-from .closed_schema import closed
 
 # Containers (objects, arrays) nested deeper than this are refused. Python's json parser and the
 # grammar compiler recurse; a limit far below theirs keeps them from failing (RecursionError) or
@@ -363,39 +363,3 @@ def _body_path(body: Any, loc: tuple, kind: str) -> tuple:
             continue  # a union tag
         path.append(seg)
     return tuple(path)
-
-
-def constraint_options(req: _Common) -> dict:
-    """The one constraint of a request as `Model.generate` options (`{}` for none)."""
-    found: dict = {}
-    so = req.structured_outputs
-    if so is not None:
-        for key, value in (("regex", so.regex), ("choices", so.choice), ("grammar", so.grammar)):
-            if value is not None:
-                found[key] = value
-        if so.json_ is not None:
-            found["json_schema"] = _schema(so.json_, "structured_outputs.json")
-    if req.regex is not None:
-        found["regex"] = req.regex
-    if req.json_schema is not None:
-        found["json_schema"] = _schema(req.json_schema, "json_schema")
-    rf = getattr(req, "response_format", None)
-    if rf is not None and rf.type == "json_schema":
-        if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise RequestError("response_format of type json_schema needs json_schema.schema",
-                               "response_format.json_schema.schema")
-        found["json_schema"] = closed(rf.json_schema.schema_)  # as OpenAI's strict mode: no made-up properties
-    elif rf is not None and rf.type == "json_object":
-        found["json_schema"] = {"type": "object"}
-    if len(found) > 1:
-        raise RequestError(f"give one constraint, got {sorted(found)}")
-    return found
-
-
-def _schema(value: dict | str, field: str) -> dict:
-    """A JSON schema given as an object or as its JSON text (then parsed within this module's limits)."""
-    if isinstance(value, str):
-        value = parse_json(value, field, field)
-    if not isinstance(value, dict):
-        raise RequestError(f"{field} must be a JSON schema object", field)
-    return value

@@ -17,7 +17,8 @@ from . import streaming, tools
 from .errors import request_errors, unless_disconnected
 from .logprobs import PROMPT_TOP
 from .metrics import Metrics
-from .protocol import ChatRequest, CompletionRequest, RequestError, constraint_options, parse_request
+from .protocol import ChatRequest, CompletionRequest, RequestError, parse_request
+from .request_constraint import constraint_options
 from .tools import ToolCalling
 
 
