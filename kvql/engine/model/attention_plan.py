@@ -160,10 +160,9 @@ def _paged(segments, offsets: list[int]) -> paged_attention.Segments | None:
     return paged_attention.Segments(offsets, n_new, key_start, n_keys, slots)
 
 
-def _buckets(segments, indices: list[int], offsets: list[int], groups: int, device, merge: bool) -> list[Bucket]:
-    slots = {i: torch.cat([segments[i].past_slots, segments[i].new_slots]) for i in indices}
-    order = sorted(indices, key=lambda i: slots[i][:64].tolist()) if merge else indices
-
+def _clusters(segments, order: list[int], slots: dict, merge: bool) -> list[list[int]]:
+    """Runs of `order` attended together: a segment joins the run before it (`merge`) where one gather and
+    multiply over the run's key union costs no more than each apart (`COPY_COST` per key gathered)."""
     clusters: list[list[int]] = []
     shared = q = apart = 0
     for i in order:
@@ -179,7 +178,14 @@ def _buckets(segments, indices: list[int], offsets: list[int], groups: int, devi
                 continue
         clusters.append([i])
         shared, q, apart = n_k, n_q, alone
+    return clusters
 
+
+def _buckets(segments, indices: list[int], offsets: list[int], groups: int, device, merge: bool) -> list[Bucket]:
+    slots = {i: torch.cat([segments[i].past_slots, segments[i].new_slots]) for i in indices}
+    order = sorted(indices, key=lambda i: slots[i][:64].tolist()) if merge else indices
+
+    clusters = _clusters(segments, order, slots, merge)
     rows = []
     for members in clusters:
         if len(members) == 1:  # its own keys in its own order
