@@ -109,6 +109,15 @@ def test_the_server_routes_are_short_functions():
     assert server and max(n for n, _ in server) <= 80, server[:3]
 
 
+def test_no_file_over_400_lines_and_no_function_over_60():
+    import import_graph as G
+
+    assert G.long_files(400) == []
+    kernels = [(len(p.read_text().splitlines()), p.name) for p in (G.ROOT / "engine" / "model" / "kernels").glob("*.[ch]")]
+    assert kernels and [k for k in kernels if k[0] > 400] == []
+    assert [f for f in G.long_functions(top=10_000) if f[0] > 60] == []
+
+
 def test_engine_rooms_import_only_rooms_below_them_and_never_the_step_loop():
     import import_graph as G
 
