@@ -405,7 +405,8 @@ PLACE = {"type": "object", "properties": {"name": {"type": "string", "maxLength"
 
 
 def response_format_constraint(schema: dict) -> dict:
-    from kvql.server.protocol import ChatRequest, constraint_options
+    from kvql.server.protocol import ChatRequest
+    from kvql.server.request_constraint import constraint_options
 
     req = ChatRequest.model_validate({"messages": USER, "response_format": {
         "type": "json_schema", "json_schema": {"name": "Place", "schema": schema}}})
