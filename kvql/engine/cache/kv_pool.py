@@ -41,6 +41,13 @@ class KVPool:
         keys = self.k
         self.k, self.v = keys[..., :head_dim], keys[..., head_dim:]
 
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+        """Layer `layer`'s K (and V) of the tokens at `slots` (`[kv_heads, len(slots), dim]` each): the one place
+        the torch paths write the pool (the lean forward's compiled step writes the same rows by its C kernel)."""
+        self.k[layer].index_copy_(1, slots, k)
+        if v is not None:
+            self.v[layer].index_copy_(1, slots, v)
+
     @staticmethod
     def slot_bytes(*, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                    v_dim: int | None = None) -> int:

@@ -224,8 +224,8 @@ class OwnForward:
                 del layer.update
         new = s.new_slots.to(self.device)
         for j, pieces in enumerate(written):  # [1, heads, tokens, dim] each; the last len(new) are the segment's
-            self.pool.k[j].index_copy_(1, new, torch.cat([k for k, _ in pieces], dim=-2)[0, :, -len(new):])
-            self.pool.v[j].index_copy_(1, new, torch.cat([v for _, v in pieces], dim=-2)[0, :, -len(new):])
+            self.pool.write(j, new, torch.cat([k for k, _ in pieces], dim=-2)[0, :, -len(new):],
+                            torch.cat([v for _, v in pieces], dim=-2)[0, :, -len(new):])
         if carry is not None:
             carry.state, carry.length = self._state(cache), end
             if self.snapshots is not None and end in carry.marks:

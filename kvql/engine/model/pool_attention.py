@@ -178,14 +178,11 @@ class PoolCache:
         if layer_idx in self.latent:
             key_states = latent_attention.latent(key_states, value_states)
             self.plan.fresh, self.plan.layer = (key_states, key_states), layer_idx
-            k = self.pool.k[layer_idx]
-            k.index_copy_(1, self.write_slots, key_states[0])
-            return k[None], None
+            self.pool.write(layer_idx, self.write_slots, key_states[0])
+            return self.pool.k[layer_idx][None], None
         self.plan.fresh, self.plan.layer = (key_states, value_states), layer_idx
-        k, v = self.pool.k[layer_idx], self.pool.v[layer_idx]
-        k.index_copy_(1, self.write_slots, key_states[0])
-        v.index_copy_(1, self.write_slots, value_states[0])
-        return k[None], v[None]
+        self.pool.write(layer_idx, self.write_slots, key_states[0], value_states[0])
+        return self.pool.k[layer_idx][None], self.pool.v[layer_idx][None]
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """(the new tokens, no past): what a model asks to build its masks and ALiBi tensor with no mask given

@@ -123,10 +123,9 @@ class WriteKV:
     head_dim: int
 
     def run(self, env: Env) -> None:
-        pool = env.pool
-        for target, c in ((pool.k[self.layer], self.k), (pool.v[self.layer], self.v)):
-            x = env.cols(c)
-            target.index_copy_(1, env.slots, x.view(x.shape[0], self.kv_heads, self.head_dim).transpose(0, 1))
+        k, v = (env.cols(c) for c in (self.k, self.v))
+        env.pool.write(self.layer, env.slots, *(x.view(x.shape[0], self.kv_heads, self.head_dim).transpose(0, 1)
+                                               for x in (k, v)))
 
 
 @dataclass(frozen=True)
