@@ -31,12 +31,11 @@ model is not converted or reloaded while it runs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from . import cpu_linear, fused_layers, quantized, step
-from .kernels import fused_ops, gemv, paged_attention, qgemm, step_program
+from .kernels import fused_ops, gemv, paged_attention, step_program
 
 
 def _references() -> dict[str, dict[str, list]]:
@@ -167,51 +166,21 @@ class LeanModel:
         return self.logits(self.final.apply(x).index_select(0, rows))
 
 
-class _Gemm(NamedTuple):
-    """What `cpu_linear._matmul` runs for a few rows of a `Linear` or `Stacked`: its reduction slices (each with
-    gemv's blocked copy), its bias, and the packed set they came from (`current` checks it)."""
-    slices: list
-    bias: torch.Tensor | None
-    packs: object
-
-
-class _QGemm(NamedTuple):
-    """What a `quantized.QuantizedLinear` or `QuantizedStack` runs: its quantized weights (a stack's parts in
-    different formats: one each, side by side in the output), its bias."""
-    weights: list[qgemm.QWeight]
-    bias: torch.Tensor | None
-    source: list = []  # nothing to watch: quantized weights are not edited (cpu_linear.unchanged([]) is True)
-
-
-def _gemm_parts(linear) -> _Gemm | _QGemm | None:
-    """A `cpu_linear.Linear` or `Stacked`'s `_Gemm` (None where a slice has no blocked copy), or a quantized layer's
-    `_QGemm`."""
-    if isinstance(linear, quantized.QuantizedLinear):
-        return _QGemm([linear.packed], linear.bias)
-    if isinstance(linear, quantized.QuantizedStack):
-        return _QGemm(linear.weights, linear.bias)
-    if not isinstance(linear, (cpu_linear.Linear, cpu_linear.Stacked)):
-        return None
-    packs = linear.current_packs()
-    if not packs.slices or any(blocked is None for _, _, blocked in packs.slices):
-        return None
-    return _Gemm(packs.slices, packs.bias if isinstance(linear, cpu_linear.Stacked) else linear.bias, packs)
-
-
 class _Program:
     """A decode step of `rows` (<= `cpu_linear.gemv_rows`) tokens compiled from the lean model's steps: each step
-    becomes the C calls of the kernels its `run` calls, with their arguments bound once (every GEMM through gemv's
-    blocked copies, as `cpu_linear._matmul` runs a few rows, or a quantized layer's qgemm), intermediate rows in this program's buffers (one
-    per name and width, reused by every layer), the list run by one C call (`kernels/step_program.py`) instead
-    of ~40 Python calls and allocations per layer. The same operations in the same order as the steps' `run`:
-    the same results bit for bit. `current(threads)` is False once a weight changed or the thread count did (the
-    program is built again)."""
+    adds the C calls of the kernels its `run` calls (`compile(p)`, beside its `run` in step.py), with their
+    arguments bound once (every GEMM through gemv's blocked copies, as `cpu_linear._matmul` runs a few rows, or a
+    quantized layer's qgemm), intermediate rows in this program's buffers (`out`: one per name and width, reused
+    by every layer; `bound`: the buffer a name was last written to; `cols`), the list run by one C call
+    (`kernels/step_program.py`) instead of ~40 Python calls and allocations per layer. The same operations in the
+    same order as the steps' `run`: the same results bit for bit. `current(threads)` is False once a weight
+    changed or the thread count did (the program is built again)."""
 
     @classmethod
     def build(cls, lean: LeanModel, rows: int, pool, threads: int) -> _Program | None:
-        gemms = {id(s): _gemm_parts(s.linear) for layer in lean.layers for s in layer.steps
+        gemms = {id(s): step.gemm_parts(s.linear) for layer in lean.layers for s in layer.steps
                  if isinstance(s, step.Gemm)}
-        plain = any(isinstance(g, _Gemm) for g in gemms.values())
+        plain = any(isinstance(g, step.GemmParts) for g in gemms.values())
         if (any(g is None for g in gemms.values()) or (plain and rows > gemv.max_rows())
                 or not step_program.available()):
             return None
@@ -219,28 +188,25 @@ class _Program:
 
     def __init__(self, lean: LeanModel, rows: int, pool, threads: int, gemms: dict):
         self.lean, self.rows, self.threads, self.pool, self.gemms = lean, rows, threads, pool, gemms
-        self.sources = [g.packs.source if isinstance(g, _Gemm) else g.source for g in gemms.values()]
+        self.sources = [g.packs.source if isinstance(g, step.GemmParts) else g.source for g in gemms.values()]
         self.dtype, self.is_bf16 = lean.dtype, fused_ops.DTYPES[lean.dtype]
         self.fo, self.pa = fused_ops.LIBRARY.get(), paged_attention.LIBRARY.get()
         self.buffers: dict[tuple[str, int], torch.Tensor] = {}  # the program holds raw pointers into these
         self.bound: dict[str, torch.Tensor] = {}  # name -> the buffer a step last wrote under it
-        self.x = self._out("x", lean.embed.embedding_dim)
+        self.x = self.out("x", lean.embed.embedding_dim)
         self.scale = None if lean.embed_scale is None else lean.embed_scale.to(self.dtype)
         self.slots = torch.empty(rows, dtype=torch.long)
         d = lean.head_dim
-        self.rotations = {t: (self._out(f"cos.{t}", d), self._out(f"sin.{t}", d)) for t in lean.layer_types}
+        self.rotations = {t: (self.out(f"cos.{t}", d), self.out(f"sin.{t}", d)) for t in lean.layer_types}
         self.program = step_program.Program()
-        emit = {step.Norm: self._norm, step.HeadNorm: self._head_norm, step.Gemm: self._gemm, step.Rope: self._rope,
-                step.WriteKV: self._write_kv, step.Attend: self._attend, step.GatedAct: self._gated_act,
-                step.Add: self._add_step}
         for layer in lean.layers:
             self.cos, self.sin = self.rotations[layer.layer_type]
             for s in layer.steps:
-                emit[type(s)](s)
-        self._norm(lean.final)
+                s.compile(self)
+        lean.final.compile(self)
         self.h = self.bound["h"]
 
-    def _out(self, name: str, width: int) -> torch.Tensor:
+    def out(self, name: str, width: int) -> torch.Tensor:
         """The buffer a step writes `name` into (one per name and width), bound to `name` from now on."""
         buf = self.buffers.get((name, width))
         if buf is None:
@@ -248,83 +214,8 @@ class _Program:
         self.bound[name] = buf
         return buf
 
-    def _cols(self, c: step.Cols) -> torch.Tensor:
+    def cols(self, c: step.Cols) -> torch.Tensor:
         return self.bound[c.buf][:, c.start:c.start + c.width]
-
-    def _norm(self, s: step.Norm) -> None:
-        self._rms_norm(self.bound[s.src], s, self._out(s.dst, s.width))
-
-    def _rms_norm(self, x: torch.Tensor, norm: step.Norm, out: torch.Tensor) -> None:
-        """`out = norm(x)` over the rows of `x` (`fused_ops.rms_norm`'s call)."""
-        self.program.add("rms_norm", self.fo.kvql_rms_norm, x.data_ptr(), x.stride(0), norm.weight.data_ptr(),
-                         out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], step_program.f32(norm.eps),
-                         int(norm.plus_one), self.is_bf16, self.threads)
-
-    def _head_norm(self, s: step.HeadNorm) -> None:
-        """Per row, its heads as rows of head_dim (what `HeadNorm.run`'s reshape hands the kernel)."""
-        x, out, n, d = self._cols(s.src), self._out(s.dst, s.width), s.heads, s.head_dim
-        for r in range(self.rows):
-            self._rms_norm(x[r:r + 1].view(n, d), s.norm, out[r:r + 1].view(n, d))
-
-    def _rope(self, s: step.Rope) -> None:
-        x, cos, sin = self.bound[s.buf], self.cos, self.sin
-        self.program.add("rope", self.fo.kvql_rope, x.data_ptr(), x.stride(0), self.rows, s.heads, s.head_dim,
-                         cos.data_ptr(), sin.data_ptr(), cos.stride(0), self.is_bf16, self.threads)
-
-    def _write_kv(self, s: step.WriteKV) -> None:
-        """The pool's rows of the new tokens (index_copy_ on the pool's slot dim)."""
-        for pool_layer, c in ((self.pool.k[s.layer], s.k), (self.pool.v[s.layer], s.v)):
-            source = self._cols(c)
-            self.program.add("write_kv", None, pool_layer.data_ptr(), pool_layer.stride(0), pool_layer.stride(1),
-                             source.data_ptr(), source.stride(0), self.slots.data_ptr(), self.rows, s.kv_heads,
-                             s.head_dim, source.element_size())
-
-    def _attend(self, s: step.Attend) -> None:
-        d, k_pool, v_pool = s.head_dim, self.pool.k[s.layer], self.pool.v[s.layer]
-        query = self._cols(s.q).view(self.rows, s.heads, d).transpose(0, 1)
-        out = self._out(s.dst, s.width)
-        self.program.add("attention", self.pa.kvql_paged_attention,
-                         query.data_ptr(), query.stride(1), query.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
-                         k_pool.stride(0), k_pool.stride(1), out.data_ptr(), out.stride(0), d, s.heads, s.kv_heads, d,
-                         self.is_bf16, step_program.f32(s.scaling), int(s.window or 0),
-                         step_program.f32(s.softcap or 0.0), 0 if s.sinks is None else s.sinks.data_ptr(), 0)
-
-    def _gated_act(self, s: step.GatedAct) -> None:
-        gu, act = self.bound[s.src], self._out(s.dst, s.width)
-        self.program.add("gated_mul", self.fo.kvql_gated_mul, gu.data_ptr(), gu.stride(0), act.data_ptr(), s.width,
-                         self.rows, s.width, fused_ops.ACTIVATIONS[s.act], self.is_bf16, self.threads)
-
-    def _add_step(self, s: step.Add) -> None:
-        self._add(self.bound[s.dst], self.bound[s.src])
-
-    def _add(self, out: torch.Tensor, y: torch.Tensor) -> None:
-        """out += y (rows of out's width; a 1-D y is added to every row: a bias)."""
-        self.program.add("add", None, out.data_ptr(), out.stride(0), y.data_ptr(), y.stride(0) if y.dim() == 2 else 0,
-                         out.shape[0], out.shape[1], self.is_bf16)
-
-    def _gemm(self, s: step.Gemm) -> None:
-        """Steps computing `out = x @ w.T (+ bias)` as `cpu_linear._matmul` does for these rows: gemv per
-        reduction slice, the slices added in order, then the bias; a quantized layer's: one qgemm call per weight
-        into its columns, then the bias (as `quantized.QuantizedLinear` computes it)."""
-        x, gemm = self.bound[s.src], self.gemms[id(s)]
-        out = self._out(s.dst, s.width)
-        column = 0
-        for w in gemm.weights if isinstance(gemm, _QGemm) else ():  # quantized.linear's qgemm calls
-            self.program.add("qgemm", qgemm.LIBRARY.get().kvql_qgemm, x.data_ptr(), x.stride(0), *qgemm.pointers(w),
-                             out.data_ptr() + column * out.element_size(), out.stride(0), x.shape[0],
-                             *qgemm.call_args(w), self.is_bf16, self.threads)
-            column += w.n
-        for i, (a, _, blocked) in enumerate(gemm.slices if isinstance(gemm, _Gemm) else ()):
-            target = out if i == 0 else self._out("gemm.partial", s.width)
-            n, k = gemv.shape(blocked)
-            self.program.add("gemv", gemv.LIBRARY.get().kvql_gemv, x.data_ptr() + a * x.element_size(), x.stride(0),
-                             blocked.data_ptr(), target.data_ptr(), target.stride(0), x.shape[0], n, k, self.is_bf16,
-                             self.threads)
-            if i:
-                self._add(out, target)
-        if gemm.bias is not None:
-            self._add(out, gemm.bias)
-        self.bound[s.dst] = out
 
     def current(self, threads: int) -> bool:
         return threads == self.threads and all(cpu_linear.unchanged(s) for s in self.sources)
