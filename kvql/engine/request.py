@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from ..completion import Completion, TokenLogprob
-from .decode.detokenizer import Detokenizer
+from .detokenizer import Detokenizer
 from .segment import Carry
 
 MaskFn = Callable[[list[int]], "torch.Tensor | None"]

@@ -5,7 +5,7 @@ tensor over the vocabulary, or None for all), composed over the request's constr
 - `no_end_before(mask, min_tokens, eos_ids, vocab)`: `min_tokens` with vLLM's meaning: while fewer than
   `min_tokens` tokens are generated, the end-of-sequence ids are taken out of what `mask` allows, unless
   that leaves nothing (the constraint allows only the end: its value is complete), where the constraint
-  wins. (Stop strings under `min_tokens`: `kvql.engine.decode.detokenizer`.)
+  wins. (Stop strings under `min_tokens`: `kvql.engine.detokenizer`.)
 - `logit_bias(bias, vocab, mask)`: OpenAI's `logit_bias`, its two absolute values exactly, as a mask: -100
   bans a token, 100 restricts the choice to the tokens given 100; it returns the other values, which the
   sampler adds to their logits (`SamplingParams.logit_bias`).

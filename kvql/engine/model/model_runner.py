@@ -31,7 +31,6 @@ from . import (admission, alibi_attention, cpu_linear, fused_layers, latent_atte
                own_forward, recurrent_mixers)
 from .kernels import paged_attention
 from .pool_attention import NO_MASK, ATTENTION, PoolCache
-from ..cache.kv_pool import KVPool
 from ..segment import Carry, Segment
 
 # a model with recurrent layers continues a state one token per forward where a chunk's logits differ from the
@@ -86,8 +85,9 @@ def read_geometry(hf_model) -> admission.Geometry:
 
 
 class ModelRunner:
-    def __init__(self, hf_model, pool: KVPool, geometry: admission.Geometry | None = None, snapshots=None):
-        """`geometry`: the model's (`read_geometry(hf_model)`), probed here when not given; `pool` holds its K/V shape;
+    def __init__(self, hf_model, pool, geometry: admission.Geometry | None = None, snapshots=None):
+        """`geometry`: the model's (`read_geometry(hf_model)`), probed here when not given; `pool` (the engine's KV
+        pool, handed in: the model room imports nothing of the cache) holds its K/V shape;
         `snapshots`: a model with recurrent layers' store of their states (cache/state_snapshots.py)."""
         self.model, self.pool, self.snapshots = hf_model, pool, snapshots
         self.device = pool.device

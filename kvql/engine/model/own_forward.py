@@ -32,8 +32,6 @@ import inspect
 import torch
 
 from . import admission
-from ..cache.kv_pool import KVPool
-from ..cache.state_snapshots import StateSnapshots
 from ..segment import Segment
 
 
@@ -166,7 +164,7 @@ def geometry(hf_model, reason: str) -> admission.Geometry:
 
 
 class OwnForward:
-    def __init__(self, hf_model, pool: KVPool, geometry: admission.Geometry, snapshots: StateSnapshots | None = None):
+    def __init__(self, hf_model, pool, geometry: admission.Geometry, snapshots=None):
         self.model, self.pool, self.kinds, self.snapshots = hf_model, pool, geometry.kinds, snapshots
         self.device = pool.device
         self.recurrent = geometry.recurrent

@@ -16,7 +16,6 @@ from transformers.masking_utils import sdpa_mask
 from .attention_plan import Bucket, Causal, Plan, in_span
 from . import admission, latent_attention
 from .kernels import paged_attention
-from ..cache.kv_pool import KVPool
 
 ATTENTION = "kvql"
 
@@ -163,7 +162,7 @@ class PoolCache:
     `kv_layers` (the model's layer index of each pool layer, `Geometry.kv_layers`) and `recurrent`, the step's
     recurrent work (recurrent_mixers.Step), which its mixers read."""
 
-    def __init__(self, pool: KVPool, write_slots: torch.Tensor, plan: Plan, kv_layers: tuple[int, ...] | None = None,
+    def __init__(self, pool, write_slots: torch.Tensor, plan: Plan, kv_layers: tuple[int, ...] | None = None,
                  recurrent=None, latent: frozenset[int] = frozenset()):
         self.pool, self.write_slots, self.plan, self.recurrent = pool, write_slots, plan, recurrent
         self.pool_layer = None if kv_layers is None else {i: j for j, i in enumerate(kv_layers)}
