@@ -2,7 +2,8 @@
 
 The caps are 400s that say what to do; text to tokenize and biases to read past a small size are prepared off
 the event loop (asserted by the thread they ran on, not by a clock); a whole-vocabulary `logit_bias` answers as
-the same bias computed by hand; a text no context could hold is refused before it is tokenized. Slow constraints: test_slow_constraints.py."""
+the same bias computed by hand; a text no context could hold is refused before it is tokenized. Slow
+constraints: test_slow_constraints.py."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import kvql
 from conftest import serving
 from kvql.engine.request_builder import INLINE_CHARS, INLINE_PROMPTS, RequestBuilder
+from kvql.backends.options import GenerateOptions
 from kvql.server.app import create_app
 from kvql.server.served import MAX_PROMPTS, MAX_SAMPLES
 
@@ -43,10 +45,12 @@ def test_a_prompt_list_cannot_pass_the_caps_on_prompts_and_samples(served):
 def test_much_to_read_is_prepared_off_the_event_loop(tokenizer, llama, monkeypatch, kind):
     """Tokenizing a megabyte takes ~0.5 s: on the event loop it would stall every other client (and /health)."""
     m = kvql.Model(llama, tokenizer, cache_budget=4 << 20)
-    threads = []
-    real = RequestBuilder.build
+    threads, reads = [], []  # where each request was built, and where its options were read (a bias: ~20 ms)
+    real, real_read = RequestBuilder.build, GenerateOptions.read.__func__
     monkeypatch.setattr(RequestBuilder, "build", lambda self, *a, **kw: threads.append(
         threading.current_thread()) or real(self, *a, **kw))
+    monkeypatch.setattr(GenerateOptions, "read", classmethod(lambda cls, *a, **kw: reads.append(
+        threading.current_thread()) or real_read(cls, *a, **kw)))
     prompts, options = ["hello"], {}
     if kind == "text":  # (longer than the tiny model's context: refused, after it was tokenized)
         prompts = ["hello " * (INLINE_CHARS // 6 + 1)]
@@ -64,10 +68,10 @@ def test_much_to_read_is_prepared_off_the_event_loop(tokenizer, llama, monkeypat
 
     try:
         loop_thread = asyncio.run(run())
-        assert threads and threads[0] is not loop_thread
-        threads.clear()
+        assert threads and threads[0] is not loop_thread and reads and reads[0] is not loop_thread
+        threads.clear(), reads.clear()
         asyncio.run(m.agenerate(["hello"], max_tokens=1))  # a small request: prepared in place (no hop)
-        assert threads == [threading.main_thread()]
+        assert threads == [threading.main_thread()] and reads == [threading.main_thread()]
     finally:
         m.close()
 

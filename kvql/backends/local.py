@@ -104,10 +104,12 @@ class LocalBackend(Backend):
         """Queue the prompts' requests (the options of `agenerate`) and return their handles, one per
         prompt, without waiting for them: `collect(groups)` waits, `cancel(group)` cancels.
         `on_update(sample, text, token_id, completion)` is called on the engine thread after each step of
-        a request. What is slow to build (a constraint to compile, much text) is built off the event loop
-        (`kvql.engine.request_builder`); nothing is queued if the caller is cancelled meanwhile."""
-        spec = request_spec(*GenerateOptions.read(options, LOCAL_OPTIONS))
-        return self.engine.submit_all(await self.engine.requests.abuild(prompts, spec), on_update)
+        a request. What is slow to build (a constraint to compile, much text, a long logit bias) is built off the
+        event loop (`kvql.engine.request_builder`); nothing is queued if the caller is cancelled meanwhile."""
+        built = await self.engine.requests.abuild(
+            prompts, lambda: request_spec(*GenerateOptions.read(options, LOCAL_OPTIONS)),
+            bias_entries=len(options.get("logit_bias") or ()))  # (the options are read off the loop with it)
+        return self.engine.submit_all(built, on_update)
 
     # -- public API ------------------------------------------------------------------------------
     # Options of generate / agenerate / stream: those of the backend contract (kvql.backends.options; unknown
