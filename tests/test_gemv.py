@@ -62,8 +62,8 @@ def test_a_layer_gives_the_same_bits_with_and_without_the_kernel(monkeypatch):
     layer = torch.nn.Linear(1536, 576, bias=False).to(torch.bfloat16)
     x = torch.randn(24, 1536).to(torch.bfloat16)
     with torch.inference_mode():
-        cpu_linear.prepare(layer, max_reduction=cpu_linear.MAX_REDUCTION)
-        assert all(blocked is not None for _, _, blocked in layer.kvql_packed.slices)
+        layer = cpu_linear.packed(layer, max_reduction=cpu_linear.MAX_REDUCTION)
+        assert all(blocked is not None for _, _, blocked in layer.packs.slices)
         batch = layer(x)
         alone = torch.cat([layer(x[i:i + 1]) for i in range(24)])
         monkeypatch.setattr(cpu_linear, "GEMV_ROWS", 0)  # as with KVQL_GEMV=0: oneDNN at every size
@@ -95,10 +95,10 @@ def test_a_bf16_layer_runs_the_widening_kernel_at_every_batch_size():
     layer = torch.nn.Linear(1536, 576, bias=True).to(torch.bfloat16)
     x = torch.randn(24, 1536).to(torch.bfloat16)
     with torch.inference_mode():
-        cpu_linear.prepare(layer, max_reduction=cpu_linear.MAX_REDUCTION)
+        layer = cpu_linear.packed(layer, max_reduction=cpu_linear.MAX_REDUCTION)
         if cpu_linear.can_pack(torch.bfloat16):
             pytest.skip("oneDNN packs bf16 weights here: the kernel only serves few rows")
-        assert all(packed is None and blocked is not None for _, packed, blocked in layer.kvql_packed.slices)
+        assert all(packed is None and blocked is not None for _, packed, blocked in layer.packs.slices)
         batch = layer(x)
         alone = torch.cat([layer(x[i:i + 1]) for i in range(24)])
     assert torch.equal(alone, batch)
@@ -110,8 +110,8 @@ def test_the_switch_turns_the_kernel_off(monkeypatch):
     monkeypatch.setenv("KVQL_GEMV", "0")
     assert not gemv.available() and gemv.max_rows() == 0
     layer = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
-    cpu_linear.prepare(layer)
-    assert all(blocked is None for _, _, blocked in layer.kvql_packed.slices)
+    layer = cpu_linear.packed(layer)
+    assert all(blocked is None for _, _, blocked in layer.packs.slices)
 
 
 @needs_f32_kernel
@@ -150,8 +150,8 @@ def test_a_float32_layer_takes_the_kernel_for_few_rows_and_agrees_with_onednn(mo
     layer = torch.nn.Linear(576, 960, bias=False)
     x = torch.randn(24, 576)
     with torch.inference_mode():
-        cpu_linear.prepare(layer)
-        assert all(blocked is not None for _, _, blocked in layer.kvql_packed.slices)
+        layer = cpu_linear.packed(layer)
+        assert all(blocked is not None for _, _, blocked in layer.packs.slices)
         alone = torch.cat([layer(x[i:i + 1]) for i in range(24)])
         batch = layer(x)
         monkeypatch.setattr(cpu_linear, "GEMV_ROWS", 0)

@@ -28,10 +28,18 @@ def prefill(runner, pool, prompts):
     return segs, runner.forward(segs)
 
 
-def test_prompts_without_past_match_plain_transformers(tokenizer, llama):
+def gathering_runner(hf, monkeypatch):
+    """A runner on the plan's SDPA path (causal groups, buckets), as on a device without the paged kernel."""
+    monkeypatch.setenv("KVQL_PAGED_ATTENTION", "0")
+    runner, pool = runner_for(hf)
+    assert not runner.paged
+    return runner, pool
+
+
+def test_prompts_without_past_match_plain_transformers(tokenizer, llama, monkeypatch):
     """Ragged prompts (some adjacent with equal lengths: one causal group) computed in place."""
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14], list(range(20, 29)), [40]]
-    runner, pool = runner_for(llama)
+    runner, pool = gathering_runner(llama, monkeypatch)
     assert [(c.rows, c.q_len) for c in attention_plan.plan(
         [Segment(p, 0, EMPTY, EMPTY, True) for p in prompts], 2, "cpu").causal] == [(2, 5), (1, 9), (1, 1)]
     _, logits = prefill(runner, pool, prompts)
@@ -41,9 +49,25 @@ def test_prompts_without_past_match_plain_transformers(tokenizer, llama):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_a_causal_group_over_scattered_slots_reads_them_by_index(tokenizer, llama, monkeypatch):
+    """Prompts whose slots are not consecutive (a pool after evictions) attend over the K/V at those slots."""
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]]
+    runner, pool = gathering_runner(llama, monkeypatch)
+    free = pool.alloc(20)
+    segs = [Segment(p, 0, EMPTY, free[i::2][:len(p)], True, all_logits=True) for i, p in enumerate(prompts)]
+    [group] = attention_plan.plan(segs, 2, "cpu").causal
+    assert isinstance(group.slots, torch.Tensor) and group.rows == 2
+    for p, got in zip(prompts, runner.forward(segs)):
+        with torch.inference_mode():
+            want = llama(input_ids=torch.tensor([p])).logits[0]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_in_place_causal_path_equals_the_gathered_path(tokenizer, llama, monkeypatch):
     prompts = random_prompts(seed=3, count=6, vocab=len(tokenizer))
-    runner, pool = runner_for(llama)
+    runner, pool = gathering_runner(llama, monkeypatch)
+    assert any(isinstance(c.slots, slice) for c in attention_plan.plan(
+        [Segment(p, 0, EMPTY, pool.alloc(len(p)), True) for p in prompts], 2, "cpu").causal)
     _, in_place = prefill(runner, pool, prompts)
     monkeypatch.setattr(model_runner, "plan", functools.partial(attention_plan.plan, in_place=False))
     _, gathered = prefill(runner, pool, prompts)
@@ -51,10 +75,10 @@ def test_in_place_causal_path_equals_the_gathered_path(tokenizer, llama, monkeyp
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_pool_kv_written_in_place_serves_later_decodes(tokenizer, llama):
+def test_pool_kv_written_in_place_serves_later_decodes(tokenizer, llama, monkeypatch):
     """K/V of an in-place prefill are in the pool: a decode step over them equals the uncached forward."""
     prompts = random_prompts(seed=4, count=5, vocab=len(tokenizer))
-    runner, pool = runner_for(llama)
+    runner, pool = gathering_runner(llama, monkeypatch)
     segs, _ = prefill(runner, pool, prompts)
     step = [Segment([7], len(p), s.new_slots, pool.alloc(1), True) for p, s in zip(prompts, segs)]
     for p, got in zip(prompts, runner.forward(step)):

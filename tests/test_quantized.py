@@ -201,7 +201,7 @@ def test_a_tied_embedding_looks_up_the_quantized_head(weights):
     m = kvql.model("random", weights=weights, dtype="float32")
     hf = m.hf_model
     embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
-    assert isinstance(embed, quantized._TiedEmbedding) and embed.weight is None
+    assert isinstance(embed, quantized.TiedEmbedding) and embed.weight is None
     ids = torch.tensor([[3, 70, 49151]])
     assert torch.equal(embed(ids)[0], head.packed.dequantized()[ids[0]])
     prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 100, 200]]

@@ -55,11 +55,13 @@ KEY_BLOCK = 64  # batch-invariant mode: a request's keys are padded to a multipl
 
 @dataclass
 class Causal:
-    """`rows` adjacent segments of `q_len` new tokens each and no past, from flat position `offset`."""
+    """`rows` adjacent segments of `q_len` new tokens each and no past, from flat position `offset`; `slots`: the
+    pool slots their K/V are written to, in order (a `slice` where they are consecutive: read in place)."""
 
     offset: int
     rows: int
     q_len: int
+    slots: slice | torch.Tensor | None = None
 
 
 @dataclass
@@ -67,9 +69,7 @@ class Plan:
     causal: list[Causal]
     buckets: list[Bucket]
     paged: paged_attention.Segments | None = None  # segments read in place by the paged kernel
-    fresh: tuple | None = None  # this layer's new (K, V) `[1, kv_heads, T, head_dim]`, set by the cache
-    layer: int | None = None  # the layer whose K/V the cache wrote last (the one attending), set by the cache
-    chunks: tuple | None = None  # per layer, its chunked attention's chunk (None: not chunked), set by the runner
+    chunks: dict[int, int] | None = None  # a chunked attention's chunk by the model's layer index (`layer_idx`)
 
 
 @dataclass
@@ -122,20 +122,21 @@ def _shared_len(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 def plan(segments, groups: int, device, merge: bool = True, in_place: bool | None = None,
-         paged: bool = False) -> Plan:
+         paged: bool = False, chunks: dict[int, int] | None = None) -> Plan:
     """Build the plan for `segments` (objects with `token_ids`, `past_slots`, `new_slots`); `merge`:
     clusters of segments sharing a prefix (False: batch-invariant, see the module doc); `in_place`:
     causal groups for segments without a past (False: they too gather from the pool, in buckets;
     default: as `merge`); `paged`: every segment is read in place by the paged kernel instead (module
-    doc; `merge` and `in_place` then do not matter)."""
+    doc; `merge` and `in_place` then do not matter); `chunks`: `Plan.chunks`."""
     offsets, t = [], 0
     for s in segments:
         offsets.append(t)
         t += len(s.token_ids)
     if paged:
-        return Plan([], [], _paged(segments, offsets))
+        return Plan([], [], _paged(segments, offsets), chunks)
     in_place = merge if in_place is None else in_place
     causal: list[Causal] = []
+    members: list[list] = []
     rest = []
     for i, s in enumerate(segments):
         n, t = len(s.token_ids), offsets[i]
@@ -143,9 +144,22 @@ def plan(segments, groups: int, device, merge: bool = True, in_place: bool | Non
             rest.append(i)
         elif merge and causal and causal[-1].q_len == n and causal[-1].offset + causal[-1].rows * n == t:
             causal[-1].rows += 1
+            members[-1].append(s.new_slots)
         else:
             causal.append(Causal(t, 1, n))
-    return Plan(causal, _buckets(segments, rest, offsets, groups, device, merge))
+            members.append([s.new_slots])
+    for c, slots in zip(causal, members):
+        c.slots = _in_place(torch.cat(slots), device)
+    return Plan(causal, _buckets(segments, rest, offsets, groups, device, merge), None, chunks)
+
+
+def _in_place(slots: torch.Tensor, device) -> slice | torch.Tensor:
+    """`slots` as a slice where they are consecutive (the pool read in place, no copy), else as an index."""
+    cpu = slots.cpu()
+    first = int(cpu[0]) if len(cpu) else 0
+    if len(cpu) and torch.equal(cpu, torch.arange(first, first + len(cpu), dtype=cpu.dtype)):
+        return slice(first, first + len(cpu))
+    return slots.to(device=device, dtype=torch.long)
 
 
 def _paged(segments, offsets: list[int]) -> paged_attention.Segments | None:

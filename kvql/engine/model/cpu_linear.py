@@ -126,32 +126,37 @@ class _Packed:
 
 
 class Linear(torch.nn.Linear):
-    """An `nn.Linear` computed from prepacked weight slices (module doc). `prepare` turns a model's
-    `nn.Linear` layers into this class in place (same parameters, same state dict); `restore` turns
-    them back. `kvql_slice`: inputs per reduction slice (`in_features`: one slice); `kvql_pack`: use
-    oneDNN's prepacked kernel (else the plain kernel over views of the weight)."""
+    """An `nn.Linear` computed from prepacked weight slices (module doc): kvql's replacement for a plain
+    `nn.Linear`, made over that layer's own parameters (shared, not copied; the state dict is the same) by
+    `packed(layer)`; `prepare` puts one in each plain layer's place, `restore` puts plain ones back. The replaced
+    layer itself is left as it was. `step`: inputs per reduction slice (`in_features`: one slice); `prepack`: use
+    oneDNN's prepacked kernel (else the plain kernel over views of the weight); `packs`: the slices."""
 
-    kvql_slice: int
-    kvql_pack: bool
-    kvql_packed: _Packed
+    def __init__(self, layer: torch.nn.Linear, step: int, prepack: bool):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.register_parameter("weight", layer.weight)
+        self.register_parameter("bias", layer.bias)
+        self.train(layer.training)
+        self.step, self.prepack = step, prepack
+        self.repack()
 
     def repack(self) -> _Packed:
         w = self.weight
-        pack = self.kvql_pack and _packable(w)
-        self.kvql_packed = _Packed(_slices(w, self.kvql_slice, pack, self.kvql_pack and _own_kernel(w)),
-                                   _watch([self]))
-        return self.kvql_packed
+        pack = self.prepack and _packable(w)
+        self.packs = _Packed(_slices(w, self.step, pack, self.prepack and _own_kernel(w)), _watch([self]))
+        return self.packs
 
     def current_packs(self) -> _Packed:
         """The packed slices, packed again first if the weight or bias changed since, or this is a copy (module
         doc)."""
-        packs = self.kvql_packed
+        packs = self.packs
         return packs if unchanged(packs.source) else self.repack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, packs = self.weight, self.current_packs()
         autograd = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)  # (oneDNN's op has no backward)
-        out = _matmul(x, packs.slices, self.kvql_slice, self.in_features, w, plain=autograd)
+        out = _matmul(x, packs.slices, self.step, self.in_features, w, plain=autograd)
         return out if self.bias is None else out + self.bias
 
 
@@ -283,39 +288,64 @@ class Stacked:
         return out if packs.bias is None else out + packs.bias
 
 
+def packed(layer: torch.nn.Linear, max_reduction: int | None = None, pack: bool | None = None) -> Linear:
+    """A `Linear` over `layer`'s parameters computed from prepacked weights (`pack`; default: when `can_pack()`)
+    and, with `max_reduction`, as a sum over slices of at most `max_reduction` inputs (module doc)."""
+    return Linear(layer, _step(layer.in_features, max_reduction), can_pack() if pack is None else pack)
+
+
+def plain(layer: Linear) -> torch.nn.Linear:
+    """A plain `nn.Linear` over `layer`'s parameters (shared)."""
+    out = torch.nn.Linear.__new__(torch.nn.Linear)
+    torch.nn.Module.__init__(out)
+    out.in_features, out.out_features = layer.in_features, layer.out_features
+    out.register_parameter("weight", layer.weight)
+    out.register_parameter("bias", layer.bias)
+    return out.train(layer.training)
+
+
 def prepare(model: torch.nn.Module, max_reduction: int | None = None, pack: bool | None = None,
             skip: list[torch.nn.Module] = ()) -> int:
-    """Compute every `nn.Linear` of `model` (exactly that class; subclasses are left alone) from prepacked
-    weights (`pack`; default: when `can_pack()`), and, with `max_reduction`, each layer with more inputs
-    than that as a sum over slices of at most `max_reduction` inputs (module doc). Returns how many
-    layers it set up or changed; calling it again with the same arguments changes nothing. Layers on
-    other devices or in other dtypes keep the plain kernel (still sliced when asked). `skip`: layers left as
-    they are (those that run inside a `Stacked`)."""
+    """Put a `packed` layer in the place of every `nn.Linear` of `model` (exactly that class; subclasses are left
+    alone, as are layers with hooks: their hooks belong to them). Returns how many layers it set up or changed;
+    calling it again with the same arguments changes nothing. Layers on other devices or in other dtypes keep the
+    plain kernel (still sliced when asked). `skip`: layers left as they are (those that run inside a `Stacked`).
+    Raises TypeError for a model that is itself a linear layer (nothing holds it to replace: `packed(layer)`)."""
     pack = can_pack() if pack is None else pack
-    changed = 0
     skipped = {id(m) for m in skip}
-    for module in model.modules():
-        if type(module) not in (torch.nn.Linear, Linear) or id(module) in skipped:
-            continue
-        n = module.in_features
-        step = _step(n, max_reduction)
-        if type(module) is Linear and module.kvql_slice == step and module.kvql_pack == pack:
-            continue
-        module.__class__ = Linear
-        module.kvql_slice, module.kvql_pack = step, pack
-        module.repack()
-        changed += 1
-    return changed
+
+    def replace(module):
+        if type(module) not in (torch.nn.Linear, Linear) or id(module) in skipped or _hooked(module):
+            return None
+        step = _step(module.in_features, max_reduction)
+        if type(module) is Linear and module.step == step and module.prepack == pack:
+            return None
+        return Linear(module, step, pack)
+
+    return _replace(model, replace)
 
 
 def restore(model: torch.nn.Module) -> int:
-    """Undo `prepare`: its layers become plain `nn.Linear` again (e.g. a plain transformers baseline from
-    a copy of an engine's model). Returns how many."""
-    restored = 0
-    for module in model.modules():
-        if type(module) is Linear:
-            module.__class__ = torch.nn.Linear
-            for name in ("kvql_packed", "kvql_slice", "kvql_pack"):
-                module.__dict__.pop(name, None)
-            restored += 1
-    return restored
+    """Undo `prepare`: a plain `nn.Linear` in each `Linear`'s place (e.g. a plain transformers baseline from a copy
+    of an engine's model). Returns how many."""
+    return _replace(model, lambda module: plain(module) if type(module) is Linear else None)
+
+
+def _replace(model: torch.nn.Module, replacement) -> int:
+    """Each child `c` of `model`'s modules for which `replacement(c)` is a module replaced by it (one replacement
+    per module, wherever it is held); returns how many modules were replaced."""
+    if type(model) in (torch.nn.Linear, Linear):
+        raise TypeError("prepare and restore replace a model's linear layers in their parents; a single layer: "
+                        "cpu_linear.packed(layer) / cpu_linear.plain(layer)")
+    made: dict[int, torch.nn.Module | None] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) not in made:
+                made[id(child)] = replacement(child)
+            if made[id(child)] is not None:
+                setattr(parent, name, made[id(child)])
+    return sum(m is not None for m in made.values())
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)

@@ -335,9 +335,9 @@ def prepare(model: torch.nn.Module, max_reduction: int | None = None) -> int:
             continue
         _swap(module, mixin, max_reduction)
         if mixin in (_MLP, _Attention, _QKNormAttention):
-            for part in (getattr(module, name) for name in _PARTS[what]):
-                if isinstance(part, cpu_linear.Linear):  # packed before on its own: plain again
-                    cpu_linear.restore(part)
+            for name in _PARTS[what]:
+                if isinstance(getattr(module, name), cpu_linear.Linear):  # packed before on its own: plain again
+                    setattr(module, name, cpu_linear.plain(getattr(module, name)))
             stacked(module)  # packed now, not at the first call
         swapped += 1
     return swapped

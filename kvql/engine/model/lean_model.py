@@ -252,7 +252,7 @@ def build(hf_model) -> LeanModel | None:
         return None
     gemma = structure == "gemma3"
     embed = base.embed_tokens
-    cls = getattr(type(embed), "kvql_embedding", type(embed))  # a quantized head's tied embedding: its own class
+    cls = embed.replaced if isinstance(embed, quantized.TiedEmbedding) else type(embed)  # (a quantized head's)
     if not ((any(fused_layers.same_function(cls.forward, r.forward) for r in refs["embedding"]) if gemma
              else cls is torch.nn.Embedding)
             and embed.max_norm is None and not getattr(base.config, "use_bidirectional_attention", False)):

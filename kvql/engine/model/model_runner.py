@@ -121,7 +121,8 @@ class ModelRunner:
             fused_layers.prepare(hf_model, max_reduction=max_reduction)
             cpu_linear.prepare(hf_model, max_reduction=max_reduction, skip=fused_layers.stacked_parts(hf_model))
         # chunked attention's span per layer: the plan carries it to the attention function, which is not told
-        self.chunks = tuple(x.chunk for x in geometry.layers) if any(x.chunk for x in geometry.layers) else None
+        layer_ids = geometry.kv_layers or range(len(geometry.layers))
+        self.chunks = {i: x.chunk for i, x in zip(layer_ids, geometry.layers) if x.chunk} or None
         # the same forward without transformers' module calls, where the model's structure allows (lean_model.py)
         lean = self.device.type == "cpu" and not self.chunks and self.mixers is None
         self.lean = lean_model.build(hf_model) if lean else None
@@ -154,8 +155,8 @@ class ModelRunner:
             k = s.logit_rows
             spans.append((len(rows), len(rows) + k))
             rows.extend(range(len(ids) - k, len(ids)))
-        step_plan = plan(segments, self.groups, dev, merge=not self.batch_invariant, paged=self.paged)
-        step_plan.chunks = self.chunks
+        step_plan = plan(segments, self.groups, dev, merge=not self.batch_invariant, paged=self.paged,
+                         chunks=self.chunks)
         started = time.perf_counter()
         write_slots = torch.cat([s.new_slots for s in segments])
         keep = torch.tensor(rows, dtype=torch.long, device=dev)

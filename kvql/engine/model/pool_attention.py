@@ -52,7 +52,7 @@ def _attend(module, query, key, value, scaling, kvql_plan, sliding_window, softc
         out = _eager(query, key, value, causal, scaling, softcap, query.shape[1] // key.shape[1], sinks)
         return out.transpose(1, 2).contiguous(), None  # [batch, tokens, heads, head_dim], as transformers returns it
     _, heads, t, d = query.shape
-    chunk = kvql_plan.chunks[kvql_plan.layer] if kvql_plan.chunks else None
+    chunk = kvql_plan.chunks.get(module.layer_idx) if kvql_plan.chunks else None
     k_pool, v_pool = key[0], value[0]  # [kv_heads, slots, head_dim]
     kv_heads = k_pool.shape[0]
     g = heads // kv_heads
@@ -64,10 +64,10 @@ def _attend(module, query, key, value, scaling, kvql_plan, sliding_window, softc
                                chunk, slopes)
         return out[None], None
     c: Causal
-    for c in kvql_plan.causal:  # no past: causal attention over the fresh K/V, read in place
+    for c in kvql_plan.causal:  # no past: causal attention over the K/V just written (slots in a row: in place)
         span = slice(c.offset, c.offset + c.rows * c.q_len)
-        q, k, v = (x[0, :, span].unflatten(1, (c.rows, c.q_len)).transpose(0, 1)
-                   for x in (query, *kvql_plan.fresh))
+        q = query[0, :, span].unflatten(1, (c.rows, c.q_len)).transpose(0, 1)
+        k, v = (x[:, c.slots].unflatten(1, (c.rows, c.q_len)).transpose(0, 1) for x in (k_pool, v_pool))
         if sliding_window or chunk or softcap or s_aux is not None or slopes is not None:
             i = torch.arange(c.q_len, device=query.device)
             mask = (i[None, :] <= i[:, None]) & in_span(i[:, None], i[None, :], sliding_window, chunk)
@@ -176,10 +176,8 @@ class PoolCache:
             layer_idx = self.pool_layer[layer_idx]
         if layer_idx in self.latent:
             key_states = latent_attention.latent(key_states, value_states)
-            self.plan.fresh, self.plan.layer = (key_states, key_states), layer_idx
             self.pool.write(layer_idx, self.write_slots, key_states[0])
             return self.pool.k[layer_idx][None], None
-        self.plan.fresh, self.plan.layer = (key_states, value_states), layer_idx
         self.pool.write(layer_idx, self.write_slots, key_states[0], value_states[0])
         return self.pool.k[layer_idx][None], self.pool.v[layer_idx][None]
 

@@ -17,7 +17,7 @@
 Which layers: every `nn.Linear` of the model (the decoder's projections and the LM head) whose shape qgemm takes
 (`qgemm.fits`), and a mixture-of-experts layer's 3-D experts (`quantized_experts.py`: from the file's
 `ffn_*_exps` blocks with "gguf"); others stay as they are. An embedding tied to a quantized head looks its rows up
-in the head (`_TiedEmbedding`: the GGUF file's token embedding is that tensor; llama.cpp looks rows up in it too),
+in the head (`TiedEmbedding`: the GGUF file's token embedding is that tensor; llama.cpp looks rows up in it too),
 its float copy dropped. A layer becomes a `QuantizedLinear` (its float weight dropped: memory is the quantized
 bytes), which the engine's forwards run as any linear layer: the swapped modules and the lean forward stack q/k/v
 and gate/up into one quantized GEMM (`QuantizedStack`), and the lean forward's C step program calls qgemm
@@ -113,34 +113,44 @@ class QuantizedStack:
     __call__ = forward
 
 
-class _TiedEmbedding:
-    """An embedding whose weight was the LM head's (tied): it looks its rows up in the quantized head
-    (`QuantizedLinear.rows`, in the dtype the embedding had), its own float copy dropped. Swapped in as a subclass of
-    the embedding's class (`kvql_embedding`: `nn.Embedding`, or Gemma's scaled one, its `embed_scale` applied as its
-    forward does); `kvql_head` (in the instance's dict, not a submodule) is the head."""
+class TiedEmbedding(torch.nn.Embedding):
+    """kvql's replacement for an embedding whose weight was the LM head's (tied): it looks its rows up in the
+    quantized head (`QuantizedLinear.rows`, in the dtype the embedding had), with no float copy of its own. Made by
+    `_tie` from a plain lookup (`replaced`: `nn.Embedding`, or Gemma 3's scaled one, whose `embed_scale` it applies
+    as that forward does). `head` is held, not registered: its buffers are in the state dict once, under the head's
+    own name."""
+
+    def __init__(self, embed: torch.nn.Embedding, head: QuantizedLinear):
+        torch.nn.Module.__init__(self)
+        for name in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
+                     "sparse"):
+            setattr(self, name, getattr(embed, name))
+        self.register_parameter("weight", None)
+        scale = embed._buffers.get("embed_scale")
+        if scale is not None:
+            self.register_buffer("embed_scale", scale, persistent="embed_scale" not in embed._non_persistent_buffers_set)
+        self.replaced, self.rows_dtype = type(embed), embed.weight.dtype
+        object.__setattr__(self, "head", head)  # (module doc: not a submodule)
 
     def forward(self, input_ids):
-        x = self.kvql_head.rows(input_ids, self.kvql_dtype)
+        x = self.head.rows(input_ids, self.rows_dtype)
         scale = getattr(self, "embed_scale", None)
         return x if scale is None else x * scale.to(x.dtype)
 
 
 def embedding_rows(embed: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor | None:
-    """The rows of a `_TiedEmbedding` (before any scale), or None for another embedding (its weight has them)."""
-    return embed.kvql_head.rows(ids, embed.kvql_dtype) if isinstance(embed, _TiedEmbedding) else None
+    """The rows of a `TiedEmbedding` (before any scale), or None for another embedding (its weight has them)."""
+    return embed.head.rows(ids, embed.rows_dtype) if isinstance(embed, TiedEmbedding) else None
 
 
-def _tie(embed: torch.nn.Module, head: QuantizedLinear) -> bool:
-    """Turn `embed` into a `_TiedEmbedding` of `head` where its forward is a plain lookup (nn.Embedding's, or
+def _tie(model: torch.nn.Module, embed: torch.nn.Module, head: QuantizedLinear) -> bool:
+    """Put a `TiedEmbedding` of `head` in `embed`'s place where its forward is a plain lookup (nn.Embedding's, or
     Gemma 3's scaled one) with no options that change rows; returns whether it did."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
 
-    cls = type(embed)
-    if cls.forward not in (torch.nn.Embedding.forward, Gemma3TextScaledWordEmbedding.forward) or embed.max_norm:
+    if type(embed).forward not in (torch.nn.Embedding.forward, Gemma3TextScaledWordEmbedding.forward) or embed.max_norm:
         return False
-    embed.__dict__["kvql_head"], embed.__dict__["kvql_dtype"] = head, embed.weight.dtype
-    embed.__class__ = type(f"KvqlTied{cls.__name__}", (_TiedEmbedding, cls), {"kvql_embedding": cls})
-    embed.register_parameter("weight", None)
+    model.set_input_embeddings(TiedEmbedding(embed, head))
     return True
 
 
@@ -236,7 +246,7 @@ def apply(model: torch.nn.Module, weights: str, gguf: gguf_blocks.File | None = 
         report.kinds[got[1]] += 1
         report.quantized_bytes += layer.packed.nbytes()
     head = model.get_output_embeddings()
-    report.tied = tied and isinstance(head, QuantizedLinear) and _tie(embed, head)
+    report.tied = tied and isinstance(head, QuantizedLinear) and _tie(model, embed, head)
     report.float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return report
 
