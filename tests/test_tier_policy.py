@@ -50,7 +50,7 @@ class Disk:
 def make(num_slots: int = 32, **disk):
     pool = KVPool(num_layers=1, kv_heads=1, head_dim=2, num_slots=num_slots, dtype=torch.float32, device="cpu")
     tree = RadixCache(pool.free)
-    policy = tree.hook = TierPolicy(Disk(**disk), tree)
+    policy = TierPolicy(Disk(**disk), tree)
     return pool, tree, policy
 
 

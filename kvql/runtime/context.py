@@ -1,5 +1,6 @@
 """The runtime context of one query run: the prompt so far, roles, the trace and the result; its holes
-(`kvql.runtime.holes`) and nested queries and distributions (`kvql.runtime.nested`) are mixed in.
+(`kvql.runtime.holes`) and nested queries and distributions (`kvql.runtime.nested`) are objects it holds, each
+given the context; the compiled query calls them through the context (`__ctx.hole(...)`).
 
 A context talks to its model only through the backend contract (`kvql.backends.base`): the same code
 runs a query on kvql's local engine and on a remote server. The prompt is kept as token ids when the
@@ -29,7 +30,7 @@ from .result import LMQLResult
 from .trace import Trace, TraceHole
 
 
-class Context(Holes, Nested):
+class Context:
     def __init__(self, model, decoding: Decoding, run_index: int = 0, *, ids: list[int] | None = None,
                  text: str = "", shown: str | None = None, role: str | None = None, roles_seen: bool = False,
                  writer=None):
@@ -43,7 +44,7 @@ class Context(Holes, Nested):
         self._early: list[tuple[str, bool]] = []  # model text before the prompt exists, and whether it is content
         self._shown = text if shown is None else shown  # the prompt as LMQL shows it (<lmql:user/> tags)
         self._role, self._roles_seen = role, roles_seen
-        self._holes = 0  # holes sampled so far: each one's seed differs (`Holes._seed`)
+        self.holes, self.nesting = Holes(self), Nested(self)
         self.variables: dict = {}
         self._hole_log: list[TraceHole] = []
         self._started = time.perf_counter()
@@ -158,6 +159,19 @@ class Context(Holes, Nested):
         values = {**self.variables, growing: value} if growing is not None else self.variables
         return ProgramState(self.prompt, values, diffs={growing: diff} if growing is not None else None,
                             growing=growing)
+
+    # -- the statements that ask the model (their objects: module doc) --------------------------
+    async def hole(self, name: str, constraint=None, type=None, post=()):
+        """The value of hole `name` (`Holes.hole`)."""
+        return await self.holes.hole(name, constraint, type, post)
+
+    async def nested(self, name: str, query, args: tuple, kwargs: dict, post=(), constraint=None):
+        """`query` run inside this prompt as hole `name`'s value (`Nested.nested`)."""
+        return await self.nesting.nested(name, query, args, kwargs, post, constraint)
+
+    async def distribution(self, name: str, values):
+        """The `distribution` clause scored over `values` (`Nested.distribution`)."""
+        return await self.nesting.distribution(name, values)
 
     async def finish(self) -> LMQLResult:
         """End the run (a bare `return`): its open role closed, its result."""

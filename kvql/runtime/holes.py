@@ -1,4 +1,4 @@
-"""The holes of a query run (`Holes`, mixed into `kvql.runtime.context.Context`): a hole's plan from its
+"""The holes of a query run (`Holes`, one per `kvql.runtime.context.Context`): a hole's plan from its
 where clause, its token budget and room, one request per hole to the backend (sampled, or by beam search),
 and its value checked against the clause before the program sees it.
 """
@@ -141,70 +141,76 @@ def _converted(name: str, plan: HolePlan, text: str):
 
 
 class Holes:
-    """`hole(name, constraint, type, post)` and what it needs; the state it reads and writes is the
-    context's (`kvql.runtime.context.Context`). A hole's own data passes from step to step as values
+    """The holes of one query run: `hole(name, constraint, type, post)` and what it needs. `ctx`: the run's
+    context (`kvql.runtime.context.Context`), whose prompt, variables and trace it reads and writes; `sampled`:
+    holes sampled so far (each one's seed differs: `_seed`). A hole's own data passes from step to step as values
     (its `HolePlan`, its budget, its `HoleResult`), never through attributes."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.sampled = 0
 
     async def hole(self, name: str, constraint=None, type=None, post=()):
         """The value of hole `name`: planned from its where clause and type, given its room under the
         token budget, generated (sampled, or by beam search), logged in the trace, checked against its
         clause and added to the prompt. QueryError / UnmetConstraint where no valid value can come."""
         chain = Chain(post)
-        fixed = chain.pre(name, self.program_state())
+        fixed = chain.pre(name, self.ctx.program_state())
         if fixed is not None:  # a pre-stage decorator supplied the value: the model is not asked
             return self._supplied(name, *fixed)
         if _is_query(type):
-            return await self.nested(name, type, (), {}, post, constraint)
+            return await self.ctx.nested(name, type, (), {}, post, constraint)
         constraint = _typed(name, constraint, type)
         plan = _plan(name, constraint, type)
         heal = self._heals(name, plan)
-        self.buffer.ensure_start()
-        prompt = self.buffer.flush()
+        self.ctx.buffer.ensure_start()
+        prompt = self.ctx.buffer.flush()
         started = time.perf_counter()
         max_tokens, bound = self._budget(name, plan)
         self._check_room(name, plan, max_tokens, bound, heal)
         setup = time.perf_counter() - started  # the checks before the request (a first use reads the vocabulary)
         # shown as it is generated where someone watches (a healed value's first token also spells prompt
         # text, and beams grow side by side: those are shown whole, once generated)
-        watched = chain.streams or self.writer is not None
-        live = LiveHole(self, name, chain, self.writer) if watched and not heal and not self.decoding.beam else None
-        if self.decoding.beam:
+        watched = chain.streams or self.ctx.writer is not None
+        ctx = self.ctx
+        live = LiveHole(ctx, name, chain, ctx.writer) if watched and not heal and not ctx.decoding.beam else None
+        if self.ctx.decoding.beam:
             out = await self._beam(name, plan, prompt, max_tokens)
         else:
             out = await self._sample(name, plan, prompt, max_tokens, heal, live)
         if len(out.tokens) >= max_tokens and plan.max_tokens != max_tokens:
-            self._filled_by = (name, len(out.tokens), bound)  # the budget, not the hole's own bound, ended it
+            self.ctx._filled_by = (name, len(out.tokens), bound)  # the budget, not the hole's own bound, ended it
         where = where_text(constraint, name, plan)
-        self._hole_log.append(out.trace_row(name, where, time.perf_counter() - started, setup,
+        self.ctx._hole_log.append(out.trace_row(name, where, time.perf_counter() - started, setup,
                                             unbounded=plan.max_tokens is None))
         check(name, plan, out, max_tokens, bound)
         return await self._finish_hole(name, plan, out, chain, live)
 
     def _supplied(self, name: str, value, shown: str):
         """A value a pre-stage decorator supplied: added to the prompt as `shown`, no tokens of the model's."""
-        self._append_value(shown, None, name)
-        self.variables[name] = value
+        self.ctx._append_value(shown, None, name)
+        self.ctx.variables[name] = value
         return value
 
     def _heals(self, name: str, plan: HolePlan) -> bool:
         """Whether the hole is token-healed (its HEAL(name), or the call's token_healing=True); QueryError
         where it cannot be (a beam decoder, a backend without healing)."""
-        if not (plan.heal or self.decoding.heal):
+        if not (plan.heal or self.ctx.decoding.heal):
             return False
         how = f"HEAL({name})" if plan.heal else "token_healing=True"
-        if self.decoding.beam:
-            raise QueryError(f"{name}: token healing ({how}) does not combine with the {self.decoding.name} "
+        if self.ctx.decoding.beam:
+            raise QueryError(f"{name}: token healing ({how}) does not combine with the {self.ctx.decoding.name} "
                              "decoder (its beams extend the prompt token by token)")
         try:
-            self.model.require(base.HEAL, f"token healing of {name} ({how})")
+            self.ctx.model.require(base.HEAL, f"token healing of {name} ({how})")
         except base.Unsupported as e:
             raise QueryError(str(e)) from None
         return True
 
     def _budget(self, name: str, plan: HolePlan) -> tuple[int, str]:
         """-> (the most tokens the hole may take, the bound that sets it, in words)."""
-        n, max_len, context = len(self.buffer), self.decoding.max_len, self.model.context_length
-        if self.buffer.ids is None:
+        n, max_len, context = len(self.ctx.buffer), self.ctx.decoding.max_len, self.ctx.model.context_length
+        if self.ctx.buffer.ids is None:
             limit = min(max_len, TEXT_MODE_MAX_TOKENS)
             default = f"max_len={max_len} (at most {TEXT_MODE_MAX_TOKENS} without a tokenizer) allows"
         else:
@@ -213,8 +219,8 @@ class Holes:
                 else f"the model's {context}-token context leaves after the {n}-token prompt"
             if limit < 1:
                 why = ""
-                if self._filled_by is not None:
-                    hole, k, bound = self._filled_by
+                if self.ctx._filled_by is not None:
+                    hole, k, bound = self.ctx._filled_by
                     why = (f"; hole {hole} used it up: with no token bound of its own (e.g. len(TOKENS({hole})) < 20) "
                            f"it generated {tokens_text(k)}, all that {bound}")
                 raise QueryError(f"the prompt before [{name}] has {n} tokens: no room left under "
@@ -234,7 +240,7 @@ class Holes:
         if plan.choices and plan.min_tokens > max(len(c.encode()) for c in plan.choices):  # a token has a byte
             raise UnmetConstraint(name, f"{plan.floor} needs more tokens than any value of its constraint "
                                         f"({plan.describe()}) can have")
-        tok = self.model.tokenizer
+        tok = self.ctx.model.tokenizer
         if tok is None or not hasattr(tok, "get_vocab"):  # the checks below read every token's bytes (a
             return                                        # server's tokenizer does not show its vocabulary)
         if plan.choices and not heal:  # healed, one token may spell backed-up text and several of the value's
@@ -267,51 +273,51 @@ class Holes:
         # a typed value stays in the prompt as the JSON the model wrote
         shown = out.value if plan.value_type is not None else str(value)
         if chain:  # [@f @g X] is f(g(X)), as Python applies stacked decorators
-            value, shown = chain.post(value, shown, self.program_state())
+            value, shown = chain.post(value, shown, self.ctx.program_state())
         changed = plan.as_int or plan.as_float or shown != out.value
         # healed, the backed-up prompt tokens go and the tokens generated in their place come
-        self._append_value(shown, None if changed else out.added, name, out.healed_prefix, out.forced,
+        self.ctx._append_value(shown, None if changed else out.added, name, out.healed_prefix, out.forced,
                            out.drafted_at)
-        self.variables[name] = value
+        self.ctx.variables[name] = value
         return value
 
     async def _shown_after(self, chain: Chain, name: str, text: str, tokens: list[int] | None) -> None:
         """Streaming decorators of a value generated whole (beams, a healed value) see it grow as LMQL shows it
         (kvql.runtime.live): "" twice, each token's prefix, then the final text again."""
-        shown = LiveHole(self, name, chain, None)
+        shown = LiveHole(self.ctx, name, chain, None)
         await shown.start()
         for i in range(1, len(tokens or ()) + 1):
-            await shown.grow(self.model.tokenizer.decode(tokens[:i], skip_special_tokens=True))
+            await shown.grow(self.ctx.model.tokenizer.decode(tokens[:i], skip_special_tokens=True))
         await shown.end(text)
 
     def _seed(self) -> int | None:
         """Per (call seed, run, hole): the runs of a `sample(n)` differ, and a seeded call repeats."""
-        if self.decoding.name == "argmax":
+        if self.ctx.decoding.name == "argmax":
             return None
-        base_seed = self.decoding.seed if self.decoding.seed is not None else random.getrandbits(32)
-        return hash((base_seed, self.run_index, self._holes)) & 0x7FFFFFFF
+        base_seed = self.ctx.decoding.seed if self.ctx.decoding.seed is not None else random.getrandbits(32)
+        return hash((base_seed, self.ctx.run_index, self.sampled)) & 0x7FFFFFFF
 
     async def _sample(self, name: str, plan: HolePlan, prompt, max_tokens: int, heal: bool = False,
                       live: LiveHole | None = None) -> HoleResult:
         """One request for the hole's value: sampled (greedy under argmax), under its constraint; streamed
         and shown as it comes with `live`."""
-        greedy = self.decoding.name == "argmax"
+        greedy = self.ctx.decoding.name == "argmax"
         seed = self._seed()
-        self._holes += 1
+        self.sampled += 1
         guard = {"chars": 0 if not plan.min_tokens else None}  # set by `_stops`' stop_fn once min_tokens are out
-        constraint = _constraint(plan, self.model, heal)
-        options = dict(max_tokens=max_tokens, temperature=0.0 if greedy else self.decoding.temperature, seed=seed,
-                       **self.decoding.sampling, **constraint, **_stops(plan, guard))
+        constraint = _constraint(plan, self.ctx.model, heal)
+        options = dict(max_tokens=max_tokens, temperature=0.0 if greedy else self.ctx.decoding.temperature, seed=seed,
+                       **self.ctx.decoding.sampling, **constraint, **_stops(plan, guard))
         if heal:
             options["heal"] = True
         if plan.min_tokens:
             options["min_tokens"] = plan.min_tokens
-        if plan.max_tokens is None and max_tokens > LONG_HOLE and getattr(self.model, "base_url", None) is None:
+        if plan.max_tokens is None and max_tokens > LONG_HOLE and getattr(self.ctx.model, "base_url", None) is None:
             told, user = _progress(name, max_tokens), options.get("stop_fn")
             options["stop_fn"] = told if user is None else lambda ids, text: told(ids, text) or user(ids, text)
         c = await self._request(name, plan, prompt, options, bool(constraint), live)
-        self.count([c])
-        self.sent(len(self.buffer) - c.healed_prompt_tokens, c.cached_tokens)
+        self.ctx.count([c])
+        self.ctx.sent(len(self.ctx.buffer) - c.healed_prompt_tokens, c.cached_tokens)
         return HoleResult.sampled(c, plan, guard["chars"])
 
     async def _request(self, name: str, plan: HolePlan, prompt, options: dict, constrained: bool,
@@ -321,10 +327,10 @@ class Holes:
         writer or decorator raised, as it is (its request cancelled)."""
         try:
             if live is None:
-                (c,) = await self.model.agenerate([prompt], **options)
+                (c,) = await self.ctx.model.agenerate([prompt], **options)
             else:
                 await live.start()
-                c = await live.follow(self.model.stream(prompt, **options))
+                c = await live.follow(self.ctx.model.stream(prompt, **options))
         except UserCodeFailed as e:
             raise e.error
         except base.Unsupported as e:
@@ -342,19 +348,19 @@ class Holes:
         """The hole's value by beam search (`kvql.runtime.beam`): one search per (prompt, hole), shared by
         the call's runs, each of which takes the beam of its index."""
         try:
-            self.model.require(base.TOKEN_IDS, f"the {self.decoding.name} decoder (it extends token sequences)")
-            self.model.require(base.LOGPROBS, f"the {self.decoding.name} decoder (top-k log-probabilities)")
+            self.ctx.model.require(base.TOKEN_IDS, f"the {self.ctx.decoding.name} decoder (it extends token sequences)")
+            self.ctx.model.require(base.LOGPROBS, f"the {self.ctx.decoding.name} decoder (top-k log-probabilities)")
         except base.Unsupported as e:
             raise QueryError(f"{name}: {e}") from None
         key = (tuple(prompt), name, repr(plan), max_tokens)
-        shared = self.decoding.shared
+        shared = self.ctx.decoding.shared
         if key not in shared:
-            search = beam_search(self, plan, prompt, max_tokens, _constraint(plan, self.model))
+            search = beam_search(self.ctx, plan, prompt, max_tokens, _constraint(plan, self.ctx.model))
             shared[key] = asyncio.ensure_future(search)
         try:
             beams = await shared[key]
         except base.Unsupported as e:
             raise QueryError(f"{name}: {e}") from None
-        value, tokens, _ = beams[min(self.run_index, len(beams) - 1)]
-        full = self.model.tokenizer.decode(tokens, skip_special_tokens=True)
-        return HoleResult(value, tokens, full, self.guard_chars(plan, tokens), added=tokens)
+        value, tokens, _ = beams[min(self.ctx.run_index, len(beams) - 1)]
+        full = self.ctx.model.tokenizer.decode(tokens, skip_special_tokens=True)
+        return HoleResult(value, tokens, full, self.ctx.guard_chars(plan, tokens), added=tokens)

@@ -1,4 +1,4 @@
-"""Nested queries and distributions of a query run (`Nested`, mixed into `kvql.runtime.context.Context`):
+"""Nested queries and distributions of a query run (`Nested`, one per `kvql.runtime.context.Context`):
 a query run inside this prompt as a hole's value, and a `distribution` clause scored over its values."""
 
 from __future__ import annotations
@@ -16,7 +16,11 @@ from .scoring import normalized
 
 
 class Nested:
-    """`nested(...)` and `distribution(...)`; the state they read and write is the context's."""
+    """The nested queries and distributions of one query run: `nested(...)` and `distribution(...)`. `ctx`: the
+    run's context (`kvql.runtime.context.Context`), whose prompt, variables and counts they read and write."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
 
     async def nested(self, name: str, query, args: tuple, kwargs: dict, post=(), constraint=None):
         """Run `query` (a `Program`) inside this prompt; its own prompt text is removed afterwards and its
@@ -32,23 +36,24 @@ class Nested:
                              "stop phrases on the holes inside it")
         if isinstance(getattr(query, "__func__", None), Program):  # a query defined as a method: bind `self`
             query, args = query.__func__, (query.__self__, *args)
-        prompt = self.buffer.flush()
+        prompt = self.ctx.buffer.flush()
         ids = prompt if isinstance(prompt, list) else None
-        child = type(self)(self.model, self.decoding, self.run_index, ids=ids, text=self.buffer.text,
-                        shown=self._shown, role=self._role, roles_seen=self._roles_seen)
+        ctx = self.ctx
+        child = type(ctx)(ctx.model, ctx.decoding, ctx.run_index, ids=ids, text=ctx.buffer.text,
+                          shown=ctx._shown, role=ctx._role, roles_seen=ctx._roles_seen)
         value = await query.execute(child, args, kwargs)
         if ids is not None and child.model_used:
-            self.buffer.served[:len(ids)] = child.buffer.served[:len(ids)]
-        self._hole_log += child._hole_log
+            self.ctx.buffer.served[:len(ids)] = child.buffer.served[:len(ids)]
+        self.ctx._hole_log += child._hole_log
         if isinstance(value, LMQLResult):
-            value = value.prompt[len(self._shown):]
+            value = value.prompt[len(self.ctx._shown):]
         self._check_nested(name, plan, value)
-        value, shown = Chain(post).post(value, str(value), self.program_state())
-        self.cached_tokens += child.cached_tokens
-        self.computed_tokens += child.computed_tokens
-        self.disk_tokens += child.disk_tokens
-        self.variables[name] = value
-        await self.text(shown)
+        value, shown = Chain(post).post(value, str(value), self.ctx.program_state())
+        self.ctx.cached_tokens += child.cached_tokens
+        self.ctx.computed_tokens += child.computed_tokens
+        self.ctx.disk_tokens += child.disk_tokens
+        self.ctx.variables[name] = value
+        await self.ctx.text(shown)
         return value
 
     def _check_nested(self, name: str, plan: HolePlan, value) -> None:
@@ -67,10 +72,10 @@ class Nested:
         if plan.max_tokens is None and not plan.min_tokens:
             return
         try:
-            self.model.require(base.TOKEN_IDS, f"{plan.cap or plan.floor} on a nested query's hole (counts tokens)")
+            self.ctx.model.require(base.TOKEN_IDS, f"{plan.cap or plan.floor} on a nested query's hole (counts tokens)")
         except base.Unsupported as e:
             raise QueryError(str(e)) from None
-        n = len(self.model.tokenizer.encode(text, add_special_tokens=False))
+        n = len(self.ctx.model.tokenizer.encode(text, add_special_tokens=False))
         if plan.max_tokens is not None and n > plan.max_tokens:
             raise UnmetConstraint(name, f"the nested query's value {text!r} has {tokens_text(n)}; {plan.cap} allows "
                                         f"{plan.max_tokens}", text)
@@ -84,23 +89,23 @@ class Nested:
         if not values:
             raise QueryError(f"distribution {name} in []: no values to choose from")
         try:
-            self.model.require(base.TOKEN_IDS, "a distribution clause (scores token sequences)")
-            self.model.require(base.SCORE, "a distribution clause (prompt log-probabilities)")
+            self.ctx.model.require(base.TOKEN_IDS, "a distribution clause (scores token sequences)")
+            self.ctx.model.require(base.SCORE, "a distribution clause (prompt log-probabilities)")
         except base.Unsupported as e:
             raise QueryError(str(e)) from None
-        ids = self.buffer.flush()
-        tok = self.model.tokenizer
-        per_token, completions = await self.model.ascore(
+        ids = self.ctx.buffer.flush()
+        tok = self.ctx.model.tokenizer
+        per_token, completions = await self.ctx.model.ascore(
             ids, [tok.encode(str(v), add_special_tokens=False) for v in values])
         logps = [float(sum(lps)) for lps in per_token]
-        self.count(completions)
+        self.ctx.count(completions)
         if completions:
-            self.sent(len(ids), min(c.cached_tokens for c in completions))
-        self.variables[f"log P({name})"] = list(zip(values, normalized(logps)))
-        self.variables[f"P({name})"] = [(v, math.exp(lp)) for v, lp in self.variables[f"log P({name})"]]
+            self.ctx.sent(len(ids), min(c.cached_tokens for c in completions))
+        self.ctx.variables[f"log P({name})"] = list(zip(values, normalized(logps)))
+        self.ctx.variables[f"P({name})"] = [(v, math.exp(lp)) for v, lp in self.ctx.variables[f"log P({name})"]]
         best = values[logps.index(max(logps))]
-        self.dist_clause = (name, values)
-        self._append_value(str(best), None)
-        self.variables[name] = best
-        self.buffer.hole_of[len(ids):] = [name] * (len(self.buffer) - len(ids))
+        self.ctx.dist_clause = (name, values)
+        self.ctx._append_value(str(best), None)
+        self.ctx.variables[name] = best
+        self.ctx.buffer.hole_of[len(ids):] = [name] * (len(self.ctx.buffer) - len(ids))
         return best

@@ -70,8 +70,13 @@ class Memory:
         """`snapshots`: a model with recurrent layers' (a prefix is served only up to a snapshot of their state:
         state_snapshots.py)."""
         self.pool, self.tree, self.snapshots = pool, tree, snapshots
-        self.tier_policy: TierPolicy | None = None
         self.loads: list[ReadBack] = []
+
+    @property
+    def tier_policy(self) -> TierPolicy | None:
+        """The disk tier's policy: the tree's hook once a tier is open (persistence.py), else None."""
+        hook = self.tree.hook
+        return hook if isinstance(hook, TierPolicy) else None
 
     # -- transitions -----------------------------------------------------------------------------
     def admit(self, req: Request, budget: int, reserve: int = 0) -> int:

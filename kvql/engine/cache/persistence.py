@@ -1,5 +1,5 @@
 """Persistence of an engine's cache (`Persistence`, one per engine, given what it uses): the disk tier
-opened at start with its policy (tier_policy.py: the tree's hook and `Memory.tier_policy`) and the tree rebuilt
+opened at start with its policy (tier_policy.py: it observes the tree; `Memory.tier_policy`) and the tree rebuilt
 from its files, the pool's nodes written to it (`save_cache`: when idle every `save_interval` seconds,
 autosave.py, and at `close`), the fingerprint that names its directory. One format: the tier's files
 (disk_tier.py) are both the second cache tier and what a restart starts from.
@@ -57,8 +57,7 @@ class Persistence:
         except TierUnavailable as e:  # TierBusy among them
             log.warning("disk cache not used: %s; this model keeps its cache in memory only", e)
             return False
-        policy = TierPolicy(tier, self.tree)
-        self.tree.hook = self.memory.tier_policy = policy
+        policy = TierPolicy(tier, self.tree)  # the tree's hook from now on, which memory reads as its tier_policy
         policy.rebuild(int(self.runner.model.config.get_text_config().vocab_size))
         snapshots = self.memory.snapshots
         if snapshots is not None:  # a model with recurrent layers: its states' snapshots (state_snapshots.py)

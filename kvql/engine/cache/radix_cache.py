@@ -128,7 +128,7 @@ class RadixCache:
     def __init__(self, free_slots: Callable[[torch.Tensor], None], device: torch.device | str = "cpu"):
         self._free_slots = free_slots
         self.device = torch.device(device)
-        self.hook: TreeHook | None = None
+        self.hook: TreeHook | None = None  # `observe`
         self.roots: dict[str | None, Node] = {}
         self.root = self._root(None)
         self.total_tokens = 0
@@ -136,6 +136,14 @@ class RadixCache:
         self.locked_tokens = 0
         self.evicted_tokens = 0  # tokens that left the pool (kept by the hook or gone)
         self.dropped_tokens = 0  # tokens that left the tree
+
+    def observe(self, hook: TreeHook) -> None:
+        """`hook` keeps per-node state beside the tree from now on (module doc): the disk tier's policy registers
+        itself when it opens (after the tree exists: a tier may fail to open, and the engine then runs without
+        one). One hook per tree; ValueError for a second."""
+        if self.hook is not None:
+            raise ValueError("this tree already has a hook")
+        self.hook = hook
 
     def _root(self, salt: str | None) -> Node:
         root = self.roots.get(salt)

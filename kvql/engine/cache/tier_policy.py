@@ -59,9 +59,11 @@ class WriteBack(NamedTuple):
 
 class TierPolicy:
     def __init__(self, disk: DiskTier, tree: RadixCache):
+        """The policy of `disk` for `tree`, which it observes from now on (`RadixCache.observe`)."""
         self.disk, self.tree = disk, tree
         self._records: dict[Node, TierRecord] = {}
         self._staged = 0  # tokens the current `evict` call gives the writer (`keep` asks `room` for them all)
+        tree.observe(self)
 
     def extent(self, node: Node) -> Extent | None:
         """Where `node`'s KV is on disk, or None."""

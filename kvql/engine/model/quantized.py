@@ -128,7 +128,8 @@ class TiedEmbedding(torch.nn.Embedding):
         self.register_parameter("weight", None)
         scale = embed._buffers.get("embed_scale")
         if scale is not None:
-            self.register_buffer("embed_scale", scale, persistent="embed_scale" not in embed._non_persistent_buffers_set)
+            kept = "embed_scale" not in embed._non_persistent_buffers_set
+            self.register_buffer("embed_scale", scale, persistent=kept)
         self.replaced, self.rows_dtype = type(embed), embed.weight.dtype
         object.__setattr__(self, "head", head)  # (module doc: not a submodule)
 
