@@ -11,10 +11,11 @@ Cost model for merging (in query-key pairs): a cluster costs `queries * keys`, p
 gathered key slot. A segment joins the cluster before it (segments sorted by their slots, so sharers
 are adjacent) when the merged cost is at most the cost of keeping both apart.
 
-Segments without a past (a prompt computed from its first token) need no pool at all: their keys are
-exactly their own new tokens, which the forward has just computed. They form *causal groups*: runs of
-adjacent such segments of equal length, attended in place over the forward's fresh K/V with a causal
-SDPA (no gather, no mask, one call per group and layer).
+Segments without a past (a prompt computed from its first token) need no past: their keys are exactly
+their own new tokens, which the forward has just written to the pool. They form *causal groups*: runs of
+adjacent such segments of equal length, attended over the K/V at their slots with a causal SDPA (no mask,
+one call per group and layer; read in place, nothing gathered, where the slots are consecutive, as a fresh
+pool gives them; by index otherwise).
 
 Paged (`paged=True`: on a CPU where `paged_attention` builds, the runner's default there): every
 segment is read in place by the paged kernel, one task per (segment, query block, KV head): nothing

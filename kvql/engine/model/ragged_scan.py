@@ -28,6 +28,7 @@ from .kernels import recurrent_step
 from .mixer_steps import by_pieces, start, takes
 
 _WRAPPED = ("causal_conv1d_forward", "mamba2_scan_forward")
+_ORIGINALS: dict = {}  # each wrapper `install` made -> the function it wraps
 
 
 class Unsupported(Exception):
@@ -53,7 +54,7 @@ def install(mixer) -> None:
     mod = _module_of(mixer)
     for name, ours, at in zip(_WRAPPED, ("_conv", "_scan"), (2, 5)):
         original = getattr(mod, name)
-        if getattr(original, "kvql_original", None) is None:
+        if original not in _ORIGINALS:
             setattr(mod, name, _wrapper(original, ours, at))
 
 
@@ -67,7 +68,7 @@ def _wrapper(original, ours: str, at: int):
             return globals()[ours](*args, **kwargs)
         return original(*args, **kwargs)
 
-    wrapped.kvql_original = original
+    _ORIGINALS[wrapped] = original
     return wrapped
 
 
