@@ -157,9 +157,10 @@ def plan(segments, groups: int, device, merge: bool = True, in_place: bool | Non
 def _in_place(slots: torch.Tensor, device) -> slice | torch.Tensor:
     """`slots` as a slice where they are consecutive (the pool read in place, no copy), else as an index."""
     cpu = slots.cpu()
-    first = int(cpu[0]) if len(cpu) else 0
-    if len(cpu) and torch.equal(cpu, torch.arange(first, first + len(cpu), dtype=cpu.dtype)):
-        return slice(first, first + len(cpu))
+    if len(cpu):
+        first = int(cpu[0])
+        if torch.equal(cpu, torch.arange(first, first + len(cpu), dtype=cpu.dtype)):
+            return slice(first, first + len(cpu))
     return slots.to(device=device, dtype=torch.long)
 
 

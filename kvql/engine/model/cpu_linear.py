@@ -133,11 +133,7 @@ class Linear(torch.nn.Linear):
     oneDNN's prepacked kernel (else the plain kernel over views of the weight); `packs`: the slices."""
 
     def __init__(self, layer: torch.nn.Linear, step: int, prepack: bool):
-        torch.nn.Module.__init__(self)
-        self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.register_parameter("weight", layer.weight)
-        self.register_parameter("bias", layer.bias)
-        self.train(layer.training)
+        _over(self, layer)
         self.step, self.prepack = step, prepack
         self.repack()
 
@@ -296,12 +292,17 @@ def packed(layer: torch.nn.Linear, max_reduction: int | None = None, pack: bool 
 
 def plain(layer: Linear) -> torch.nn.Linear:
     """A plain `nn.Linear` over `layer`'s parameters (shared)."""
-    out = torch.nn.Linear.__new__(torch.nn.Linear)
-    torch.nn.Module.__init__(out)
-    out.in_features, out.out_features = layer.in_features, layer.out_features
-    out.register_parameter("weight", layer.weight)
-    out.register_parameter("bias", layer.bias)
-    return out.train(layer.training)
+    return _over(torch.nn.Linear.__new__(torch.nn.Linear), layer)
+
+
+def _over(module: torch.nn.Linear, layer: torch.nn.Linear) -> torch.nn.Linear:
+    """`module` (not yet initialized) made a linear layer over `layer`'s parameters (shared, not copied), in its
+    mode (training or not)."""
+    torch.nn.Module.__init__(module)
+    module.in_features, module.out_features = layer.in_features, layer.out_features
+    module.register_parameter("weight", layer.weight)
+    module.register_parameter("bias", layer.bias)
+    return module.train(layer.training)
 
 
 def prepare(model: torch.nn.Module, max_reduction: int | None = None, pack: bool | None = None,
